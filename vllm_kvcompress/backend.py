@@ -1,0 +1,163 @@
+"""The vLLM attention backend that keeps K/V in compressed pages.
+
+Each layer's cache is one opaque page per block (``num_head_slots=1``, a page
+of ``block_size`` equal slots), laid out by the layer's ``KVPageFormat``. The
+backend only moves pages: encoding, decoding and attention go through the
+format and its compute path (``paged_torch`` on every device for now).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from . import paged_torch
+from .engine_config import ModelKVShape, active_config
+from .formats import KVPageFormat
+
+BACKEND_NAME = "KVCOMPRESS"
+
+
+class KVCompressBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["KVCompressImpl"]:
+        return KVCompressImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["KVCompressMetadataBuilder"]:
+        return KVCompressMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+def compressed_spec(spec: AttentionSpec, fmt: KVPageFormat) -> AttentionSpec:
+    """The layer's spec with its page replaced by ``fmt``'s (one head slot, ``slot_bytes`` a token)."""
+    from dataclasses import replace
+    return replace(spec, num_head_slots=1, state_content_bytes=fmt.slot_bytes)
+
+
+@dataclass
+class KVCompressMetadata:
+    num_actual_tokens: int
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KVCompressMetadata:
+        cam = common_attn_metadata
+        n = cam.num_reqs
+        seq_lens = cam.seq_lens_cpu_upper_bound
+        if seq_lens is None:
+            seq_lens = cam.seq_lens.cpu()
+        return KVCompressMetadata(
+            num_actual_tokens=cam.num_actual_tokens,
+            query_start_loc=cam.query_start_loc_cpu[: n + 1].tolist(),
+            seq_lens=seq_lens[:n].tolist(),
+            block_table=cam.block_table_tensor[:n],
+            slot_mapping=cam.slot_mapping,
+        )
+
+
+class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 **unsupported) -> None:
+        for name, value in (("alibi_slopes", alibi_slopes), ("logits_soft_cap", logits_soft_cap),
+                            ("sliding_window", sliding_window)):
+            if value:
+                raise ValueError(f"kv-compression: attention with {name} is not supported")
+        if any(v is not None for v in unsupported.values()):
+            raise ValueError(f"kv-compression: attention options {sorted(unsupported)} are not supported")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        vllm_config = get_current_vllm_config()
+        self._config = active_config(vllm_config)
+        self._dtype = vllm_config.model_config.dtype
+        self._format: KVPageFormat | None = None
+
+    def _page_format(self, layer, kv_cache: torch.Tensor) -> KVPageFormat:
+        if self._format is None:
+            block_size = kv_cache.shape[2]
+            shape = ModelKVShape(0, self.num_kv_heads, self.head_size, self._dtype, block_size)
+            self._format = shape.page_format(self._config, extract_layer_index(layer.layer_name))
+        return self._format
+
+    @staticmethod
+    def _pages(kv_cache: torch.Tensor, fmt: KVPageFormat) -> torch.Tensor:
+        """``[num_blocks, 1, block_size, slot elems]`` cache view -> ``[num_blocks, page_bytes]`` uint8."""
+        return kv_cache.view(torch.uint8).reshape(kv_cache.shape[0], fmt.page_bytes)
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        if kv_cache.numel() == 0:
+            return
+        fmt = self._page_format(layer, kv_cache)
+        n = slot_mapping.shape[0]
+        paged_torch.write_tokens(self._pages(kv_cache, fmt), fmt, key[:n].view(n, self.num_kv_heads, -1),
+                                 value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: KVCompressMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kv-compression: fused output quantization is not supported")
+        if attn_metadata is None:  # profiling run
+            return output
+        fmt = self._page_format(layer, kv_cache)
+        t = attn_metadata.num_actual_tokens
+        q = query[:t].view(t, self.num_heads, self.head_size)
+        result = paged_torch.attend(q, self._pages(kv_cache, fmt), fmt, attn_metadata.query_start_loc,
+                                    attn_metadata.seq_lens, attn_metadata.block_table, self.scale)
+        output[:t] = result.reshape(output[:t].shape)
+        return output

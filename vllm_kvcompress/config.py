@@ -1,0 +1,170 @@
+"""The ``--kv-compression`` configuration: what each layer stores.
+
+A config comes from a YAML/JSON file, a preset name in ``configs/`` or an
+inline dict. Every problem is reported as one :class:`KVCompressionConfigError`
+naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+BITS_ALLOWED = (2, 3, 4, 8, 16)
+Bits = Literal[2, 3, 4, 8, 16]
+# Presets live in the repository's configs/; a wheel ships them as package data.
+_PRESET_DIRS = (Path(__file__).resolve().parent.parent / "configs", Path(__file__).resolve().parent / "configs")
+
+
+class KVCompressionConfigError(ValueError):
+    """A bad ``kv_compression`` setting, found before the engine starts."""
+
+
+class LayerFormat(BaseModel):
+    """How one layer's K and V are stored. 16 bits means uncompressed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    k_bits: Bits = 16
+    v_bits: Bits = 16
+    k_axis: Literal["channel", "token"] = Field(
+        "channel", description="K scale/zero per channel over a block's tokens (KIVI), or per token")
+    v_axis: Literal["channel", "token"] = Field(
+        "token", description="V scale/zero per token (KIVI), or per channel over a block's tokens")
+    v_channel_scaling: bool = Field(
+        False, description="ZipCache channel-separable V: divide channels by sqrt(max|v|) before quantizing")
+
+    @property
+    def is_uncompressed(self) -> bool:
+        return self.k_bits == 16 and self.v_bits == 16
+
+    def describe(self) -> str:
+        if self.is_uncompressed:
+            return "16-bit"
+        scaling = "+chscale" if self.v_channel_scaling and self.v_bits != 16 else ""
+        return f"K{self.k_bits}/{self.k_axis} V{self.v_bits}/{self.v_axis}{scaling}"
+
+
+class LayerOverride(BaseModel):
+    """Fields of :class:`LayerFormat` that differ for one layer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    k_bits: Bits | None = None
+    v_bits: Bits | None = None
+    k_axis: Literal["channel", "token"] | None = None
+    v_axis: Literal["channel", "token"] | None = None
+    v_channel_scaling: bool | None = None
+
+
+class KVCompressionConfig(BaseModel):
+    """A whole-model setting: a default format, per-layer overrides, and
+    layers kept at 16 bits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "custom"
+    description: str = ""
+    default: LayerFormat = LayerFormat()
+    layers: dict[int, LayerOverride] = Field(default_factory=dict)
+    full_precision_layers: list[int] = Field(default_factory=list)
+    source: str = Field("inline", exclude=True)
+
+    def layer_format(self, layer_index: int) -> LayerFormat:
+        if layer_index in self.full_precision_layers:
+            return LayerFormat()
+        override = self.layers.get(layer_index)
+        if override is None:
+            return self.default
+        changes = override.model_dump(exclude_none=True)
+        return self.default.model_copy(update=changes)
+
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse layer indices the model doesn't have."""
+        named = [("layers", i) for i in self.layers] + [("full_precision_layers", i) for i in self.full_precision_layers]
+        for field, index in named:
+            if not 0 <= index < num_layers:
+                raise KVCompressionConfigError(
+                    f"kv-compression config {self.source}: field '{field}' names layer {index}, "
+                    f"but the model has {num_layers} attention layers (allowed: 0..{num_layers - 1})")
+
+
+def _format_validation_error(source: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    value = first.get("input")
+    if first["type"] == "extra_forbidden":
+        allowed = _allowed_keys_at(first["loc"])
+        return f"kv-compression config {source}: unknown field '{loc}'; allowed fields here: {', '.join(allowed)}"
+    if first["loc"] and first["loc"][-1] in ("k_bits", "v_bits"):
+        allowed = ", ".join(map(str, BITS_ALLOWED))
+        return f"kv-compression config {source}: field '{loc}' = {value!r} is not allowed; allowed: {allowed}"
+    return f"kv-compression config {source}: field '{loc}' = {value!r}: {first['msg']}"
+
+
+def _allowed_keys_at(loc: tuple) -> list[str]:
+    model: type[BaseModel] = KVCompressionConfig
+    for part in loc[:-1]:
+        if part == "default":
+            model = LayerFormat
+        elif part == "layers":
+            model = LayerOverride
+    return sorted(k for k in model.model_fields if k != "source")
+
+
+def _read_file(path: Path) -> Any:
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            return json.loads(text)
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        first_line = str(exc).strip().splitlines()[0]
+        raise KVCompressionConfigError(f"kv-compression config {path}: malformed {path.suffix.lstrip('.').upper() or 'YAML'}: {first_line}") from None
+
+
+def preset_names() -> list[str]:
+    return sorted({p.stem for d in _PRESET_DIRS for p in d.glob("*.yaml")})
+
+
+def _preset_path(name: str) -> Path | None:
+    for d in _PRESET_DIRS:
+        if (d / f"{name}.yaml").is_file():
+            return d / f"{name}.yaml"
+    return None
+
+
+def load_config(spec: str | dict | KVCompressionConfig) -> KVCompressionConfig:
+    """Load a config from a path, a preset name, or a dict."""
+    if isinstance(spec, KVCompressionConfig):
+        return spec
+    if isinstance(spec, dict):
+        source = str(spec.get("source", "(inline)"))
+        data = {k: v for k, v in spec.items() if k != "source"}
+    elif isinstance(spec, str):
+        path = Path(spec).expanduser()
+        preset = _preset_path(spec)
+        if path.is_file():
+            source = str(path)
+            data = _read_file(path)
+        elif preset is not None:
+            source = f"preset '{spec}'"
+            data = _read_file(preset)
+        else:
+            raise KVCompressionConfigError(
+                f"kv-compression config '{spec}': no such file, and not a preset name "
+                f"(presets: {', '.join(preset_names())})")
+    else:
+        raise KVCompressionConfigError(
+            f"kv_compression must be a file path, a preset name or a dict, got {type(spec).__name__}")
+    if not isinstance(data, dict):
+        raise KVCompressionConfigError(
+            f"kv-compression config {source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return KVCompressionConfig(**data, source=source)
+    except ValidationError as err:
+        raise KVCompressionConfigError(_format_validation_error(source, err)) from None

@@ -1,0 +1,95 @@
+"""Reading the compression setting out of a vLLM config, and sizing pages for it.
+
+The setting travels to every vLLM process as ``additional_config["kv_compression"]``.
+At startup it is resolved once (file or preset read, checked against the
+model) and replaced by the resolved dict, so worker processes never read files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import KVCompressionConfig, KVCompressionConfigError, load_config
+from .formats import KVPageFormat
+
+ADDITIONAL_CONFIG_KEY = "kv_compression"
+
+
+def requested_setting(vllm_config) -> object | None:
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict):
+        return None
+    return extra.get(ADDITIONAL_CONFIG_KEY)
+
+
+def active_config(vllm_config) -> KVCompressionConfig | None:
+    """The compression config in force for this engine, or None (plugin inert)."""
+    setting = requested_setting(vllm_config)
+    if setting is None:
+        return None
+    return load_config(setting)
+
+
+@dataclass(frozen=True)
+class ModelKVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+
+    @classmethod
+    def of(cls, vllm_config) -> "ModelKVShape":
+        mc = vllm_config.model_config
+        return cls(
+            num_layers=mc.get_total_num_hidden_layers(),
+            num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+            head_size=mc.get_head_size(),
+            dtype=mc.dtype,
+            block_size=vllm_config.cache_config.block_size,
+        )
+
+    def page_format(self, cfg: KVCompressionConfig, layer_index: int) -> KVPageFormat:
+        return KVPageFormat.from_layer_format(cfg.layer_format(layer_index), self.dtype, self.block_size,
+                                              self.num_kv_heads, self.head_size)
+
+
+def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[float, str]:
+    """(ratio of KV tokens vs. vLLM's 16-bit cache in the same memory, a log line)."""
+    formats = [shape.page_format(cfg, i) for i in range(shape.num_layers)]
+    ours = sum(f.page_bytes for f in formats)
+    dense = sum(f.dense_page_bytes() for f in formats)
+    counts: dict[str, int] = {}
+    for i in range(shape.num_layers):
+        d = cfg.layer_format(i).describe()
+        counts[d] = counts.get(d, 0) + 1
+    layers = ", ".join(f"{n} layers {d}" for d, n in counts.items())
+    ratio = dense / ours
+    line = (f"kv-compression '{cfg.name}': {layers}; block of {shape.block_size} tokens takes "
+            f"{ours:,} B over all layers instead of {dense:,} B at 16 bits: {ratio:.2f}x KV tokens in the same memory")
+    return ratio, line
+
+
+def validate_against_model(cfg: KVCompressionConfig, vllm_config) -> None:
+    """Refuse settings that cannot work with this model and engine, at startup."""
+    mc = vllm_config.model_config
+    cfg.check_layers(mc.get_total_num_hidden_layers())
+    if mc.use_mla:
+        raise KVCompressionConfigError(
+            f"kv-compression config {cfg.source}: model {mc.model} uses MLA attention, which is not supported "
+            "(supported: multi-head and grouped-query attention)")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":
+        raise KVCompressionConfigError(
+            f"--kv-cache-dtype {cache_dtype} cannot be combined with --kv-compression: "
+            "the compressed pages replace vLLM's cache dtype (allowed: --kv-cache-dtype auto)")
+    if mc.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise KVCompressionConfigError(
+            f"--dtype {mc.dtype} is not supported with --kv-compression (allowed: float16, bfloat16, float32)")
+    window = getattr(mc.hf_text_config, "sliding_window", None)
+    if window:
+        raise KVCompressionConfigError(
+            f"kv-compression config {cfg.source}: model {mc.model} has sliding-window attention "
+            f"(sliding_window={window}), which compressed pages do not support yet")

@@ -1,0 +1,159 @@
+"""Codecs: how one tensor (K or V) of a block of tokens is stored in bytes.
+
+A codec turns ``x`` of shape ``[N, B, H, D]`` (N blocks, B token slots, H KV heads,
+D head size) into ``[N, nbytes]`` uint8 and back. ``num_valid[n]`` says how many
+leading token slots of block n hold real tokens; statistics (min/max, channel
+scales) are taken over those slots only. This module is pure torch: it is the
+reference that the backend and the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .packing import pack, packed_row_bytes, three_bit_slot_is_narrow, unpack
+
+Axis = Literal["channel", "token"]
+_SCALE_DTYPE = torch.float16
+_EPS = 1e-6
+
+
+def _valid_mask(num_valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[N, B] bool: slot b of block n holds a token."""
+    return torch.arange(block_size, device=num_valid.device)[None, :] < num_valid[:, None]
+
+
+class _Layout:
+    """Named byte regions laid end to end, each aligned to 16 bytes."""
+
+    def __init__(self, regions: list[tuple[str, int]]):
+        self.offsets: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for name, size in regions:
+            self.offsets[name] = (pos, size)
+            pos += -(-size // 16) * 16
+        self.nbytes = pos
+
+    def view(self, pages: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        start, size = self.offsets[name]
+        raw = pages[:, start:start + size].contiguous()
+        return raw.view(dtype).reshape(pages.shape[0], *shape)
+
+    def write(self, pages: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        start, size = self.offsets[name]
+        pages[:, start:start + size] = value.contiguous().view(torch.uint8).reshape(pages.shape[0], size)
+
+
+@dataclass(frozen=True)
+class Full16Codec:
+    """Uncompressed: the model's own 16-bit values."""
+
+    dtype: torch.dtype
+    block_size: int
+    num_heads: int
+    head_size: int
+
+    bits = 16
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_size * self.num_heads * self.head_size * 2
+
+    def encode(self, x: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+        mask = _valid_mask(num_valid, self.block_size)[:, :, None, None]
+        y = torch.where(mask, x, 0).to(self.dtype)
+        return y.contiguous().view(torch.uint8).reshape(x.shape[0], self.nbytes)
+
+    def decode(self, pages: torch.Tensor) -> torch.Tensor:
+        y = pages.contiguous().view(self.dtype)
+        return y.reshape(pages.shape[0], self.block_size, self.num_heads, self.head_size).float()
+
+
+@dataclass(frozen=True)
+class MinMaxCodec:
+    """Asymmetric min-max integer quantization, packed.
+
+    ``axis="channel"`` (KIVI's K): one scale and zero per (head, channel), taken
+    over the block's tokens. ``axis="token"`` (KIVI's V): one per (token, head),
+    taken over the channels. ``channel_scaling`` (ZipCache's channel-separable
+    V) divides each channel by ``sqrt(max |x|)`` over the block before
+    quantizing and multiplies it back after. Scales and zeros are float16.
+    With 3 bits, every 11th channel is stored on a 2-bit grid over the same
+    range (see ``packing``).
+    """
+
+    bits: int
+    axis: Axis
+    channel_scaling: bool
+    block_size: int
+    num_heads: int
+    head_size: int
+
+    @property
+    def _layout(self) -> _Layout:
+        B, H, D = self.block_size, self.num_heads, self.head_size
+        stat_shape = H * D if self.axis == "channel" else B * H
+        regions = [("codes", B * H * packed_row_bytes(D, self.bits)),
+                   ("scale", stat_shape * 2), ("zero", stat_shape * 2)]
+        if self.channel_scaling:
+            regions.append(("channel_scale", H * D * 2))
+        return _Layout(regions)
+
+    @property
+    def nbytes(self) -> int:
+        return self._layout.nbytes
+
+    def levels(self, device=None) -> torch.Tensor:
+        """[D] highest code per channel (7 or 3 for the narrow 3-bit slots)."""
+        top = torch.full((self.head_size,), (1 << self.bits) - 1, dtype=torch.float32, device=device)
+        if self.bits == 3:
+            top[three_bit_slot_is_narrow(self.head_size, device)] = 3.0
+        return top
+
+    def _stat_dims(self) -> tuple[int, ...]:
+        return (1,) if self.axis == "channel" else (3,)
+
+    def encode(self, x: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+        N, B, H, D = x.shape
+        x = x.float()
+        mask = _valid_mask(num_valid, B)[:, :, None, None]
+        layout = self._layout
+        pages = torch.zeros(N, layout.nbytes, dtype=torch.uint8, device=x.device)
+        if self.channel_scaling:
+            c = torch.where(mask, x.abs(), 0).amax(dim=1).clamp_min(_EPS).sqrt().to(_SCALE_DTYPE)  # [N,H,D]
+            layout.write(pages, "channel_scale", c)
+            x = x / c.float()[:, None]
+        dims = self._stat_dims()
+        mn = torch.where(mask, x, float("inf")).amin(dim=dims, keepdim=True)
+        mx = torch.where(mask, x, float("-inf")).amax(dim=dims, keepdim=True)
+        mn = torch.where(torch.isfinite(mn), mn, 0)
+        mx = torch.where(torch.isfinite(mx), mx, 0)
+        full_levels = float((1 << self.bits) - 1)
+        zero = mn.to(_SCALE_DTYPE).float()
+        scale = ((mx - zero) / full_levels).clamp_min(_EPS).to(_SCALE_DTYPE).float()
+        step = scale * (full_levels / self.levels(x.device))  # narrow 3-bit slots: coarser step
+        codes = torch.round((x - zero) / step).clamp_(min=0)
+        codes = torch.minimum(codes, self.levels(x.device)).to(torch.int32)
+        codes = torch.where(mask, codes, 0)
+        layout.write(pages, "codes", pack(codes, self.bits))
+        layout.write(pages, "scale", scale.to(_SCALE_DTYPE))
+        layout.write(pages, "zero", zero.to(_SCALE_DTYPE))
+        return pages
+
+    def decode(self, pages: torch.Tensor) -> torch.Tensor:
+        N = pages.shape[0]
+        B, H, D = self.block_size, self.num_heads, self.head_size
+        layout = self._layout
+        stat_shape = (1, H, D) if self.axis == "channel" else (B, H, 1)
+        packed = layout.view(pages, "codes", torch.uint8, (B, H, packed_row_bytes(D, self.bits)))
+        codes = unpack(packed, self.bits, D).float()
+        scale = layout.view(pages, "scale", _SCALE_DTYPE, stat_shape).float()
+        zero = layout.view(pages, "zero", _SCALE_DTYPE, stat_shape).float()
+        step = scale * (float((1 << self.bits) - 1) / self.levels(pages.device))
+        x = codes * step + zero
+        if self.channel_scaling:
+            x = x * layout.view(pages, "channel_scale", _SCALE_DTYPE, (1, H, D)).float()
+        return x

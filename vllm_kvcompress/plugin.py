@@ -1,0 +1,145 @@
+"""vLLM plugin entry point: registration and the hooks that turn compression on.
+
+``register`` runs in every vLLM process (front end, engine core, workers). It
+must be idempotent and must not touch the GPU. With no ``kv_compression``
+setting every hook passes straight through, so an installed but unconfigured
+plugin leaves vLLM as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from .engine_config import (
+    ADDITIONAL_CONFIG_KEY,
+    ModelKVShape,
+    active_config,
+    capacity_report,
+    requested_setting,
+    validate_against_model,
+)
+
+logger = logging.getLogger("vllm.kvcompress")  # under "vllm" so vLLM's log handlers print it
+BACKEND_PATH = "vllm_kvcompress.backend.KVCompressBackend"
+_installed = False
+
+
+def register() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if "KVCOMPRESS" not in AttentionBackendEnum.__members__:
+        register_backend("KVCOMPRESS", BACKEND_PATH)
+    _add_cli_flag()
+    _hook_platform()
+    _hook_layer_spec()
+
+
+# --- the --kv-compression flag -------------------------------------------------
+
+def _add_cli_flag() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    original_add = EngineArgs.add_cli_args
+    original_from = EngineArgs.from_cli_args.__func__
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original_add(parser, *args, **kwargs)
+        if not any("--kv-compression" in a.option_strings for a in parser._actions):
+            parser.add_argument(
+                "--kv-compression", default=None, metavar="CONFIG",
+                help="vllm-kvcompress: store the KV cache in compressed pages. CONFIG is a YAML/JSON "
+                     "file or a preset name (quant-k8v8, quant-k4v4, quant-k2v2, ...). Same as "
+                     f"--additional-config '{{\"{ADDITIONAL_CONFIG_KEY}\": CONFIG}}'.")
+        return parser
+
+    def from_cli_args(cls, args):
+        engine_args = original_from(cls, args)
+        setting = getattr(args, "kv_compression", None)
+        if setting is not None:
+            engine_args.additional_config = with_compression(engine_args.additional_config, setting)
+        return engine_args
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+
+
+def with_compression(additional_config, setting) -> dict:
+    """``additional_config`` with ``kv_compression`` set; refuses two different settings."""
+    extra = dict(additional_config or {})
+    if isinstance(additional_config, str):
+        extra = json.loads(additional_config)
+    previous = extra.get(ADDITIONAL_CONFIG_KEY)
+    if previous is not None and previous != setting:
+        from .config import KVCompressionConfigError
+        raise KVCompressionConfigError(
+            f"--kv-compression {setting!r} conflicts with --additional-config "
+            f"{ADDITIONAL_CONFIG_KEY}={previous!r}: give it once")
+    extra[ADDITIONAL_CONFIG_KEY] = setting
+    return extra
+
+
+# --- platform: startup checks and backend choice ------------------------------
+
+def _hook_platform() -> None:
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    original_check = platform_cls.check_and_update_config.__func__
+    original_select = platform_cls.get_attn_backend_cls.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original_check(cls, vllm_config)
+        if requested_setting(vllm_config) is not None and vllm_config.model_config is not None:
+            activate(vllm_config)
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, *args, **kwargs):
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+        if (vllm_config is not None and requested_setting(vllm_config) is not None
+                and not attn_selector_config.use_mla and attn_selector_config.attn_type == "decoder"):
+            return BACKEND_PATH
+        return original_select(cls, selected_backend, attn_selector_config, *args, **kwargs)
+
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def activate(vllm_config) -> None:
+    """Resolve and check the setting once per engine, and say what it does."""
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    cfg = active_config(vllm_config)
+    validate_against_model(cfg, vllm_config)
+    vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(mode="json") | {"source": cfg.source}
+    _cached_get_attn_backend.cache_clear()  # an earlier engine in this process may have chosen another backend
+    ratio, line = capacity_report(cfg, ModelKVShape.of(vllm_config))
+    logger.info("%s (config: %s)", line, cfg.source)
+    vllm_config.additional_config["kv_compression_capacity_ratio"] = round(ratio, 4)
+
+
+# --- per-layer page sizes ------------------------------------------------------
+
+def _hook_layer_spec() -> None:
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    original = Attention.get_kv_cache_spec
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        cfg = active_config(vllm_config)
+        if cfg is None or not isinstance(spec, FullAttentionSpec) or spec.state_content_bytes is not None:
+            return spec
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from .backend import compressed_spec
+        shape = ModelKVShape(0, spec.num_kv_heads, spec.head_size, spec.dtype, spec.block_size)
+        return compressed_spec(spec, shape.page_format(cfg, extract_layer_index(self.layer_name)))
+
+    Attention.get_kv_cache_spec = get_kv_cache_spec
