@@ -33,8 +33,12 @@ def build_tokenizer(path: Path, vocab_size: int = 512):
 
 
 def build_llama(path: Path, num_kv_heads: int = 4, num_heads: int = 4, hidden: int = 256,
-                layers: int = 4, seed: int = 0, init_range: float = 0.08) -> Path:
-    """Write a random Llama (head size hidden/num_heads) and its tokenizer to ``path``."""
+                layers: int = 4, seed: int = 0, init_range: float = 0.02, train_steps: int = 150) -> Path:
+    """Write a small Llama (head size hidden/num_heads) and its tokenizer to ``path``.
+
+    A few training steps on ``CORPUS`` make its greedy choices confident, as a
+    real model's are, so token-level comparisons are not decided by near-ties.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,5 +54,20 @@ def build_llama(path: Path, num_kv_heads: int = 4, num_heads: int = 4, hidden: i
                          eos_token_id=tok.eos_token_id, tie_word_embeddings=False, torch_dtype="float32")
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    _train(model, tok, train_steps)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def _train(model, tok, steps: int, seq: int = 64, batch: int = 8) -> None:
+    import torch
+
+    ids = torch.tensor(tok(CORPUS * 8).input_ids)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - seq - 1, (batch,), generator=gen)
+        x = torch.stack([ids[i:i + seq] for i in starts])
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()

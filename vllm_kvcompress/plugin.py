@@ -93,7 +93,11 @@ def _hook_platform() -> None:
     original_select = platform_cls.get_attn_backend_cls.__func__
 
     def check_and_update_config(cls, vllm_config) -> None:
+        from vllm.v1.attention.selector import _cached_get_attn_backend
+
         original_check(cls, vllm_config)
+        # The backend choice is cached per process; an earlier engine here may have had another setting.
+        _cached_get_attn_backend.cache_clear()
         if requested_setting(vllm_config) is not None and vllm_config.model_config is not None:
             activate(vllm_config)
 
@@ -112,12 +116,9 @@ def _hook_platform() -> None:
 
 def activate(vllm_config) -> None:
     """Resolve and check the setting once per engine, and say what it does."""
-    from vllm.v1.attention.selector import _cached_get_attn_backend
-
     cfg = active_config(vllm_config)
     validate_against_model(cfg, vllm_config)
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(mode="json") | {"source": cfg.source}
-    _cached_get_attn_backend.cache_clear()  # an earlier engine in this process may have chosen another backend
     ratio, line = capacity_report(cfg, ModelKVShape.of(vllm_config))
     logger.info("%s (config: %s)", line, cfg.source)
     vllm_config.additional_config["kv_compression_capacity_ratio"] = round(ratio, 4)

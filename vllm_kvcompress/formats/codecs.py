@@ -48,8 +48,8 @@ class _Layout:
 
 
 @dataclass(frozen=True)
-class Full16Codec:
-    """Uncompressed: the model's own 16-bit values."""
+class UncompressedCodec:
+    """Uncompressed: the model's own values, in its dtype ("16 bits" in configs)."""
 
     dtype: torch.dtype
     block_size: int
@@ -60,7 +60,7 @@ class Full16Codec:
 
     @property
     def nbytes(self) -> int:
-        return self.block_size * self.num_heads * self.head_size * 2
+        return self.block_size * self.num_heads * self.head_size * self.dtype.itemsize
 
     def encode(self, x: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
         mask = _valid_mask(num_valid, self.block_size)[:, :, None, None]

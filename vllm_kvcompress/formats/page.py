@@ -11,20 +11,20 @@ from dataclasses import dataclass
 
 import torch
 
-from .codecs import Full16Codec, MinMaxCodec
+from .codecs import UncompressedCodec, MinMaxCodec
 
 
 def make_codec(bits: int, axis: str, channel_scaling: bool, dtype: torch.dtype,
                block_size: int, num_heads: int, head_size: int):
     if bits == 16:
-        return Full16Codec(dtype, block_size, num_heads, head_size)
+        return UncompressedCodec(dtype, block_size, num_heads, head_size)
     return MinMaxCodec(bits, axis, channel_scaling, block_size, num_heads, head_size)
 
 
 @dataclass(frozen=True)
 class KVPageFormat:
-    k: Full16Codec | MinMaxCodec
-    v: Full16Codec | MinMaxCodec
+    k: UncompressedCodec | MinMaxCodec
+    v: UncompressedCodec | MinMaxCodec
     block_size: int
     dtype: torch.dtype
 

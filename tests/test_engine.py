@@ -1,0 +1,171 @@
+"""The backend inside a real vLLM engine on the CPU, with tiny random Llama models."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine_utils import (attention_backends, engine, greedy, kv_capacity_tokens, prompt_logprobs, prose,
+                          reference_prompt_logprobs)
+from tiny_models import build_llama
+
+pytestmark = pytest.mark.engine
+PROMPTS = [prose(40, 1), prose(25, 2), prose(60, 3), "The quick brown fox"]
+
+
+@pytest.fixture(scope="session")
+def mha(tmp_path_factory):
+    return build_llama(tmp_path_factory.mktemp("models") / "mha", num_kv_heads=4, num_heads=4)
+
+
+@pytest.fixture(scope="session")
+def gqa(tmp_path_factory):
+    return build_llama(tmp_path_factory.mktemp("models") / "gqa", num_kv_heads=2, num_heads=4)
+
+
+@pytest.fixture(scope="session")
+def stock_run(mha):
+    with engine(mha) as llm:
+        return {"backends": attention_backends(llm), "greedy": greedy(llm, PROMPTS),
+                "logprobs": prompt_logprobs(llm, PROMPTS), "capacity": kv_capacity_tokens(llm)}
+
+
+def test_installed_but_unconfigured_is_stock_vllm(mha, stock_run):
+    """Plugin loaded, no setting: same backend, tokens, logprobs and capacity as vLLM without the plugin."""
+    code = (
+        "import os, sys, json; sys.path.insert(0, 'tests');"
+        "from engine_utils import engine, greedy, kv_capacity_tokens, attention_backends;"
+        f"from test_engine import PROMPTS\n"
+        "if __name__ == '__main__':\n"
+        f"    with engine({str(mha)!r}) as llm:\n"
+        "        print('RESULT', json.dumps([greedy(llm, PROMPTS), kv_capacity_tokens(llm), sorted(attention_backends(llm))]))\n"
+        "        import vllm.plugins, importlib.metadata as md\n"
+        "        print('PLUGINS', [e.name for e in md.entry_points(group='vllm.general_plugins')])")
+    env = {**__import__("os").environ, "VLLM_PLUGINS": "none-loaded"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")]
+    assert line, out.stderr[-3000:]
+    import json
+    tokens, capacity, backends = json.loads(line[0][len("RESULT "):])
+    assert "kvcompress" in out.stdout  # the plugin is installed, only not loaded there
+    assert stock_run["backends"] == set(backends) == {"CPU_ATTN"}
+    assert stock_run["greedy"] == tokens
+    assert stock_run["capacity"] == capacity
+
+
+def test_compressed_engine_uses_our_backend(mha):
+    with engine(mha, "quant-k4v4") as llm:
+        assert attention_backends(llm) == {"KVCOMPRESS"}
+        cfg = llm.llm_engine.vllm_config.additional_config
+        assert cfg["kv_compression"]["default"]["k_bits"] == 4  # resolved once, passed on to workers
+        assert cfg["kv_compression_capacity_ratio"] > 3.5
+
+
+@pytest.mark.parametrize("model_name", ["mha", "gqa"])
+def test_8bit_greedy_matches_stock(request, model_name):
+    """8/8 bits: greedy tokens equal stock vLLM on at least 90% of 4 x 32 new tokens."""
+    model = request.getfixturevalue(model_name)
+    with engine(model) as llm:
+        stock = greedy(llm, PROMPTS)
+    with engine(model, "quant-k8v8") as llm:
+        ours = greedy(llm, PROMPTS)
+    same = sum(a == b for s, o in zip(stock, ours) for a, b in zip(s, o))
+    assert same >= 0.9 * 4 * 32, (same, stock, ours)
+
+
+@pytest.mark.parametrize("model_name", ["mha", "gqa"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_prompt_logprobs_equal_torch_reference(request, model_name, bits):
+    """The engine computes exactly what the format says: prompt logprobs equal a Hugging Face model
+    whose attention reads K/V through the same quantization (prompts span several 128-token blocks).
+
+    Bound: median token within 1e-4, every token within 5e-2, while the quantization itself moves
+    logprobs by more than 1. The two models' K/V differ by float rounding (~1e-6); where that moves a
+    block's min/max across a float16 rounding step of its scale, the whole block's codes shift
+    (see docs/formats.md), so a few tokens differ by more than rounding. The exact, per-layer check
+    is test_backend_output_equals_reference_attention."""
+    model = request.getfixturevalue(model_name)
+    prompts = [prose(300, 10 + bits), prose(140, 20 + bits)]
+    with engine(model, f"quant-k{bits}v{bits}") as llm:
+        got = prompt_logprobs(llm, prompts)
+    want = reference_prompt_logprobs(model, prompts, bits, bits, block=128)
+    plain = reference_prompt_logprobs(model, prompts, 16, 16, block=128)
+    for g, w, p in zip(got, want, plain):
+        assert g.shape == w.shape
+        diff = (g - w).abs()
+        print(f"{model_name} {bits}-bit: max {diff.max():.2e}, p99 {diff.quantile(0.99):.2e}, "
+              f"quantization effect {(p - w).abs().max():.2e}")
+        assert diff.median() < 1e-4 and diff.max() < 5e-2
+        assert (p - w).abs().max() > 1.0  # the quantization is visible: the test tells formats apart
+
+
+def test_capacity_ratios_reported_by_vllm(mha):
+    """Same --kv-cache-memory-bytes, bf16 model: KV tokens >= 3.5x stock at 4/4 and >= 6x at 2/2."""
+    budget = 64 << 20
+    with engine(mha, dtype="bfloat16", kv_bytes=budget) as llm:
+        stock = kv_capacity_tokens(llm)
+    ratios = {}
+    for bits in (8, 4, 2):
+        with engine(mha, f"quant-k{bits}v{bits}", dtype="bfloat16", kv_bytes=budget) as llm:
+            ratios[bits] = kv_capacity_tokens(llm) / stock
+    assert ratios[4] >= 3.5 and ratios[2] >= 6.0 and ratios[8] >= 1.85, ratios
+
+
+def test_mixed_per_layer_bits_allocate_by_page_size(mha, tmp_path):
+    """Layers of different bits get pages of different sizes in one block table."""
+    cfg = tmp_path / "mixed.yaml"
+    cfg.write_text("default: {k_bits: 2, v_bits: 2}\nlayers: {0: {k_bits: 8, v_bits: 8}}\nfull_precision_layers: [3]\n")
+    budget = 64 << 20
+    with engine(mha, str(cfg), dtype="bfloat16", kv_bytes=budget) as llm:
+        tokens = kv_capacity_tokens(llm)
+        assert len(greedy(llm, PROMPTS[:1], 8)[0]) == 8
+    with engine(mha, dtype="bfloat16", kv_bytes=budget) as llm:
+        stock = kv_capacity_tokens(llm)
+    from vllm_kvcompress.config import load_config
+    from vllm_kvcompress.formats import KVPageFormat
+    c = load_config(str(cfg))
+    pages = [KVPageFormat.from_layer_format(c.layer_format(i), torch.bfloat16, 128, 4, 64) for i in range(4)]
+    predicted = sum(p.dense_page_bytes() for p in pages) / sum(p.page_bytes for p in pages)
+    assert abs(tokens / stock - predicted) < 0.05 * predicted
+
+
+@pytest.mark.parametrize("model_name", ["mha", "gqa"])
+@pytest.mark.parametrize("bits", [4, 2, 3])
+def test_backend_output_equals_reference_attention(request, monkeypatch, model_name, bits):
+    """Inside the engine, every layer's attention output for a batch of prompts equals causal
+    attention over the same K/V put through the format's arithmetic (torch reference), to float
+    rounding. Prompts span several 128-token blocks; the batch mixes lengths."""
+    from reference_quant import fake_quant, fake_quant_kvmix3
+    from vllm_kvcompress.backend import KVCompressImpl
+
+    model = request.getfixturevalue(model_name)
+    calls = []
+    original = KVCompressImpl.forward
+
+    def recording_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
+        if attn_metadata is not None and max(attn_metadata.seq_lens) > 1:
+            t = attn_metadata.num_actual_tokens
+            calls.append((self.num_heads, self.num_kv_heads, self.scale, list(attn_metadata.query_start_loc),
+                          query[:t].clone(), key[:t].clone(), value[:t].clone(), output[:t].clone()))
+        return result
+
+    monkeypatch.setattr(KVCompressImpl, "forward", recording_forward)
+    prompts = [prose(300, 31), prose(90, 32), prose(170, 33)]
+    with engine(model, f"quant-k{bits}v{bits}") as llm:
+        greedy(llm, prompts, max_tokens=1)
+    assert calls
+    quant = (lambda x, axis: fake_quant_kvmix3(x, axis, 128)) if bits == 3 else \
+        (lambda x, axis: fake_quant(x, bits, axis, 128))
+    for hq, hkv, scale, qsl, q, k, v, out in calls:
+        d = q.shape[-1] // hq if q.dim() == 2 else q.shape[-1]
+        q, k, v, out = (t.reshape(t.shape[0], -1, d).float() for t in (q, k, v, out))
+        for i in range(len(qsl) - 1):
+            s, e = qsl[i], qsl[i + 1]
+            kq = quant(k[s:e], "channel").repeat_interleave(hq // hkv, 1)
+            vq = quant(v[s:e], "token").repeat_interleave(hq // hkv, 1)
+            scores = torch.einsum("qhd,khd->hqk", q[s:e], kq) * scale
+            scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
+            ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vq)
+            torch.testing.assert_close(out[s:e], ref, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,156 @@
+"""The quant page format against its arithmetic (no vLLM needed)."""
+
+import pytest
+import torch
+
+from reference_quant import fake_quant
+from vllm_kvcompress.config import LayerFormat
+from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
+from vllm_kvcompress.formats.packing import pack, packed_row_bytes, three_bit_slot_is_narrow, unpack
+from vllm_kvcompress import paged_torch
+
+torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [64, 128, 22])
+def test_pack_round_trip(bits, n):
+    if bits in (2, 4) and n % (8 // bits):
+        pytest.skip("dense packing needs whole bytes")
+    codes = torch.randint(0, 1 << bits, (3, 5, n))
+    if bits == 3:
+        codes[..., three_bit_slot_is_narrow(n)] %= 4
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == packed_row_bytes(n, bits)
+    assert torch.equal(unpack(packed, bits, n), codes.int())
+
+
+def test_three_bit_word_layout():
+    """Ten 3-bit codes in bits 0..29 and one 2-bit code in bits 30..31 of a little-endian word."""
+    codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]])
+    word = sum(int(c) << (3 * i) for i, c in enumerate(codes[0]))
+    expected = torch.tensor([[(word >> (8 * b)) & 0xFF for b in range(4)]], dtype=torch.uint8)
+    assert torch.equal(pack(codes, 3), expected)
+    assert packed_row_bytes(64, 3) == 24 and packed_row_bytes(128, 3) == 48
+
+
+def _codec(bits, axis, scaling=False, B=128, H=4, D=64):
+    return MinMaxCodec(bits, axis, scaling, B, H, D)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_codec_equals_formula(bits, axis):
+    B, H, D = 128, 4, 64
+    x = torch.randn(3, B, H, D) * 2 + 0.5
+    valid = torch.tensor([B, 77, 1])
+    codec = _codec(bits, axis, B=B, H=H, D=D)
+    y = codec.decode(codec.encode(x, valid))
+    for n in range(3):
+        ref = fake_quant(x[n, :valid[n]], bits, axis, block=B)
+        torch.testing.assert_close(y[n, :valid[n]], ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_round_trip_error_within_half_step(bits, axis):
+    """|x - x^| <= (max - min) / levels / 2 per element (plus fp16 rounding of scale and zero)."""
+    B, H, D = 128, 2, 64
+    x = torch.randn(2, B, H, D)
+    codec = _codec(bits, axis, B=B, H=H, D=D)
+    y = codec.decode(codec.encode(x, torch.tensor([B, B])))
+    dims = 1 if axis == "channel" else 3
+    span = x.amax(dims, keepdim=True) - x.amin(dims, keepdim=True)
+    levels = torch.full((D,), (1 << bits) - 1.0)
+    if bits == 3:
+        levels[three_bit_slot_is_narrow(D)] = 3.0  # KVmix's 2-bit slot, every 11th value
+    bound = span / levels / 2 * (1 + 2e-3) + 2e-3 * x.abs().amax()
+    assert ((y - x).abs() <= bound).all()
+
+
+def test_three_bit_narrow_slots_cost():
+    """The 2-bit slot of each 3-bit word is coarser: its error is ~7/3 of the others'."""
+    B, H, D = 128, 4, 128
+    x = torch.randn(4, B, H, D)
+    codec = _codec(3, "token", B=B, H=H, D=D)
+    err = (codec.decode(codec.encode(x, torch.full((4,), B))) - x).abs()
+    narrow = three_bit_slot_is_narrow(D)
+    ratio = err[..., narrow].mean() / err[..., ~narrow].mean()
+    assert 1.8 < ratio < 3.0
+
+
+def test_channel_scaling_restores_channels():
+    """ZipCache's channel-separable V: an outlier channel no longer swamps the others."""
+    B, H, D = 128, 2, 64
+    x = torch.randn(1, B, H, D)
+    x[..., 5] *= 50  # outlier channel
+    valid = torch.tensor([B])
+    plain = _codec(2, "token", False, B, H, D)
+    scaled = _codec(2, "token", True, B, H, D)
+    err_plain = (plain.decode(plain.encode(x, valid)) - x)[..., 6:].abs().mean()
+    err_scaled = (scaled.decode(scaled.encode(x, valid)) - x)[..., 6:].abs().mean()
+    assert err_scaled < 0.5 * err_plain
+
+
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_page_capacity_ratios(head_size):
+    """Scales included, 16-bit pages hold >= 3.5x fewer tokens than 4/4 and >= 6x fewer than 2/2."""
+    def ratio(bits):
+        f = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, 128, 8, head_size)
+        return f.dense_page_bytes() / f.page_bytes
+    assert ratio(4) >= 3.5
+    assert ratio(2) >= 6.0
+    assert ratio(8) >= 1.85
+
+
+def test_write_in_pieces_reads_back():
+    """Appending tokens one by one re-encodes the block; each token stays within the quantization bound."""
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=8, v_bits=8), torch.float32, 16, 2, 64)
+    cache = torch.zeros(4, fmt.page_bytes, dtype=torch.uint8)
+    k, v = torch.randn(20, 2, 64), torch.randn(20, 2, 64)
+    slots = torch.cat([torch.arange(32, 48), torch.arange(16, 20)])  # block 2 then block 1
+    paged_torch.write_tokens(cache, fmt, k[:10], v[:10], slots[:10])
+    for i in range(10, 20):
+        paged_torch.write_tokens(cache, fmt, k[i:i + 1], v[i:i + 1], slots[i:i + 1])
+    kd, vd = fmt.decode(cache)
+    got_k = torch.cat([kd[2], kd[1, :4]])
+    got_v = torch.cat([vd[2], vd[1, :4]])
+    assert (got_k - k).abs().max() < 0.05 and (got_v - v).abs().max() < 0.05
+
+
+def test_uncompressed_write_is_exact():
+    fmt = KVPageFormat.from_layer_format(LayerFormat(), torch.float32, 16, 2, 64)
+    cache = torch.zeros(3, fmt.page_bytes, dtype=torch.uint8)
+    k, v = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    paged_torch.write_tokens(cache, fmt, k, v, torch.tensor([16, 17, 18, -1, 19]))
+    kd, vd = fmt.decode(cache)
+    assert torch.equal(kd[1, :3], k[:3]) and torch.equal(kd[1, 3], k[4]) and torch.equal(vd[1, 3], v[4])
+
+
+def test_paged_attention_equals_dense_attention():
+    """Mixed batch (a prefill chunk and decodes) over scattered blocks == causal softmax attention."""
+    torch.manual_seed(1)
+    B, Hkv, Hq, D = 16, 2, 4, 64
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.float32, B, Hkv, D)
+    cache = torch.zeros(12, fmt.page_bytes, dtype=torch.uint8)
+    seq_lens, q_lens = [37, 5, 16], [7, 1, 1]
+    tables = torch.tensor([[7, 2, 9, 0], [4, 0, 0, 0], [11, 0, 0, 0]])
+    keys, values = [], []
+    for i, L in enumerate(seq_lens):
+        k, v = torch.randn(L, Hkv, D), torch.randn(L, Hkv, D)
+        slots = tables[i, torch.arange(L) // B] * B + torch.arange(L) % B
+        paged_torch.write_tokens(cache, fmt, k, v, slots)
+        keys.append(k), values.append(v)
+    q = torch.randn(sum(q_lens), Hq, D)
+    qsl = [0, 7, 8, 9]
+    out = paged_torch.attend(q, cache, fmt, qsl, seq_lens, tables, scale=D ** -0.5)
+    for i, L in enumerate(seq_lens):
+        kq = fake_quant(keys[i], 4, "channel", B)
+        vq = fake_quant(values[i], 4, "token", B)
+        for j in range(q_lens[i]):
+            pos = L - q_lens[i] + j
+            for h in range(Hq):
+                kv_h = h // (Hq // Hkv)
+                s = (kq[:pos + 1, kv_h] @ q[qsl[i] + j, h]) * D ** -0.5
+                ref = torch.softmax(s, 0) @ vq[:pos + 1, kv_h]
+                torch.testing.assert_close(out[qsl[i] + j, h], ref, rtol=1e-4, atol=1e-4)
