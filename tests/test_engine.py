@@ -169,3 +169,33 @@ def test_backend_output_equals_reference_attention(request, monkeypatch, model_n
             scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
             ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vq)
             torch.testing.assert_close(out[s:e], ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"default": {"k_bits": 5}}, "field 'default.k_bits' = 5 is not allowed; allowed: 2, 3, 4, 8, 16"),
+    ({"default": {"k_bits": 4}, "colour": "red"}, "unknown field 'colour'"),
+    ({"layers": {4: {"k_bits": 8}}}, "'layers' names layer 4, but the model has 4 attention layers (allowed: 0..3)"),
+    ({"full_precision_layers": [12]}, "'full_precision_layers' names layer 12"),
+    ("no/such/config.yaml", "'no/such/config.yaml': no such file, and not a preset name"),
+    ("MALFORMED", "malformed YAML"),
+])
+def test_bad_settings_refused_before_engine_starts(mha, tmp_path, setting, message):
+    from vllm import LLM
+    from vllm_kvcompress.config import KVCompressionConfigError
+
+    if setting == "MALFORMED":
+        setting = str(tmp_path / "broken.yaml")
+        (tmp_path / "broken.yaml").write_text("default: {k_bits: 4\n")
+    with pytest.raises(KVCompressionConfigError) as err:
+        LLM(str(mha), enforce_eager=True, kv_cache_memory_bytes=32 << 20,
+            additional_config={"kv_compression": setting})
+    assert message in str(err.value)
+
+
+def test_kv_cache_dtype_conflict_refused(mha):
+    from vllm import LLM
+    from vllm_kvcompress.config import KVCompressionConfigError
+
+    with pytest.raises(KVCompressionConfigError, match="--kv-cache-dtype fp8 cannot be combined"):
+        LLM(str(mha), enforce_eager=True, kv_cache_memory_bytes=32 << 20, kv_cache_dtype="fp8",
+            additional_config={"kv_compression": "quant-k4v4"})

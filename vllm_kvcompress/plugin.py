@@ -66,6 +66,29 @@ def _add_cli_flag() -> None:
 
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
+    _unwrap_config_errors(EngineArgs)
+
+
+def _unwrap_config_errors(engine_args_cls) -> None:
+    """Our startup checks run inside VllmConfig's validation, which wraps them in a long
+    pydantic error; raise our one-line message instead."""
+    from pydantic import ValidationError
+
+    from .config import KVCompressionConfigError
+
+    original = engine_args_cls.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except ValidationError as exc:
+            ours = [e.get("ctx", {}).get("error") for e in exc.errors()]
+            ours = [e for e in ours if isinstance(e, KVCompressionConfigError)]
+            if ours:
+                raise ours[0] from None
+            raise
+
+    engine_args_cls.create_engine_config = create_engine_config
 
 
 def with_compression(additional_config, setting) -> dict:

@@ -1,0 +1,125 @@
+"""The OpenAI-compatible server with compression on, started the way the README says."""
+
+import concurrent.futures
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine_utils import engine, greedy
+from tiny_models import build_llama
+
+pytestmark = pytest.mark.engine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kvcompress() -> list[str]:
+    exe = shutil.which("kvcompress", path=str(Path(sys.executable).parent))
+    return [exe] if exe else [sys.executable, "-m", "vllm_kvcompress.cli"]
+
+
+def _server_env() -> dict:
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine in its own process
+    return env
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_llama(tmp_path_factory.mktemp("models") / "server-gqa", num_kv_heads=2, num_heads=4)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [*_kvcompress(), "serve", str(model), "--kv-compression", "quant-k4v4", "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+           "--kv-cache-memory-bytes", str(32 << 20), "--served-model-name", "tiny"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_server_env())
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("server did not come up:\n" + log.read_text()[-3000:])
+        yield f"http://127.0.0.1:{port}/v1", log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_completions_and_chat_concurrently(server, model):
+    import openai
+
+    base_url, log = server
+    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120)
+    prompts = ["The quick brown fox", "Serving large language models", "Once upon a time there was"]
+
+    def complete(p):
+        r = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
+        return r.choices[0].text, r.usage.completion_tokens
+
+    def chat(p):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                           max_tokens=12, temperature=0)
+        return r.choices[0].message.content, r.usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        completions = list(pool.map(complete, prompts))
+        chats = list(pool.map(chat, prompts))
+    assert all(n == 12 for _, n in completions + chats)
+    assert all(text for text, _ in completions + chats)
+    text = log.read_text()
+    assert "kv-compression 'quant-k4v4'" in text and "KV tokens in the same memory" in text
+
+    # the server answers what the same compressed engine computes offline
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    with engine(model, "quant-k4v4") as llm:
+        offline = greedy(llm, prompts, max_tokens=12)
+    assert [c for c, _ in completions] == [tok.decode(ids) for ids in offline]
+
+
+def test_bad_config_stops_server_at_startup(model, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("default: {k_bits: 5, v_bits: 4}\n")
+    cmd = [*_kvcompress(), "serve", str(model), "--kv-compression", str(bad), "--port", str(_free_port()),
+           "--host", "127.0.0.1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_server_env())
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"error: kv-compression config {bad}: field 'default.k_bits' = 5 is not allowed; allowed: 2, 3, 4, 8, 16"
+
+
+def test_flag_and_additional_config_are_the_same(model):
+    """--kv-compression on any vLLM entry point lands in additional_config, as --additional-config does."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    flag = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", str(model), "--kv-compression", "quant-k2v2"]))
+    extra = AsyncEngineArgs.from_cli_args(parser.parse_args(
+        ["--model", str(model), "--additional-config", '{"kv_compression": "quant-k2v2"}']))
+    assert flag.additional_config == extra.additional_config == {"kv_compression": "quant-k2v2"}
+    both = parser.parse_args(["--model", str(model), "--kv-compression", "quant-k2v2",
+                              "--additional-config", '{"kv_compression": "quant-k4v4"}'])
+    with pytest.raises(ValueError, match="conflicts"):
+        AsyncEngineArgs.from_cli_args(both)

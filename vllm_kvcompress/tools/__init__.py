@@ -1,0 +1,1 @@
+"""Offline tools: model conversion and (later) profiling and weight export."""
