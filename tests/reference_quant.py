@@ -3,7 +3,7 @@
 Min-max asymmetric quantization over blocks of ``block`` tokens: K-style
 statistics per channel over a block's tokens, V-style per token over channels;
 zero = fp16(min), scale = fp16((max - zero) / (2**bits - 1)), code =
-clamp(round((x - zero) / scale)). Written from the format's description, not
+clamp(floor((x - zero) / scale + 1/2)). Written from the format's description, not
 from the package's code.
 """
 
@@ -23,7 +23,7 @@ def fake_quant(x: torch.Tensor, bits: int, axis: str, block: int) -> torch.Tenso
         mn, mx = blk.amin(dims, keepdim=True), blk.amax(dims, keepdim=True)
         zero = mn.half().float()
         scale = ((mx - zero) / top).clamp_min(1e-6).half().float()
-        codes = torch.round((blk - zero) / scale).clamp(0, top)
+        codes = torch.floor((blk - zero) / scale + 0.5).clamp(0, top)
         out[start:start + block] = codes * scale + zero
     return out
 
@@ -40,6 +40,6 @@ def fake_quant_kvmix3(x: torch.Tensor, axis: str, block: int) -> torch.Tensor:
         mn, mx = blk.amin(dims, keepdim=True), blk.amax(dims, keepdim=True)
         zero = mn.half().float()
         step = ((mx - zero) / 7).clamp_min(1e-6).half().float() * (7 / levels)
-        codes = torch.minimum(torch.round((blk - zero) / step).clamp(min=0), levels)
+        codes = torch.minimum(torch.floor((blk - zero) / step + 0.5).clamp(min=0), levels)
         out[start:start + block] = codes * step + zero
     return out

@@ -77,6 +77,8 @@ class KVCompressMetadata:
     seq_lens: list[int]
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    seq_lens_device: torch.Tensor
+    num_decodes: int  # the first num_decodes requests have one query token each
 
 
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
@@ -84,6 +86,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)  # decodes first, so they go to the decode kernel as one batch
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVCompressMetadata:
@@ -92,12 +95,18 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         seq_lens = cam.seq_lens_cpu_upper_bound
         if seq_lens is None:
             seq_lens = cam.seq_lens.cpu()
+        query_start_loc = cam.query_start_loc_cpu[: n + 1].tolist()
+        num_decodes = 0
+        while num_decodes < n and query_start_loc[num_decodes + 1] - query_start_loc[num_decodes] == 1:
+            num_decodes += 1
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
-            query_start_loc=cam.query_start_loc_cpu[: n + 1].tolist(),
+            query_start_loc=query_start_loc,
             seq_lens=seq_lens[:n].tolist(),
             block_table=cam.block_table_tensor[:n],
             slot_mapping=cam.slot_mapping,
+            seq_lens_device=cam.seq_lens[:n],
+            num_decodes=num_decodes,
         )
 
 
@@ -124,12 +133,25 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._config = active_config(vllm_config)
         self._dtype = vllm_config.model_config.dtype
         self._format: KVPageFormat | None = None
+        self._decode_kernel = None  # Triton decode on CUDA where the format has one
+        self._write = paged_torch.write_tokens
+
+    def _select_kernels(self, fmt: KVPageFormat, device: torch.device) -> None:
+        if device.type != "cuda":
+            return
+        from .triton_kernels.layout import kernel_supports
+        if kernel_supports(fmt) is None:
+            from .triton_kernels.decode import paged_decode
+            from .triton_kernels.write import write_tokens
+            self._decode_kernel = paged_decode
+            self._write = write_tokens
 
     def _page_format(self, layer, kv_cache: torch.Tensor) -> KVPageFormat:
         if self._format is None:
             block_size = kv_cache.shape[2]
             shape = ModelKVShape(0, self.num_kv_heads, self.head_size, self._dtype, block_size)
             self._format = shape.page_format(self._config, extract_layer_index(layer.layer_name))
+            self._select_kernels(self._format, kv_cache.device)
         return self._format
 
     @staticmethod
@@ -143,8 +165,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return
         fmt = self._page_format(layer, kv_cache)
         n = slot_mapping.shape[0]
-        paged_torch.write_tokens(self._pages(kv_cache, fmt), fmt, key[:n].view(n, self.num_kv_heads, -1),
-                                 value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
+        self._write(self._pages(kv_cache, fmt), fmt, key[:n].view(n, self.num_kv_heads, -1),
+                    value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KVCompressMetadata | None, output: torch.Tensor,
@@ -155,9 +177,18 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         if attn_metadata is None:  # profiling run
             return output
         fmt = self._page_format(layer, kv_cache)
-        t = attn_metadata.num_actual_tokens
+        md = attn_metadata
+        t = md.num_actual_tokens
         q = query[:t].view(t, self.num_heads, self.head_size)
-        result = paged_torch.attend(q, self._pages(kv_cache, fmt), fmt, attn_metadata.query_start_loc,
-                                    attn_metadata.seq_lens, attn_metadata.block_table, self.scale)
-        output[:t] = result.reshape(output[:t].shape)
+        out = output[:t].view(t, self.num_heads, self.head_size)
+        pages = self._pages(kv_cache, fmt)
+        nd = md.num_decodes if self._decode_kernel is not None else 0
+        if nd:
+            self._decode_kernel(q[:nd].contiguous(), pages, fmt, md.block_table[:nd], md.seq_lens_device[:nd], self.scale,
+                                max(md.seq_lens[:nd]), out=out[:nd])
+        if nd < len(md.seq_lens):
+            start = md.query_start_loc[nd]
+            rest_loc = [x - start for x in md.query_start_loc[nd:]]
+            out[start:] = paged_torch.attend(q[start:], pages, fmt, rest_loc, md.seq_lens[nd:],
+                                             md.block_table[nd:], self.scale)
         return output

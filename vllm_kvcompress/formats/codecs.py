@@ -135,7 +135,7 @@ class MinMaxCodec:
         zero = mn.to(_SCALE_DTYPE).float()
         scale = ((mx - zero) / full_levels).clamp_min(_EPS).to(_SCALE_DTYPE).float()
         step = scale * (full_levels / self.levels(x.device))  # narrow 3-bit slots: coarser step
-        codes = torch.round((x - zero) / step).clamp_(min=0)
+        codes = torch.floor((x - zero) / step + 0.5).clamp_(min=0)  # round half up, as the kernels do
         codes = torch.minimum(codes, self.levels(x.device)).to(torch.int32)
         codes = torch.where(mask, codes, 0)
         layout.write(pages, "codes", pack(codes, self.bits))

@@ -1,0 +1,1 @@
+"""Benchmarks: figures printed and written as JSON, recorded in docs/benchmarks.md."""

@@ -1,0 +1,119 @@
+"""Decode-kernel microbenchmark on the GPU.
+
+Times our Triton decode over packed pages against vLLM's FlashAttention bf16
+decode on the same shape, and the device's copy bandwidth measured in the same
+run. Bandwidth figures count bytes moved (a copy: read + written; decode: the
+compressed pages and queries read).
+
+    python -m benchmarks.kernels --out results/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+
+def _time_ms(fn, reps: int = 50) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=reps)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def _pages(fmt, num_seqs: int, ctx: int, seed: int = 0):
+    from vllm_kvcompress import paged_torch
+    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
+    blocks_per_seq = math.ceil(ctx / B)
+    n_blocks = num_seqs * blocks_per_seq
+    cache = torch.empty(n_blocks, fmt.page_bytes, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    chunk = 256  # encode a few pages at a time through the reference, then tile them
+    k = torch.randn(chunk, B, H, D, device="cuda", generator=gen)
+    v = torch.randn(chunk, B, H, D, device="cuda", generator=gen)
+    proto = fmt.encode(k, v, torch.full((chunk,), B, device="cuda"))
+    for i in range(0, n_blocks, chunk):
+        cache[i:i + chunk] = proto[: min(chunk, n_blocks - i)]
+    table = torch.randperm(n_blocks, device="cuda", dtype=torch.int64).to(torch.int32).view(num_seqs, blocks_per_seq)
+    return cache, table
+
+
+def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int) -> dict:
+    from vllm_kvcompress.config import LayerFormat
+    from vllm_kvcompress.formats import KVPageFormat
+    from vllm_kvcompress.triton_kernels.decode import paged_decode
+
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, block, hkv, d)
+    cache, table = _pages(fmt, num_seqs, ctx)
+    q = torch.randn(num_seqs, hq, d, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out))
+    nbytes = num_seqs * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
+    return {"kernel": f"ours k{bits}v{bits}", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+
+
+def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 16) -> dict:
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    blocks_per_seq = math.ceil(ctx / block)
+    n_blocks = num_seqs * blocks_per_seq
+    k = torch.randn(n_blocks, block, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randperm(n_blocks, device="cuda").to(torch.int32).view(num_seqs, blocks_per_seq)
+    q = torch.randn(num_seqs, hq, d, device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
+    seqused = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+
+    def run():
+        flash_attn_varlen_func(q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=ctx, seqused_k=seqused,
+                               softmax_scale=d ** -0.5, causal=True, block_table=table, out=out)
+    ms = _time_ms(run)
+    nbytes = 2 * num_seqs * ctx * hkv * d * 2 + 2 * q.numel() * 2
+    return {"kernel": "vLLM FlashAttention bf16", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=4096)
+    args = ap.parse_args()
+    copy = copy_bandwidth_gbs()
+    rows = []
+    shapes = [("Llama-2-7B (MHA 32/32)", 32, 32, 128), ("Llama-3-8B (GQA 32/8)", 32, 8, 128)]
+    for name, hq, hkv, d in shapes:
+        base = bench_flash_bf16(args.batch, hq, hkv, d, args.ctx)
+        base["shape"] = name
+        rows.append(base)
+        for bits in (8, 4, 2, 3):
+            for block in (64, 128):
+                r = bench_ours(bits, args.batch, hq, hkv, d, args.ctx, block)
+                r["shape"] = name
+                r["speedup_vs_bf16"] = base["ms"] / r["ms"]
+                rows.append(r)
+    for r in rows:
+        r["of_copy_bw"] = r["GB/s"] / copy
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {copy:.0f} GB/s")
+    print(f"decode, batch {args.batch}, context {args.ctx}, head size 128")
+    print(f"{'shape':24s} {'kernel':26s} {'block':>5s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'x bf16':>7s}")
+    for r in rows:
+        print(f"{r['shape']:24s} {r['kernel']:26s} {r['block']:5d} {r['ms'] * 1e3:8.1f} {r['GB/s']:7.0f} "
+              f"{100 * r['of_copy_bw']:5.0f}% {r.get('speedup_vs_bf16', 1.0):7.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "batch": args.batch,
+                       "ctx": args.ctx, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
