@@ -23,12 +23,13 @@ FORMATS = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), Lay
            LayerFormat(k_bits=16, v_bits=4), LayerFormat(k_bits=8, v_bits=16), LayerFormat()]
 
 
-def _fill(fmt, seq_lens, num_blocks, seed):
+def _fill(fmt, seq_lens, spare_blocks, seed):
     """Random (never zero) K/V written through the reference into scattered pages."""
     gen = torch.Generator().manual_seed(seed)
     B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
-    cache = torch.zeros(num_blocks, fmt.page_bytes, dtype=torch.uint8)
     max_blocks = max(-(-L // B) for L in seq_lens)
+    num_blocks = sum(-(-L // B) for L in seq_lens) + spare_blocks
+    cache = torch.zeros(num_blocks, fmt.page_bytes, dtype=torch.uint8)
     perm = torch.randperm(num_blocks, generator=gen)
     table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
     used = 0
@@ -50,7 +51,7 @@ def test_decode_equals_reference_small(layer_format, num_splits):
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(layer_format, dtype, B, H, D)
     seq_lens = [1, 17, 40, 16]
-    cache, table = _fill(fmt, seq_lens, 12, seed=num_splits)
+    cache, table = _fill(fmt, seq_lens, 3, seed=num_splits)
     q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(5)).to(dtype)
     ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, D ** -0.5)
     got = paged_decode(q.to(DEVICE), cache.to(DEVICE), fmt, table.to(DEVICE),
@@ -68,7 +69,7 @@ def test_decode_equals_reference_gpu(head_size, block_size, bits):
     H, HQ = 8, 32
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, block_size, H, head_size)
     seq_lens = [1, 300, 1000, 77, 513]
-    cache, table = _fill(fmt, seq_lens, 64, seed=bits)
+    cache, table = _fill(fmt, seq_lens, 5, seed=bits)
     q = torch.randn(len(seq_lens), HQ, head_size).to(torch.bfloat16)
     ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, head_size ** -0.5)
     got = paged_decode(q.cuda(), cache.cuda(), fmt, table.cuda(), torch.tensor(seq_lens, dtype=torch.int32).cuda(),

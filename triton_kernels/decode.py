@@ -176,7 +176,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         query, cache, block_table, seq_lens, out, part,
         sm_scale, block_table.stride(0), lay.page_bytes, blocks_per_split,
         H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=lay.block_size,
-        TILE=min(lay.block_size, 64), NUM_SPLITS=num_splits,
+        TILE=min(lay.block_size, 64 if d <= 128 else 32), NUM_SPLITS=num_splits,
         K_BITS=lay.k.bits, K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes, K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes, V_SCALE=lay.v.scale, V_ZERO=lay.v.zero,
         V_CS=lay.v.channel_scale, num_warps=4,

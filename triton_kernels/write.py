@@ -1,6 +1,7 @@
 """Cache write: quantize, pack and store new tokens into their pages in one pass.
 
-One program per (token, KV head), and only the program of the last new token
+Divisions and square roots are IEEE-rounded (``div_rn``, ``sqrt_rn``) so the
+bytes match the torch reference. One program per (token, KV head), and only the program of the last new token
 of each block works: it reads the block's earlier tokens back from the page,
 adds the new ones, recomputes the statistics over all of them and writes the
 whole block, exactly as ``paged_torch.write_tokens`` does.
@@ -71,9 +72,9 @@ def _write_tensor(src_ptr, src_stride, j, is_new, valid, page, h,
 
     if CS >= 0:  # ZipCache: divide channels by sqrt(max |x|) over the block
         amax = tl.max(tl.where(rows_ok, tl.abs(x), 0.0), 0)[None, :, :]
-        cs = tl.sqrt(tl.maximum(amax, 1e-6)).to(tl.float16)
+        cs = tl.sqrt_rn(tl.maximum(amax, 1e-6)).to(tl.float16)
         tl.store((page + CS + (h * D + ch) * 2).to(tl.pointer_type(tl.float16)), cs, mask=ch_ok)
-        x = x / cs.to(tl.float32)
+        x = tl.math.div_rn(x, cs.to(tl.float32) + tl.zeros_like(x))
     if PER_CHANNEL:
         mn = tl.min(tl.where(rows_ok, x, float("inf")), 0)[None, :, :]
         mx = tl.max(tl.where(rows_ok, x, float("-inf")), 0)[None, :, :]
@@ -83,9 +84,10 @@ def _write_tensor(src_ptr, src_stride, j, is_new, valid, page, h,
     mn = tl.where(mn == float("inf"), 0.0, mn)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     zero_h = mn.to(tl.float16)
-    scale_h = tl.maximum((mx - zero_h.to(tl.float32)) / full_top, 1e-6).to(tl.float16)
+    scale_h = tl.maximum(tl.math.div_rn(mx - zero_h.to(tl.float32), full_top + tl.zeros_like(mx)), 1e-6).to(tl.float16)
     step = scale_h.to(tl.float32) * ratio
-    codes = tl.minimum(tl.maximum(tl.floor((x - zero_h.to(tl.float32)) / step + 0.5), 0.0), top)
+    codes = tl.floor(tl.math.div_rn(x - zero_h.to(tl.float32), step + tl.zeros_like(x)) + 0.5)
+    codes = tl.minimum(tl.maximum(codes, 0.0), top)
     codes = tl.where(rows_ok, codes, 0.0).to(tl.int64)
     packed = tl.sum(codes << shift.to(tl.int64), 2)  # [BLOCK, UNITS]
     urow = page + CODES + (tl.arange(0, BLOCK)[:, None] * H + h) * ROW
