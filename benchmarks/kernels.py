@@ -46,7 +46,7 @@ def _pages(fmt, num_seqs: int, ctx: int, seed: int = 0):
     return cache, table
 
 
-def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int) -> dict:
+def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int, **tuning) -> dict:
     from vllm_kvcompress.config import LayerFormat
     from vllm_kvcompress.formats import KVPageFormat
     from vllm_kvcompress.triton_kernels.decode import paged_decode
@@ -56,9 +56,10 @@ def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, bl
     q = torch.randn(num_seqs, hq, d, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
-    ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out))
+    ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out, **tuning))
     nbytes = num_seqs * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
-    return {"kernel": f"ours k{bits}v{bits}", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+    name = f"ours k{bits}v{bits}" + "".join(f" {k}={v}" for k, v in tuning.items())
+    return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
 def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 16) -> dict:
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--sweep", action="store_true", help="also try tile sizes and warp counts (MHA shape)")
     args = ap.parse_args()
     copy = copy_bandwidth_gbs()
     rows = []
@@ -101,13 +103,22 @@ def main() -> None:
                 r["shape"] = name
                 r["speedup_vs_bf16"] = base["ms"] / r["ms"]
                 rows.append(r)
+    if args.sweep:
+        base = rows[0]
+        for bits in (8, 4, 2):
+            for tile in (32, 64, 128):
+                for warps in (4, 8):
+                    r = bench_ours(bits, args.batch, 32, 32, 128, args.ctx, 128, tile=tile, num_warps=warps)
+                    r["shape"] = shapes[0][0]
+                    r["speedup_vs_bf16"] = base["ms"] / r["ms"]
+                    rows.append(r)
     for r in rows:
         r["of_copy_bw"] = r["GB/s"] / copy
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {copy:.0f} GB/s")
     print(f"decode, batch {args.batch}, context {args.ctx}, head size 128")
-    print(f"{'shape':24s} {'kernel':26s} {'block':>5s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'x bf16':>7s}")
+    print(f"{'shape':24s} {'kernel':36s} {'block':>5s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'x bf16':>7s}")
     for r in rows:
-        print(f"{r['shape']:24s} {r['kernel']:26s} {r['block']:5d} {r['ms'] * 1e3:8.1f} {r['GB/s']:7.0f} "
+        print(f"{r['shape']:24s} {r['kernel']:36s} {r['block']:5d} {r['ms'] * 1e3:8.1f} {r['GB/s']:7.0f} "
               f"{100 * r['of_copy_bw']:5.0f}% {r.get('speedup_vs_bf16', 1.0):7.2f}")
     if args.out:
         with open(args.out, "w") as f:

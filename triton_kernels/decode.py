@@ -23,15 +23,23 @@ from .layout import page_layout
 
 
 @triton.jit
-def _codes(row_ptr, d, BITS: tl.constexpr):
-    """Integer codes [T, D] from packed rows (row_ptr: [T, 1] uint8 pointers, d: [1, D])."""
+def _codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr):
+    """Integer codes [T, D] of packed rows (row_ptr: [T, 1] uint8 pointers).
+
+    2/4/8 bits load whole bytes contiguously and interleave the fields with
+    join/reshape, so the loads vectorize; 3-bit words are gathered per channel.
+    """
     if BITS == 8:
-        c = tl.load(row_ptr + d).to(tl.int32)
+        c = tl.load(row_ptr + tl.arange(0, D)[None, :]).to(tl.int32)
     elif BITS == 4:
-        c = (tl.load(row_ptr + d // 2).to(tl.int32) >> ((d % 2) * 4)) & 15
+        b = tl.load(row_ptr + tl.arange(0, D // 2)[None, :]).to(tl.int32)
+        c = tl.reshape(tl.join(b & 15, b >> 4), (b.shape[0], D))
     elif BITS == 2:
-        c = (tl.load(row_ptr + d // 4).to(tl.int32) >> ((d % 4) * 2)) & 3
+        b = tl.load(row_ptr + tl.arange(0, D // 4)[None, :]).to(tl.int32)
+        c = tl.join(tl.join(b & 3, (b >> 4) & 3), tl.join((b >> 2) & 3, b >> 6))
+        c = tl.reshape(c, (b.shape[0], D))
     else:  # 3 bits: ten 3-bit codes + one 2-bit code per little-endian 32-bit word
+        d = tl.arange(0, D)[None, :]
         w = tl.load((row_ptr + (d // 11) * 4).to(tl.pointer_type(tl.int32)))
         c = (w >> ((d % 11) * 3)) & tl.where(d % 11 == 10, 3, 7)
     return c
@@ -91,7 +99,7 @@ def _decode_kernel(
                 k = tl.load((page + K_CODES + (tok[:, None] * H + h) * K_ROW).to(tl.pointer_type(dtype)) + d[None, :])
                 s = tl.dot(q, tl.trans(k))
             else:
-                kc = _codes(page + K_CODES + (tok[:, None] * H + h) * K_ROW, d[None, :], K_BITS)
+                kc = _codes(page + K_CODES + (tok[:, None] * H + h) * K_ROW, D, K_BITS)
                 s = tl.dot(q_scaled, tl.trans(kc.to(tl.float16))) + q_bias[:, None]
             s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -104,7 +112,7 @@ def _decode_kernel(
             else:
                 vs = _fp16(page + V_SCALE + (tok * H + h) * 2)
                 vz = _fp16(page + V_ZERO + (tok * H + h) * 2)
-                vc = _codes(page + V_CODES + (tok[:, None] * H + h) * V_ROW, d[None, :], V_BITS)
+                vc = _codes(page + V_CODES + (tok[:, None] * H + h) * V_ROW, D, V_BITS)
                 pv = tl.dot((p * vs[None, :]).to(tl.float16), vc.to(tl.float16))
                 if V_BITS == 3:
                     pv = pv * v_step[None, :]
@@ -152,7 +160,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
 
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, tile: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Attention of one new token per request (``query`` [N, Hq, D]) over its pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
@@ -176,10 +184,10 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         query, cache, block_table, seq_lens, out, part,
         sm_scale, block_table.stride(0), lay.page_bytes, blocks_per_split,
         H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=lay.block_size,
-        TILE=min(lay.block_size, 64 if d <= 128 else 32), NUM_SPLITS=num_splits,
+        TILE=tile or min(lay.block_size, 64 if d <= 128 else 32), NUM_SPLITS=num_splits,
         K_BITS=lay.k.bits, K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes, K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes, V_SCALE=lay.v.scale, V_ZERO=lay.v.zero,
-        V_CS=lay.v.channel_scale, num_warps=4,
+        V_CS=lay.v.channel_scale, num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](part, out, HQ=hq, D=d, NUM_SPLITS=num_splits)
