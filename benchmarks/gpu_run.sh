@@ -7,8 +7,9 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
 export VLLM_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
-(cd "$REPO" && pip install -q --no-deps --no-build-isolation -e .) > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+(cd "$REPO" && python -m pip install -q --no-deps --no-build-isolation -e .) > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 cd /tmp
+python -c "import vllm_kvcompress" || { echo "plugin not importable"; exit 1; }
 python -c "import torch; print(torch.cuda.get_device_name(), torch.__version__)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 150 python -m pytest -q -p no:cacheprovider --rootdir "$REPO" "$REPO/tests/test_triton_decode.py" \

@@ -59,6 +59,8 @@ def main() -> None:
         same = sum(a == b for s, o in zip(stock["tokens"], r["tokens"]) for a, b in zip(s, o))
         dl = max(abs(a - b) for s, o in zip(stock["logprobs"], r["logprobs"]) for a, b in zip(s, o))
         key = f"{setting} {'eager' if eager else 'graphs+compile'}"
+        if r["kv_tokens"] <= stock["kv_tokens"]:
+            raise SystemExit(f"{key}: compression is not active (is the plugin installed?)")
         report[key] = {"greedy_same": f"{same}/{32 * len(prompts)}", "max_logprob_diff_vs_stock": dl,
                        "kv_tokens_vs_stock": r["kv_tokens"] / stock["kv_tokens"], "generate_s": r["generate_s"]}
         print(key, report[key], flush=True)
