@@ -18,12 +18,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
-def run(model: str, setting, eager: bool, prompts) -> dict:
+def run(model: str, setting, eager: bool, prompts, torch_path: bool = False) -> dict:
+    import os
+
     import torch
     from vllm import LLM, SamplingParams
 
     extra = {"additional_config": {"kv_compression": setting}} if setting else {}
-    llm = LLM(model, dtype="bfloat16", kv_cache_memory_bytes=1 << 30, block_size=64, enforce_eager=eager,
+    os.environ["KVCOMPRESS_KERNELS"] = "torch" if torch_path else "triton"
+    llm = LLM(model, dtype="bfloat16", kv_cache_memory_bytes=1 << 30, enforce_eager=eager,
               max_model_len=2048, seed=0, **extra)
     t = time.time()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
@@ -63,6 +66,16 @@ def main() -> None:
             raise SystemExit(f"{key}: compression is not active (is the plugin installed?)")
         report[key] = {"greedy_same": f"{same}/{32 * len(prompts)}", "max_logprob_diff_vs_stock": dl,
                        "kv_tokens_vs_stock": r["kv_tokens"] / stock["kv_tokens"], "generate_s": r["generate_s"]}
+        print(key, report[key], flush=True)
+    # the Triton kernels against the backend's torch reference path, same engine, same pages
+    for setting in ("quant-k4v4", "quant-k2v2"):
+        tri = run(model, setting, True, prompts)
+        ref = run(model, setting, True, prompts, torch_path=True)
+        dl = max(abs(a - b) for s, o in zip(tri["logprobs"], ref["logprobs"]) for a, b in zip(s, o))
+        same = sum(a == b for s, o in zip(tri["tokens"], ref["tokens"]) for a, b in zip(s, o))
+        key = f"{setting} triton vs torch reference"
+        report[key] = {"max_prompt_logprob_diff": dl, "greedy_same": f"{same}/{32 * len(prompts)}",
+                       "triton_generate_s": tri["generate_s"], "torch_generate_s": ref["generate_s"]}
         print(key, report[key], flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

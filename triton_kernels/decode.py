@@ -23,26 +23,25 @@ from .layout import page_layout
 
 
 @triton.jit
-def _codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr):
-    """Integer codes [T, D] of packed rows (row_ptr: [T, 1] uint8 pointers).
-
-    2/4/8 bits load whole bytes contiguously and interleave the fields with
-    join/reshape, so the loads vectorize; 3-bit words are gathered per channel.
-    """
+def _gathered_codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr):
+    """Integer codes [T, D] of packed rows, one load per channel (3 bits, and small tiles)."""
+    d = tl.arange(0, D)[None, :]
     if BITS == 8:
-        c = tl.load(row_ptr + tl.arange(0, D)[None, :]).to(tl.int32)
+        c = tl.load(row_ptr + d).to(tl.int32)
     elif BITS == 4:
-        b = tl.load(row_ptr + tl.arange(0, D // 2)[None, :]).to(tl.int32)
-        c = tl.reshape(tl.join(b & 15, b >> 4), (b.shape[0], D))
+        c = (tl.load(row_ptr + d // 2).to(tl.int32) >> ((d % 2) * 4)) & 15
     elif BITS == 2:
-        b = tl.load(row_ptr + tl.arange(0, D // 4)[None, :]).to(tl.int32)
-        c = tl.join(tl.join(b & 3, (b >> 4) & 3), tl.join((b >> 2) & 3, b >> 6))
-        c = tl.reshape(c, (b.shape[0], D))
+        c = (tl.load(row_ptr + d // 4).to(tl.int32) >> ((d % 4) * 2)) & 3
     else:  # 3 bits: ten 3-bit codes + one 2-bit code per little-endian 32-bit word
-        d = tl.arange(0, D)[None, :]
         w = tl.load((row_ptr + (d // 11) * 4).to(tl.pointer_type(tl.int32)))
         c = (w >> ((d % 11) * 3)) & tl.where(d % 11 == 10, 3, 7)
-    return c
+    return c.to(tl.float16)
+
+
+@triton.jit
+def _plane(packed, K: tl.constexpr, BITS: tl.constexpr):
+    """Field K of each byte: the codes of channels byte * (8 // BITS) + K."""
+    return ((packed >> (K * BITS)) & ((1 << BITS) - 1)).to(tl.float16)
 
 
 @triton.jit
@@ -56,10 +55,14 @@ def _decode_kernel(
     sm_scale, bt_stride, page_bytes, blocks_per_split,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    K_BITS: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr, K_ZERO: tl.constexpr,
-    V_BITS: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
-    V_CS: tl.constexpr,
+    K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
+    K_ZERO: tl.constexpr,
+    V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
+    V_ZERO: tl.constexpr, V_CS: tl.constexpr,
 ):
+    """KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
+    Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
+    per plane, so packed bytes go to the tensor cores without being interleaved."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -69,68 +72,127 @@ def _decode_kernel(
     b_end = tl.minimum(b_start + blocks_per_split, tl.cdiv(L, BLOCK))
 
     g = tl.arange(0, GP)
-    d = tl.arange(0, D)
     heads = h * G + g
-    q = tl.load(q_ptr + (seq * H * G + heads[:, None]) * D + d[None, :], mask=(g < G)[:, None], other=0.0)
-    qf = q.to(tl.float32)
-    if K_BITS == 3:
-        k_step = tl.where(d % 11 == 10, 7.0 / 3.0, 1.0)
-    if V_BITS == 3:
-        v_step = tl.where(d % 11 == 10, 7.0 / 3.0, 1.0)
+    q_row = q_ptr + (seq * H * G + heads[:, None]) * D
+    gmask = (g < G)[:, None]
+    DK: tl.constexpr = D // KP
+    DV: tl.constexpr = D // VP
+    dk = tl.arange(0, DK)[None, :]
+    dv = tl.arange(0, DV)[None, :]
+    d = tl.arange(0, D)[None, :]
+    q = tl.load(q_row + d, mask=gmask, other=0.0)
+    q0 = tl.load(q_row + dk * KP, mask=gmask, other=0.0).to(tl.float32)
+    if KP > 1:
+        q1 = tl.load(q_row + dk * KP + 1, mask=gmask, other=0.0).to(tl.float32)
+    if KP > 2:
+        q2 = tl.load(q_row + dk * KP + 2, mask=gmask, other=0.0).to(tl.float32)
+        q3 = tl.load(q_row + dk * KP + 3, mask=gmask, other=0.0).to(tl.float32)
 
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    acc0 = tl.zeros([GP, DV], tl.float32)
+    if VP > 1:
+        acc1 = tl.zeros([GP, DV], tl.float32)
+    if VP > 2:
+        acc2 = tl.zeros([GP, DV], tl.float32)
+        acc3 = tl.zeros([GP, DV], tl.float32)
     for b in range(b_start, b_end):
         page = cache_ptr + tl.load(block_table_ptr + seq * bt_stride + b).to(tl.int64) * page_bytes
-        if K_BITS != 16:
-            ks = _fp16(page + K_SCALE + (h * D + d) * 2)
+        if K_BITS != 16:  # per-channel scale and zero, read per plane
+            kstat = page + (h * D + dk * KP) * 2
+            ks0 = _fp16(kstat + K_SCALE)
             if K_BITS == 3:
-                ks = ks * k_step
-            kz = _fp16(page + K_ZERO + (h * D + d) * 2)
-            q_scaled = (qf * ks[None, :]).to(tl.float16)
-            q_bias = tl.sum(qf * kz[None, :], 1)
+                ks0 = ks0 * tl.where(dk % 11 == 10, 7.0 / 3.0, 1.0)
+            kz0 = _fp16(kstat + K_ZERO)
+            qs0 = (q0 * ks0).to(tl.float16)
+            bias = tl.sum(q0 * kz0, 1)
+            if KP > 1:
+                qs1 = (q1 * _fp16(kstat + 2 + K_SCALE)).to(tl.float16)
+                bias += tl.sum(q1 * _fp16(kstat + 2 + K_ZERO), 1)
+            if KP > 2:
+                qs2 = (q2 * _fp16(kstat + 4 + K_SCALE)).to(tl.float16)
+                qs3 = (q3 * _fp16(kstat + 6 + K_SCALE)).to(tl.float16)
+                bias += tl.sum(q2 * _fp16(kstat + 4 + K_ZERO), 1) + tl.sum(q3 * _fp16(kstat + 6 + K_ZERO), 1)
         if V_CS >= 0:
-            vcs = _fp16(page + V_CS + (h * D + d) * 2)
+            vcs = page + V_CS + (h * D + dv * VP) * 2
+            cs0 = _fp16(vcs)
+            if VP > 1:
+                cs1 = _fp16(vcs + 2)
+            if VP > 2:
+                cs2 = _fp16(vcs + 4)
+                cs3 = _fp16(vcs + 6)
         for t0 in range(0, BLOCK, TILE):
             tok = t0 + tl.arange(0, TILE)
             valid = b * BLOCK + tok < L
+            k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
             if K_BITS == 16:
-                k = tl.load((page + K_CODES + (tok[:, None] * H + h) * K_ROW).to(tl.pointer_type(dtype)) + d[None, :])
-                s = tl.dot(q, tl.trans(k))
+                s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d)))
+            elif KP == 1:  # 8 bits, or 3 bits gathered
+                s = tl.dot(qs0, tl.trans(_gathered_codes(k_row, D, K_BITS))) + bias[:, None]
             else:
-                kc = _codes(page + K_CODES + (tok[:, None] * H + h) * K_ROW, D, K_BITS)
-                s = tl.dot(q_scaled, tl.trans(kc.to(tl.float16))) + q_bias[:, None]
+                kb = tl.load(k_row + dk).to(tl.int32)
+                s = tl.dot(qs0, tl.trans(_plane(kb, 0, K_BITS))) + tl.dot(qs1, tl.trans(_plane(kb, 1, K_BITS)))
+                if KP > 2:
+                    s += tl.dot(qs2, tl.trans(_plane(kb, 2, K_BITS))) + tl.dot(qs3, tl.trans(_plane(kb, 3, K_BITS)))
+                s += bias[:, None]
             s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
+            alpha = tl.exp(m - m_new)[:, None]
             p = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
+            l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
+            m = m_new
+            v_row = page + V_CODES + (tok[:, None] * H + h) * V_ROW
             if V_BITS == 16:
-                v = tl.load((page + V_CODES + (tok[:, None] * H + h) * V_ROW).to(tl.pointer_type(dtype)) + d[None, :])
-                pv = tl.dot(p.to(dtype), v)
+                acc0 = acc0 * alpha + tl.dot(p.to(dtype), tl.load(v_row.to(tl.pointer_type(dtype)) + d))
             else:
                 vs = _fp16(page + V_SCALE + (tok * H + h) * 2)
                 vz = _fp16(page + V_ZERO + (tok * H + h) * 2)
-                vc = _codes(page + V_CODES + (tok[:, None] * H + h) * V_ROW, D, V_BITS)
-                pv = tl.dot((p * vs[None, :]).to(tl.float16), vc.to(tl.float16))
-                if V_BITS == 3:
-                    pv = pv * v_step[None, :]
-                pv = pv + tl.sum(p * vz[None, :], 1)[:, None]
-            if V_CS >= 0:
-                pv = pv * vcs[None, :]
-            acc = acc * alpha[:, None] + pv
-            m = m_new
+                ps = (p * vs[None, :]).to(tl.float16)
+                pz = tl.sum(p * vz[None, :], 1)[:, None]
+                if VP == 1:  # 8 bits, or 3 bits gathered
+                    pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS))
+                    if V_BITS == 3:
+                        pv = pv * tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0)
+                    pv += pz
+                    if V_CS >= 0:
+                        pv = pv * cs0
+                    acc0 = acc0 * alpha + pv
+                else:
+                    vb = tl.load(v_row + dv).to(tl.int32)
+                    pv0 = tl.dot(ps, _plane(vb, 0, V_BITS)) + pz
+                    pv1 = tl.dot(ps, _plane(vb, 1, V_BITS)) + pz
+                    if V_CS >= 0:
+                        pv0 = pv0 * cs0
+                        pv1 = pv1 * cs1
+                    acc0 = acc0 * alpha + pv0
+                    acc1 = acc1 * alpha + pv1
+                    if VP > 2:
+                        pv2 = tl.dot(ps, _plane(vb, 2, V_BITS)) + pz
+                        pv3 = tl.dot(ps, _plane(vb, 3, V_BITS)) + pz
+                        if V_CS >= 0:
+                            pv2 = pv2 * cs2
+                            pv3 = pv3 * cs3
+                        acc2 = acc2 * alpha + pv2
+                        acc3 = acc3 * alpha + pv3
 
-    hmask = (g < G)[:, None]
     if NUM_SPLITS == 1:
-        out = acc / l[:, None]
-        tl.store(out_ptr + (seq * H * G + heads[:, None]) * D + d[None, :], out.to(dtype), mask=hmask)
+        dst = out_ptr + (seq * H * G + heads[:, None]) * D + dv * VP
+        tl.store(dst, (acc0 / l[:, None]).to(dtype), mask=gmask)
+        if VP > 1:
+            tl.store(dst + 1, (acc1 / l[:, None]).to(dtype), mask=gmask)
+        if VP > 2:
+            tl.store(dst + 2, (acc2 / l[:, None]).to(dtype), mask=gmask)
+            tl.store(dst + 3, (acc3 / l[:, None]).to(dtype), mask=gmask)
     else:
         base = part_ptr + ((seq * H * G + heads[:, None]) * NUM_SPLITS + split) * (D + 2)
-        tl.store(base + d[None, :], acc, mask=hmask)
-        tl.store(base + D + tl.zeros([GP, 1], tl.int32), m[:, None], mask=hmask)
-        tl.store(base + D + 1 + tl.zeros([GP, 1], tl.int32), l[:, None], mask=hmask)
+        tl.store(base + dv * VP, acc0, mask=gmask)
+        if VP > 1:
+            tl.store(base + dv * VP + 1, acc1, mask=gmask)
+        if VP > 2:
+            tl.store(base + dv * VP + 2, acc2, mask=gmask)
+            tl.store(base + dv * VP + 3, acc3, mask=gmask)
+        tl.store(base + D + tl.zeros([GP, 1], tl.int32), m[:, None], mask=gmask)
+        tl.store(base + D + 1 + tl.zeros([GP, 1], tl.int32), l[:, None], mask=gmask)
 
 
 @triton.jit
@@ -145,6 +207,10 @@ def _merge_splits_kernel(part_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, N
     w = tl.exp(m - tl.max(m, 0))
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+
+
+def _planes(bits: int) -> int:
+    return 8 // bits if bits in (2, 4) else 1
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
@@ -185,8 +251,10 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         sm_scale, block_table.stride(0), lay.page_bytes, blocks_per_split,
         H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=lay.block_size,
         TILE=tile or min(lay.block_size, 64 if d <= 128 else 32), NUM_SPLITS=num_splits,
-        K_BITS=lay.k.bits, K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes, K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
-        V_BITS=lay.v.bits, V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes, V_SCALE=lay.v.scale, V_ZERO=lay.v.zero,
+        K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
+        K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
+        V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
+        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero,
         V_CS=lay.v.channel_scale, num_warps=num_warps,
     )
     if num_splits > 1:

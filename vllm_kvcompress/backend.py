@@ -8,6 +8,7 @@ format and its compute path (``paged_torch`` on every device for now).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -137,7 +138,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._write = paged_torch.write_tokens
 
     def _select_kernels(self, fmt: KVPageFormat, device: torch.device) -> None:
-        if device.type != "cuda":
+        """Triton kernels on CUDA; KVCOMPRESS_KERNELS=torch keeps the torch reference (for checking)."""
+        if device.type != "cuda" or os.environ.get("KVCOMPRESS_KERNELS") == "torch":
             return
         from .triton_kernels.layout import kernel_supports
         if kernel_supports(fmt) is None:

@@ -22,6 +22,7 @@ from .engine_config import (
 
 logger = logging.getLogger("vllm.kvcompress")  # under "vllm" so vLLM's log handlers print it
 BACKEND_PATH = "vllm_kvcompress.backend.KVCompressBackend"
+CUDA_BLOCK_SIZE = 128
 _installed = False
 
 
@@ -139,8 +140,15 @@ def _hook_platform() -> None:
 
 def activate(vllm_config) -> None:
     """Resolve and check the setting once per engine, and say what it does."""
+    from vllm.platforms import current_platform
+
     cfg = active_config(vllm_config)
     validate_against_model(cfg, vllm_config)
+    cache_config = vllm_config.cache_config
+    if current_platform.is_cuda() and not cache_config.user_specified_block_size:
+        # K's per-channel scales are per block: 128-token pages keep them to 0.25 bit a value
+        # (16-token pages would spend 2 bits), and the decode kernel is fastest there.
+        cache_config.block_size = CUDA_BLOCK_SIZE
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(mode="json") | {"source": cfg.source}
     ratio, line = capacity_report(cfg, ModelKVShape.of(vllm_config))
     logger.info("%s (config: %s)", line, cfg.source)
