@@ -17,6 +17,6 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 timeout 200 python "$REPO/benchmarks/kernels.py" --out "$OUT/kernels.json" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | grep -v Warning
 if [ "${SKIP_E2E:-0}" != 1 ]; then
-  timeout 280 python "$REPO/benchmarks/gpu_smoke.py" --out "$OUT/gpu_smoke.json" > "$OUT/gpu_smoke.log" 2>&1
+  timeout 330 python "$REPO/benchmarks/gpu_smoke.py" --out "$OUT/gpu_smoke.json" > "$OUT/gpu_smoke.log" 2>&1
   grep -E "^quant|Error" "$OUT/gpu_smoke.log" | tail -20
 fi
