@@ -15,8 +15,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 150 python -m pytest -q -p no:cacheprovider --rootdir "$REPO" "$REPO/tests/test_triton_decode.py" \
     "$REPO/tests/test_triton_write.py" "$REPO/tests/test_formats.py" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 fi
-timeout 200 python "$REPO/benchmarks/kernels.py" --out "$OUT/kernels.json" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | grep -v Warning
+[ "${SKIP_KERNELS:-0}" = 1 ] || timeout 200 python "$REPO/benchmarks/kernels.py" --out "$OUT/kernels.json" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | grep -v Warning
 if [ "${SKIP_E2E:-0}" != 1 ]; then
-  timeout 330 python "$REPO/benchmarks/gpu_smoke.py" --out "$OUT/gpu_smoke.json" > "$OUT/gpu_smoke.log" 2>&1
+  timeout 330 python "$REPO/benchmarks/gpu_smoke.py" --out "$OUT/gpu_smoke.json" ${SMOKE_ARGS:-} > "$OUT/gpu_smoke.log" 2>&1
   grep -E "^quant|Error" "$OUT/gpu_smoke.log" | tail -20
 fi
