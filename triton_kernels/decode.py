@@ -54,7 +54,7 @@ def _decode_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_ptr,
     sm_scale, bt_stride, page_bytes, blocks_per_split,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
@@ -96,10 +96,7 @@ def _decode_kernel(
     if VP > 2:
         acc2 = tl.zeros([GP, DV], tl.float32)
         acc3 = tl.zeros([GP, DV], tl.float32)
-    # one flat loop over tiles (TILE tokens of one page each), so the compiler can pipeline loads
-    TILES: tl.constexpr = BLOCK // TILE
-    for it in tl.range(b_start * TILES, b_end * TILES, num_stages=STAGES):
-        b = it // TILES
+    for b in range(b_start, b_end):
         page = cache_ptr + tl.load(block_table_ptr + seq * bt_stride + b).to(tl.int64) * page_bytes
         if K_BITS != 16:  # per-channel scale and zero, read per plane
             kstat = page + (h * D + dk * KP) * 2
@@ -124,58 +121,59 @@ def _decode_kernel(
             if VP > 2:
                 cs2 = _fp16(vcs + 4)
                 cs3 = _fp16(vcs + 6)
-        tok = (it % TILES) * TILE + tl.arange(0, TILE)
-        valid = b * BLOCK + tok < L
-        k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
-        if K_BITS == 16:
-            s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d)))
-        elif KP == 1:  # 8 bits, or 3 bits gathered
-            s = tl.dot(qs0, tl.trans(_gathered_codes(k_row, D, K_BITS))) + bias[:, None]
-        else:
-            kb = tl.load(k_row + dk).to(tl.int32)
-            s = tl.dot(qs0, tl.trans(_plane(kb, 0, K_BITS))) + tl.dot(qs1, tl.trans(_plane(kb, 1, K_BITS)))
-            if KP > 2:
-                s += tl.dot(qs2, tl.trans(_plane(kb, 2, K_BITS))) + tl.dot(qs3, tl.trans(_plane(kb, 3, K_BITS)))
-            s += bias[:, None]
-        s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)[:, None]
-        p = tl.exp(s - m_new[:, None])
-        l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
-        m = m_new
-        v_row = page + V_CODES + (tok[:, None] * H + h) * V_ROW
-        if V_BITS == 16:
-            acc0 = acc0 * alpha + tl.dot(p.to(dtype), tl.load(v_row.to(tl.pointer_type(dtype)) + d))
-        else:
-            vs = _fp16(page + V_SCALE + (tok * H + h) * 2)
-            vz = _fp16(page + V_ZERO + (tok * H + h) * 2)
-            ps = (p * vs[None, :]).to(tl.float16)
-            pz = tl.sum(p * vz[None, :], 1)[:, None]
-            if VP == 1:  # 8 bits, or 3 bits gathered
-                pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS))
-                if V_BITS == 3:
-                    pv = pv * tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0)
-                pv += pz
-                if V_CS >= 0:
-                    pv = pv * cs0
-                acc0 = acc0 * alpha + pv
+        for t0 in range(0, BLOCK, TILE):
+            tok = t0 + tl.arange(0, TILE)
+            valid = b * BLOCK + tok < L
+            k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
+            if K_BITS == 16:
+                s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d)))
+            elif KP == 1:  # 8 bits, or 3 bits gathered
+                s = tl.dot(qs0, tl.trans(_gathered_codes(k_row, D, K_BITS))) + bias[:, None]
             else:
-                vb = tl.load(v_row + dv).to(tl.int32)
-                pv0 = tl.dot(ps, _plane(vb, 0, V_BITS)) + pz
-                pv1 = tl.dot(ps, _plane(vb, 1, V_BITS)) + pz
-                if V_CS >= 0:
-                    pv0 = pv0 * cs0
-                    pv1 = pv1 * cs1
-                acc0 = acc0 * alpha + pv0
-                acc1 = acc1 * alpha + pv1
-                if VP > 2:
-                    pv2 = tl.dot(ps, _plane(vb, 2, V_BITS)) + pz
-                    pv3 = tl.dot(ps, _plane(vb, 3, V_BITS)) + pz
+                kb = tl.load(k_row + dk).to(tl.int32)
+                s = tl.dot(qs0, tl.trans(_plane(kb, 0, K_BITS))) + tl.dot(qs1, tl.trans(_plane(kb, 1, K_BITS)))
+                if KP > 2:
+                    s += tl.dot(qs2, tl.trans(_plane(kb, 2, K_BITS))) + tl.dot(qs3, tl.trans(_plane(kb, 3, K_BITS)))
+                s += bias[:, None]
+            s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)[:, None]
+            p = tl.exp(s - m_new[:, None])
+            l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
+            m = m_new
+            v_row = page + V_CODES + (tok[:, None] * H + h) * V_ROW
+            if V_BITS == 16:
+                acc0 = acc0 * alpha + tl.dot(p.to(dtype), tl.load(v_row.to(tl.pointer_type(dtype)) + d))
+            else:
+                vs = _fp16(page + V_SCALE + (tok * H + h) * 2)
+                vz = _fp16(page + V_ZERO + (tok * H + h) * 2)
+                ps = (p * vs[None, :]).to(tl.float16)
+                pz = tl.sum(p * vz[None, :], 1)[:, None]
+                if VP == 1:  # 8 bits, or 3 bits gathered
+                    pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS))
+                    if V_BITS == 3:
+                        pv = pv * tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0)
+                    pv += pz
                     if V_CS >= 0:
-                        pv2 = pv2 * cs2
-                        pv3 = pv3 * cs3
-                    acc2 = acc2 * alpha + pv2
-                    acc3 = acc3 * alpha + pv3
+                        pv = pv * cs0
+                    acc0 = acc0 * alpha + pv
+                else:
+                    vb = tl.load(v_row + dv).to(tl.int32)
+                    pv0 = tl.dot(ps, _plane(vb, 0, V_BITS)) + pz
+                    pv1 = tl.dot(ps, _plane(vb, 1, V_BITS)) + pz
+                    if V_CS >= 0:
+                        pv0 = pv0 * cs0
+                        pv1 = pv1 * cs1
+                    acc0 = acc0 * alpha + pv0
+                    acc1 = acc1 * alpha + pv1
+                    if VP > 2:
+                        pv2 = tl.dot(ps, _plane(vb, 2, V_BITS)) + pz
+                        pv3 = tl.dot(ps, _plane(vb, 3, V_BITS)) + pz
+                        if V_CS >= 0:
+                            pv2 = pv2 * cs2
+                            pv3 = pv3 * cs3
+                        acc2 = acc2 * alpha + pv2
+                        acc3 = acc3 * alpha + pv3
 
     if NUM_SPLITS == 1:
         dst = out_ptr + (seq * H * G + heads[:, None]) * D + dv * VP
@@ -228,8 +226,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
 
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
-                 out: torch.Tensor | None = None, tile: int | None = None, num_warps: int = 4,
-                 num_stages: int = 2) -> torch.Tensor:
+                 out: torch.Tensor | None = None, tile: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """Attention of one new token per request (``query`` [N, Hq, D]) over its pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
@@ -253,7 +250,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         query, cache, block_table, seq_lens, out, part,
         sm_scale, block_table.stride(0), lay.page_bytes, blocks_per_split,
         H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=lay.block_size,
-        TILE=tile or min(lay.block_size, 64 if d <= 128 else 32), NUM_SPLITS=num_splits, STAGES=num_stages,
+        TILE=tile or min(lay.block_size, 64 if d <= 128 else 32), NUM_SPLITS=num_splits,
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
