@@ -199,3 +199,38 @@ def test_kv_cache_dtype_conflict_refused(mha):
     with pytest.raises(KVCompressionConfigError, match="--kv-cache-dtype fp8 cannot be combined"):
         LLM(str(mha), enforce_eager=True, kv_cache_memory_bytes=32 << 20, kv_cache_dtype="fp8",
             additional_config={"kv_compression": "quant-k4v4"})
+
+
+def test_chunked_prefill_and_mixed_batches_lossless(mha):
+    """Through our backend with 16-bit pages, chunked prefill (32-token chunks) and batches that mix
+    decodes with prefill chunks give stock vLLM's tokens and prompt logprobs."""
+    prompts = [prose(150, 41), prose(60, 42), prose(220, 43)]
+    with engine(mha) as llm:
+        want_tokens, want_lp = greedy(llm, prompts, 16), prompt_logprobs(llm, prompts)
+    lossless = {"default": {"k_bits": 16, "v_bits": 16}}
+    with engine(mha, lossless, max_num_batched_tokens=32, enable_chunked_prefill=True,
+                enable_prefix_caching=False) as llm:
+        assert attention_backends(llm) == {"KVCOMPRESS"}
+        got_tokens, got_lp = greedy(llm, prompts, 16), prompt_logprobs(llm, prompts)
+    assert got_tokens == want_tokens
+    for g, w in zip(got_lp, want_lp):
+        assert (g - w).abs().max() < 1e-4
+
+
+def test_prefix_cache_reuses_compressed_pages(mha):
+    """Requests sharing a 300-token prefix hit vLLM's prefix cache on compressed pages (two full
+    128-token blocks) and get the same answer as without prefix caching."""
+    from vllm import SamplingParams
+
+    prefix = prose(300, 50)
+    prompts = [prefix + " The quick brown fox", prefix + " Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    results, cached = {}, {}
+    for caching in (False, True):
+        with engine(mha, "quant-k4v4", enable_prefix_caching=caching) as llm:
+            llm.generate(prompts[:1], params, use_tqdm=False)  # puts the prefix's full blocks in the cache
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[caching] = [list(o.outputs[0].token_ids) for o in outs]
+            cached[caching] = [o.num_cached_tokens or 0 for o in outs]
+    assert cached[False] == [0, 0] and min(cached[True]) >= 256
+    assert results[True] == results[False]
