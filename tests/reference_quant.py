@@ -3,7 +3,9 @@
 Min-max asymmetric quantization over blocks of ``block`` tokens: K-style
 statistics per channel over a block's tokens, V-style per token over channels;
 zero = fp16(min), scale = fp16((max - zero) / (2**bits - 1)), code =
-clamp(floor((x - zero) / scale + 1/2)). Written from the format's description, not
+clamp(floor((x - zero) / scale + 1/2)). With 3 bits (KVmix's packing) every
+11th channel (index % 11 == 10) sits on a 2-bit grid spanning the same range,
+its step 7/3 of the 3-bit step. Written from the format's description, not
 from the package's code.
 """
 
@@ -14,32 +16,17 @@ def fake_quant(x: torch.Tensor, bits: int, axis: str, block: int) -> torch.Tenso
     """x: [seq, H, D] -> quantize-dequantize, block by block along seq."""
     if bits == 16:
         return x
-    assert bits != 3, "3-bit slots are checked separately"
-    top = (1 << bits) - 1
+    top = float((1 << bits) - 1)
+    levels = torch.full((x.shape[-1],), top)
+    if bits == 3:
+        levels[torch.arange(x.shape[-1]) % 11 == 10] = 3.0
     out = torch.empty_like(x, dtype=torch.float32)
     for start in range(0, x.shape[0], block):
         blk = x[start:start + block].float()
         dims = 0 if axis == "channel" else -1
         mn, mx = blk.amin(dims, keepdim=True), blk.amax(dims, keepdim=True)
         zero = mn.half().float()
-        scale = ((mx - zero) / top).clamp_min(1e-6).half().float()
-        codes = torch.floor((blk - zero) / scale + 0.5).clamp(0, top)
-        out[start:start + block] = codes * scale + zero
-    return out
-
-
-def fake_quant_kvmix3(x: torch.Tensor, axis: str, block: int) -> torch.Tensor:
-    """3 bits in KVmix's packing: every 11th channel (index % 11 == 10) sits on a 2-bit grid
-    spanning the same range as the 3-bit grid (step = 7/3 of the 3-bit step)."""
-    levels = torch.full((x.shape[-1],), 7.0)
-    levels[torch.arange(x.shape[-1]) % 11 == 10] = 3.0
-    out = torch.empty_like(x, dtype=torch.float32)
-    for start in range(0, x.shape[0], block):
-        blk = x[start:start + block].float()
-        dims = 0 if axis == "channel" else -1
-        mn, mx = blk.amin(dims, keepdim=True), blk.amax(dims, keepdim=True)
-        zero = mn.half().float()
-        step = ((mx - zero) / 7).clamp_min(1e-6).half().float() * (7 / levels)
+        step = ((mx - zero) / top).clamp_min(1e-6).half().float() * (top / levels)
         codes = torch.minimum(torch.floor((blk - zero) / step + 0.5).clamp(min=0), levels)
         out[start:start + block] = codes * step + zero
     return out

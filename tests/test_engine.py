@@ -136,7 +136,7 @@ def test_backend_output_equals_reference_attention(request, monkeypatch, model_n
     """Inside the engine, every layer's attention output for a batch of prompts equals causal
     attention over the same K/V put through the format's arithmetic (torch reference), to float
     rounding. Prompts span several 128-token blocks; the batch mixes lengths."""
-    from reference_quant import fake_quant, fake_quant_kvmix3
+    from reference_quant import fake_quant
     from vllm_kvcompress.backend import KVCompressImpl
 
     model = request.getfixturevalue(model_name)
@@ -156,15 +156,13 @@ def test_backend_output_equals_reference_attention(request, monkeypatch, model_n
     with engine(model, f"quant-k{bits}v{bits}") as llm:
         greedy(llm, prompts, max_tokens=1)
     assert calls
-    quant = (lambda x, axis: fake_quant_kvmix3(x, axis, 128)) if bits == 3 else \
-        (lambda x, axis: fake_quant(x, bits, axis, 128))
     for hq, hkv, scale, qsl, q, k, v, out in calls:
         d = q.shape[-1] // hq if q.dim() == 2 else q.shape[-1]
         q, k, v, out = (t.reshape(t.shape[0], -1, d).float() for t in (q, k, v, out))
         for i in range(len(qsl) - 1):
             s, e = qsl[i], qsl[i + 1]
-            kq = quant(k[s:e], "channel").repeat_interleave(hq // hkv, 1)
-            vq = quant(v[s:e], "token").repeat_interleave(hq // hkv, 1)
+            kq = fake_quant(k[s:e], bits, "channel", 128).repeat_interleave(hq // hkv, 1)
+            vq = fake_quant(v[s:e], bits, "token", 128).repeat_interleave(hq // hkv, 1)
             scores = torch.einsum("qhd,khd->hqk", q[s:e], kq) * scale
             scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
             ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vq)

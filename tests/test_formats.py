@@ -38,7 +38,7 @@ def _codec(bits, axis, scaling=False, B=128, H=4, D=64):
     return MinMaxCodec(bits, axis, scaling, B, H, D)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("axis", ["channel", "token"])
 def test_codec_equals_formula(bits, axis):
     B, H, D = 128, 4, 64
