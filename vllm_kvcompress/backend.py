@@ -9,7 +9,7 @@ format and its compute path (``paged_torch`` on every device for now).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import paged_torch
-from .engine_config import ModelKVShape, active_config
+from .engine_config import active_config, layer_page_format
 from .formats import KVPageFormat
 
 BACKEND_NAME = "KVCOMPRESS"
@@ -67,7 +67,6 @@ class KVCompressBackend(AttentionBackend):
 
 def compressed_spec(spec: AttentionSpec, fmt: KVPageFormat) -> AttentionSpec:
     """The layer's spec with its page replaced by ``fmt``'s (one head slot, ``slot_bytes`` a token)."""
-    from dataclasses import replace
     return replace(spec, num_head_slots=1, state_content_bytes=fmt.slot_bytes)
 
 
@@ -150,9 +149,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
 
     def _page_format(self, layer, kv_cache: torch.Tensor) -> KVPageFormat:
         if self._format is None:
-            block_size = kv_cache.shape[2]
-            shape = ModelKVShape(0, self.num_kv_heads, self.head_size, self._dtype, block_size)
-            self._format = shape.page_format(self._config, extract_layer_index(layer.layer_name))
+            self._format = layer_page_format(self._config, extract_layer_index(layer.layer_name), self._dtype,
+                                             kv_cache.shape[2], self.num_kv_heads, self.head_size)
             self._select_kernels(self._format, kv_cache.device)
         return self._format
 

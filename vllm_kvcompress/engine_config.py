@@ -52,8 +52,15 @@ class ModelKVShape:
         )
 
     def page_format(self, cfg: KVCompressionConfig, layer_index: int) -> KVPageFormat:
-        return KVPageFormat.from_layer_format(cfg.layer_format(layer_index), self.dtype, self.block_size,
-                                              self.num_kv_heads, self.head_size)
+        return layer_page_format(cfg, layer_index, self.dtype, self.block_size, self.num_kv_heads,
+                                 self.head_size)
+
+
+def layer_page_format(cfg: KVCompressionConfig, layer_index: int, dtype: torch.dtype, block_size: int,
+                      num_kv_heads: int, head_size: int) -> KVPageFormat:
+    """The page one layer uses under ``cfg``."""
+    return KVPageFormat.from_layer_format(cfg.layer_format(layer_index), dtype, block_size, num_kv_heads,
+                                          head_size)
 
 
 def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[float, str]:

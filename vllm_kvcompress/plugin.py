@@ -8,7 +8,6 @@ plugin leaves vLLM as it is.
 
 from __future__ import annotations
 
-import json
 import logging
 
 from .engine_config import (
@@ -16,6 +15,7 @@ from .engine_config import (
     ModelKVShape,
     active_config,
     capacity_report,
+    layer_page_format,
     requested_setting,
     validate_against_model,
 )
@@ -94,9 +94,7 @@ def _unwrap_config_errors(engine_args_cls) -> None:
 
 def with_compression(additional_config, setting) -> dict:
     """``additional_config`` with ``kv_compression`` set; refuses two different settings."""
-    extra = dict(additional_config or {})
-    if isinstance(additional_config, str):
-        extra = json.loads(additional_config)
+    extra = dict(additional_config or {})  # vLLM has already parsed --additional-config's JSON
     previous = extra.get(ADDITIONAL_CONFIG_KEY)
     if previous is not None and previous != setting:
         from .config import KVCompressionConfigError
@@ -171,7 +169,8 @@ def _hook_layer_spec() -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
         from .backend import compressed_spec
-        shape = ModelKVShape(0, spec.num_kv_heads, spec.head_size, spec.dtype, spec.block_size)
-        return compressed_spec(spec, shape.page_format(cfg, extract_layer_index(self.layer_name)))
+        fmt = layer_page_format(cfg, extract_layer_index(self.layer_name), spec.dtype, spec.block_size,
+                                spec.num_kv_heads, spec.head_size)
+        return compressed_spec(spec, fmt)
 
     Attention.get_kv_cache_spec = get_kv_cache_spec

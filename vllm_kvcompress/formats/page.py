@@ -38,7 +38,7 @@ class KVPageFormat:
     @property
     def slot_bytes(self) -> int:
         """Bytes per token slot as vLLM sees it (page rounded up to whole slots of the dtype)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         per_slot = -(-(self.k.nbytes + self.v.nbytes) // self.block_size)
         return -(-per_slot // elem) * elem
 
@@ -48,7 +48,7 @@ class KVPageFormat:
 
     def dense_page_bytes(self) -> int:
         """What vLLM's own uncompressed cache spends on the same block."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return 2 * self.block_size * self.k.num_heads * self.k.head_size * elem
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
