@@ -45,6 +45,13 @@ def _plane(packed, K: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _accumulate_plane(acc, alpha, ps, pz, packed, K: tl.constexpr, BITS: tl.constexpr, channel_scale):
+    """Rescaled running output of plane K plus this tile's share: (p*s) . codes + p . zero, times
+    the ZipCache channel scale (1.0 without)."""
+    return acc * alpha + (tl.dot(ps, _plane(packed, K, BITS)) + pz) * channel_scale
+
+
+@triton.jit
 def _fp16(ptr):
     return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
@@ -113,7 +120,7 @@ def _decode_kernel(
                 qs2 = (q2 * _fp16(kstat + 4 + K_SCALE)).to(tl.float16)
                 qs3 = (q3 * _fp16(kstat + 6 + K_SCALE)).to(tl.float16)
                 bias += tl.sum(q2 * _fp16(kstat + 4 + K_ZERO), 1) + tl.sum(q3 * _fp16(kstat + 6 + K_ZERO), 1)
-        if V_CS >= 0:
+        if V_CS >= 0:  # ZipCache channel scales, per plane
             vcs = page + V_CS + (h * D + dv * VP) * 2
             cs0 = _fp16(vcs)
             if VP > 1:
@@ -121,6 +128,11 @@ def _decode_kernel(
             if VP > 2:
                 cs2 = _fp16(vcs + 4)
                 cs3 = _fp16(vcs + 6)
+        else:
+            cs0 = 1.0
+            cs1 = 1.0
+            cs2 = 1.0
+            cs3 = 1.0
         for t0 in range(0, BLOCK, TILE):
             tok = t0 + tl.arange(0, TILE)
             valid = b * BLOCK + tok < L
@@ -153,27 +165,14 @@ def _decode_kernel(
                     pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS))
                     if V_BITS == 3:
                         pv = pv * tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0)
-                    pv += pz
-                    if V_CS >= 0:
-                        pv = pv * cs0
-                    acc0 = acc0 * alpha + pv
+                    acc0 = acc0 * alpha + (pv + pz) * cs0
                 else:
                     vb = tl.load(v_row + dv).to(tl.int32)
-                    pv0 = tl.dot(ps, _plane(vb, 0, V_BITS)) + pz
-                    pv1 = tl.dot(ps, _plane(vb, 1, V_BITS)) + pz
-                    if V_CS >= 0:
-                        pv0 = pv0 * cs0
-                        pv1 = pv1 * cs1
-                    acc0 = acc0 * alpha + pv0
-                    acc1 = acc1 * alpha + pv1
+                    acc0 = _accumulate_plane(acc0, alpha, ps, pz, vb, 0, V_BITS, cs0)
+                    acc1 = _accumulate_plane(acc1, alpha, ps, pz, vb, 1, V_BITS, cs1)
                     if VP > 2:
-                        pv2 = tl.dot(ps, _plane(vb, 2, V_BITS)) + pz
-                        pv3 = tl.dot(ps, _plane(vb, 3, V_BITS)) + pz
-                        if V_CS >= 0:
-                            pv2 = pv2 * cs2
-                            pv3 = pv3 * cs3
-                        acc2 = acc2 * alpha + pv2
-                        acc3 = acc3 * alpha + pv3
+                        acc2 = _accumulate_plane(acc2, alpha, ps, pz, vb, 2, V_BITS, cs2)
+                        acc3 = _accumulate_plane(acc3, alpha, ps, pz, vb, 3, V_BITS, cs3)
 
     if NUM_SPLITS == 1:
         dst = out_ptr + (seq * H * G + heads[:, None]) * D + dv * VP
