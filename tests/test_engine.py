@@ -8,20 +8,9 @@ import torch
 
 from engine_utils import (attention_backends, engine, greedy, kv_capacity_tokens, prompt_logprobs, prose,
                           reference_prompt_logprobs)
-from tiny_models import build_llama
 
 pytestmark = pytest.mark.engine
 PROMPTS = [prose(40, 1), prose(25, 2), prose(60, 3), "The quick brown fox"]
-
-
-@pytest.fixture(scope="session")
-def mha(tmp_path_factory):
-    return build_llama(tmp_path_factory.mktemp("models") / "mha", num_kv_heads=4, num_heads=4)
-
-
-@pytest.fixture(scope="session")
-def gqa(tmp_path_factory):
-    return build_llama(tmp_path_factory.mktemp("models") / "gqa", num_kv_heads=2, num_heads=4)
 
 
 @pytest.fixture(scope="session")
@@ -174,6 +163,9 @@ def test_backend_output_equals_reference_attention(request, monkeypatch, model_n
     ({"default": {"k_bits": 4}, "colour": "red"}, "unknown field 'colour'"),
     ({"layers": {4: {"k_bits": 8}}}, "'layers' names layer 4, but the model has 4 attention layers (allowed: 0..3)"),
     ({"full_precision_layers": [12]}, "'full_precision_layers' names layer 12"),
+    ({"model": {"architecture": "LlamaForCausalLM", "num_layers": 30}},
+     "field 'model.num_layers' = 30, but the served model"),
+    ({"model": {"architecture": "Gemma3ForCausalLM"}}, "has architecture = 'LlamaForCausalLM': this config was made for another model"),
     ("no/such/config.yaml", "'no/such/config.yaml': no such file, and not a preset name"),
     ("MALFORMED", "malformed YAML"),
 ])

@@ -44,6 +44,8 @@ def page_layout(fmt: KVPageFormat) -> PageLayout:
 
 def kernel_supports(fmt: KVPageFormat) -> str | None:
     """None if the decode kernel reads this format, else why not."""
+    if fmt.recent is not None:
+        return "recent 16-bit window (KVmix RPC)"
     if isinstance(fmt.k, MinMaxCodec) and fmt.k.axis != "channel":
         return "K quantized per token"
     if isinstance(fmt.v, MinMaxCodec) and fmt.v.axis != "token":

@@ -180,6 +180,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         md = attn_metadata
         t = md.num_actual_tokens
         q = query[:t].view(t, self.num_heads, self.head_size)
+        k_new = key[:t].reshape(t, self.num_kv_heads, self.head_size)
+        v_new = value[:t].reshape(t, self.num_kv_heads, self.head_size)
         out = output[:t].view(t, self.num_heads, self.head_size)
         pages = self._pages(kv_cache, fmt)
         nd = md.num_decodes if self._decode_kernel is not None else 0
@@ -190,5 +192,6 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             start = md.query_start_loc[nd]
             rest_loc = [x - start for x in md.query_start_loc[nd:]]
             out[start:] = paged_torch.attend(q[start:], pages, fmt, rest_loc, md.seq_lens[nd:],
-                                             md.block_table[nd:], self.scale)
+                                             md.block_table[nd:], self.scale, key=k_new[start:],
+                                             value=v_new[start:])
         return output

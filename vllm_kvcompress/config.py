@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 BITS_ALLOWED = (2, 3, 4, 8, 16)
 Bits = Literal[2, 3, 4, 8, 16]
@@ -37,16 +37,32 @@ class LayerFormat(BaseModel):
         "token", description="V scale/zero per token (KIVI), or per channel over a block's tokens")
     v_channel_scaling: bool = Field(
         False, description="ZipCache channel-separable V: divide channels by sqrt(max|v|) before quantizing")
+    rpc_fraction: float = Field(
+        0.0, ge=0.0, le=1.0,
+        description="KVmix recent pivotal context: share of the newest tokens read at 16 bits")
+    rpc_tokens: int = Field(
+        0, ge=0, description="cap on the recent window in tokens (16-bit copies kept per page); 0 = no window")
+
+    @model_validator(mode="after")
+    def _window_needs_cap(self):
+        if self.rpc_fraction > 0 and self.rpc_tokens == 0:
+            raise ValueError("rpc_fraction > 0 needs rpc_tokens > 0 (the window's cap in tokens)")
+        return self
 
     @property
     def is_uncompressed(self) -> bool:
         return self.k_bits == 16 and self.v_bits == 16
 
+    @property
+    def has_recent_window(self) -> bool:
+        return self.rpc_tokens > 0 and self.rpc_fraction > 0 and not self.is_uncompressed
+
     def describe(self) -> str:
         if self.is_uncompressed:
             return "16-bit"
         scaling = "+chscale" if self.v_channel_scaling and self.v_bits != 16 else ""
-        return f"K{self.k_bits}/{self.k_axis} V{self.v_bits}/{self.v_axis}{scaling}"
+        window = f" +{self.rpc_fraction:.0%} recent (<= {self.rpc_tokens}) at 16-bit" if self.has_recent_window else ""
+        return f"K{self.k_bits}/{self.k_axis} V{self.v_bits}/{self.v_axis}{scaling}{window}"
 
 
 class LayerOverride(BaseModel):
@@ -59,6 +75,19 @@ class LayerOverride(BaseModel):
     k_axis: Literal["channel", "token"] | None = None
     v_axis: Literal["channel", "token"] | None = None
     v_channel_scaling: bool | None = None
+    rpc_fraction: float | None = Field(None, ge=0.0, le=1.0)
+    rpc_tokens: int | None = Field(None, ge=0)
+
+
+class ModelIdentity(BaseModel):
+    """The model a config was made for (a profiled config only fits its own model)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    architecture: str | None = None
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_size: int | None = None
 
 
 class KVCompressionConfig(BaseModel):
@@ -69,6 +98,7 @@ class KVCompressionConfig(BaseModel):
 
     name: str = "custom"
     description: str = ""
+    model: ModelIdentity | None = None
     default: LayerFormat = LayerFormat()
     layers: dict[int, LayerOverride] = Field(default_factory=dict)
     full_precision_layers: list[int] = Field(default_factory=list)
@@ -81,7 +111,11 @@ class KVCompressionConfig(BaseModel):
         if override is None:
             return self.default
         changes = override.model_dump(exclude_none=True)
-        return self.default.model_copy(update=changes)
+        try:
+            return LayerFormat(**(self.default.model_dump() | changes))
+        except ValidationError as err:
+            raise KVCompressionConfigError(
+                f"kv-compression config {self.source}: layer {layer_index}: {err.errors()[0]['msg']}") from None
 
     def check_layers(self, num_layers: int) -> None:
         """Refuse layer indices the model doesn't have."""
@@ -113,6 +147,8 @@ def _allowed_keys_at(loc: tuple) -> list[str]:
             model = LayerFormat
         elif part == "layers":
             model = LayerOverride
+        elif part == "model":
+            model = ModelIdentity
     return sorted(k for k in model.model_fields if k != "source")
 
 

@@ -59,8 +59,13 @@ class ModelKVShape:
 def layer_page_format(cfg: KVCompressionConfig, layer_index: int, dtype: torch.dtype, block_size: int,
                       num_kv_heads: int, head_size: int) -> KVPageFormat:
     """The page one layer uses under ``cfg``."""
-    return KVPageFormat.from_layer_format(cfg.layer_format(layer_index), dtype, block_size, num_kv_heads,
-                                          head_size)
+    try:
+        return KVPageFormat.from_layer_format(cfg.layer_format(layer_index), dtype, block_size, num_kv_heads,
+                                              head_size)
+    except ValueError as err:
+        if isinstance(err, KVCompressionConfigError):
+            raise
+        raise KVCompressionConfigError(f"kv-compression config {cfg.source}: layer {layer_index}: {err}") from None
 
 
 def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[float, str]:
@@ -79,9 +84,28 @@ def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[floa
     return ratio, line
 
 
+def check_model_identity(cfg: KVCompressionConfig, vllm_config) -> None:
+    """A config made for one model (``model:``, e.g. from the profiler) is refused on another."""
+    if cfg.model is None:
+        return
+    mc = vllm_config.model_config
+    served = {
+        "architecture": (mc.architectures or [None])[0],
+        "num_layers": mc.get_total_num_hidden_layers(),
+        "num_kv_heads": mc.get_total_num_kv_heads(),
+        "head_size": mc.get_head_size(),
+    }
+    for field, expected in cfg.model.model_dump(exclude_none=True).items():
+        if served[field] != expected:
+            raise KVCompressionConfigError(
+                f"kv-compression config {cfg.source}: field 'model.{field}' = {expected!r}, but the served "
+                f"model {mc.model} has {field} = {served[field]!r}: this config was made for another model")
+
+
 def validate_against_model(cfg: KVCompressionConfig, vllm_config) -> None:
     """Refuse settings that cannot work with this model and engine, at startup."""
     mc = vllm_config.model_config
+    check_model_identity(cfg, vllm_config)
     cfg.check_layers(mc.get_total_num_hidden_layers())
     if mc.use_mla:
         raise KVCompressionConfigError(

@@ -31,19 +31,29 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     blocks, offsets = slots // B, slots % B
     touched, which = torch.unique(blocks, return_inverse=True)
     filled = torch.zeros_like(touched).scatter_reduce(0, which, offsets + 1, reduce="amax")
-    k, v = fmt.decode(cache[touched])
+    old = cache[touched]
+    k, v = fmt.decode(old)
     k[which, offsets] = key.float()
     v[which, offsets] = value.float()
-    cache[touched] = fmt.encode(k, v, filled)
+    pages = fmt.encode(k, v, filled)
+    if fmt.recent is not None:
+        pages[:, fmt.codes_bytes:] = old[:, fmt.codes_bytes:]
+        newest = offsets >= filled[which] - fmt.window_cap  # the page's last tokens: one per ring slot
+        fmt.write_recent(pages, which[newest], offsets[newest], key[newest], value[newest])
+    cache[touched] = pages
 
 
 def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_start_loc: list[int],
            seq_lens: list[int], block_table: torch.Tensor, scale: float,
-           sliding_window: int | None = None) -> torch.Tensor:
+           sliding_window: int | None = None, key: torch.Tensor | None = None,
+           value: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, Hq, D]`` over each request's pages.
 
     Request i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, the
-    last tokens of its ``seq_lens[i]``-token context.
+    last tokens of its ``seq_lens[i]``-token context. ``key``/``value`` are
+    those rows' own new K/V; with a recent window they are the 16-bit values
+    of the newest tokens (the pages' ring may have moved past them already
+    within a long prefill).
     """
     out = torch.empty_like(query)
     B = fmt.block_size
@@ -51,13 +61,15 @@ def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_st
     rows = [block_table[i, :n] for i, n in enumerate(num_blocks)]
     if not rows:
         return out
-    k_all, v_all = fmt.decode(cache[torch.cat(rows).long()])
+    pages = cache[torch.cat(rows).long()]
+    k_all, v_all = fmt.decode(pages)
     start = 0
     for i, L in enumerate(seq_lens):
         qs, qe = query_start_loc[i], query_start_loc[i + 1]
         n = num_blocks[i]
         k = k_all[start:start + n].flatten(0, 1)[:L]
         v = v_all[start:start + n].flatten(0, 1)[:L]
+        request_pages = pages[start:start + n]
         start += n
         if qe == qs:
             continue
@@ -67,7 +79,40 @@ def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_st
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
         q = query[qs:qe].float().transpose(0, 1)  # [Hq, q, D]
-        o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                           scale=scale, enable_gqa=True)
+        if fmt.recent is None:
+            o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                               scale=scale, enable_gqa=True)
+        else:
+            exact_k, exact_v, held = _recent_values(fmt, request_pages, L, key[qs:qe], value[qs:qe])
+            windows = torch.tensor([fmt.window(int(p) + 1) for p in q_pos], device=query.device)
+            exact = mask & held[None, :] & (k_pos[None, :] > q_pos[:, None] - windows[:, None])
+            o = _attention_two_sources(q, (k, v), (exact_k, exact_v), exact, mask, scale)
         out[qs:qe] = o.transpose(0, 1).to(query.dtype)
     return out
+
+
+def _recent_values(fmt: KVPageFormat, pages: torch.Tensor, L: int, new_k: torch.Tensor, new_v: torch.Tensor):
+    """16-bit K/V [L, H, D] of a request's tokens where known, and which tokens [L] those are:
+    each page's ring (its last ``window_cap`` tokens), then the query rows' own new tokens."""
+    ring_k, ring_v = fmt.decode_recent(pages)
+    B, cap = fmt.block_size, fmt.window_cap
+    pos = torch.arange(L, device=pages.device)
+    block, offset = pos // B, pos % B
+    filled = (L - block * B).clamp(max=B)
+    held = offset >= filled - cap
+    exact_k, exact_v = ring_k[block, offset % cap], ring_v[block, offset % cap]
+    m = new_k.shape[0]
+    exact_k[L - m:], exact_v[L - m:] = new_k.float(), new_v.float()
+    held[L - m:] = True
+    return exact_k, exact_v, held
+
+
+def _attention_two_sources(q, quantized, exact, use_exact, mask, scale):
+    """Attention where each (query, key) pair reads K and V either from the codes or from the 16-bit copy.
+    q: [Hq, q, D]; K/V pairs [L, H, D]; use_exact, mask: [q, L]."""
+    group = q.shape[0] // quantized[0].shape[1]
+    kq, vq = (t.repeat_interleave(group, 1).transpose(0, 1) for t in quantized)  # [Hq, L, D]
+    ke, ve = (t.repeat_interleave(group, 1).transpose(0, 1) for t in exact)
+    scores = torch.where(use_exact, q @ ke.transpose(1, 2), q @ kq.transpose(1, 2)) * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs * use_exact) @ ve + (probs * ~use_exact) @ vq

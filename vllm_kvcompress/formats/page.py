@@ -1,12 +1,22 @@
 """A KV page: the bytes one layer keeps for one block of tokens.
 
-The page is K's codec region followed by V's, padded so that vLLM can see it as
-``block_size`` equal token slots (``slot_bytes`` each). ``encode``/``decode``
-work on whole blocks; the backend gathers and scatters pages.
+The page is K's codec region followed by V's, then, with a recent window
+(KVmix's RPC), 16-bit copies of the page's newest ``window_cap`` tokens; padded
+so that vLLM can see it as ``block_size`` equal token slots (``slot_bytes``
+each). ``encode``/``decode`` work on whole blocks; the backend gathers and
+scatters pages.
+
+The copies sit in a ring: the token at offset ``o`` of a page goes to copy slot
+``o % window_cap``, so each page holds its own last ``window_cap`` tokens. A
+request's newest ``w <= window_cap`` tokens span at most its last two pages,
+and each of those still holds them, so a window up to the cap is always there
+to read; older tokens are read from the codes ("quantized when they leave the
+window" costs no rewrite).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -27,19 +37,39 @@ class KVPageFormat:
     v: UncompressedCodec | MinMaxCodec
     block_size: int
     dtype: torch.dtype
+    recent: UncompressedCodec | None = None  # ring of 16-bit copies: K's heads, then V's
+    window_fraction: float = 0.0
 
     @classmethod
     def from_layer_format(cls, fmt, dtype: torch.dtype, block_size: int, num_kv_heads: int,
                           head_size: int) -> "KVPageFormat":
         k = make_codec(fmt.k_bits, fmt.k_axis, False, dtype, block_size, num_kv_heads, head_size)
         v = make_codec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling, dtype, block_size, num_kv_heads, head_size)
-        return cls(k, v, block_size, dtype)
+        if not fmt.has_recent_window:
+            return cls(k, v, block_size, dtype)
+        if fmt.rpc_tokens >= block_size:
+            raise ValueError(f"rpc_tokens = {fmt.rpc_tokens} must be below the block size ({block_size} tokens)")
+        recent = UncompressedCodec(dtype, fmt.rpc_tokens, 2 * num_kv_heads, head_size)
+        return cls(k, v, block_size, dtype, recent, fmt.rpc_fraction)
+
+    @property
+    def window_cap(self) -> int:
+        return 0 if self.recent is None else self.recent.block_size
+
+    def window(self, num_tokens: int) -> int:
+        """How many of a context's newest tokens are read at 16 bits."""
+        return min(self.window_cap, math.ceil(self.window_fraction * num_tokens - 1e-9))
+
+    @property
+    def codes_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
 
     @property
     def slot_bytes(self) -> int:
         """Bytes per token slot as vLLM sees it (page rounded up to whole slots of the dtype)."""
         elem = self.dtype.itemsize
-        per_slot = -(-(self.k.nbytes + self.v.nbytes) // self.block_size)
+        recent = 0 if self.recent is None else self.recent.nbytes
+        per_slot = -(-(self.codes_bytes + recent) // self.block_size)
         return -(-per_slot // elem) * elem
 
     @property
@@ -63,3 +93,17 @@ class KVPageFormat:
         k = self.k.decode(pages[:, :self.k.nbytes])
         v = self.v.decode(pages[:, self.k.nbytes:self.k.nbytes + self.v.nbytes])
         return k, v
+
+    def decode_recent(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pages -> the ring's k, v float32 [N, window_cap, H, D]; slot s holds offset o with o % cap == s."""
+        kv = self.recent.decode(pages[:, self.codes_bytes:self.codes_bytes + self.recent.nbytes])
+        return kv.chunk(2, dim=2)
+
+    def write_recent(self, pages: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """Copy tokens ``k``/``v`` [M, H, D] at block ``offsets`` of ``pages[rows]`` into their ring slots."""
+        region = slice(self.codes_bytes, self.codes_bytes + self.recent.nbytes)
+        ring = self.recent.decode(pages[:, region])
+        ring[rows, offsets % self.window_cap] = torch.cat([k, v], dim=1).float()
+        full = torch.full((pages.shape[0],), self.window_cap, device=pages.device)
+        pages[:, region] = self.recent.encode(ring, full)
