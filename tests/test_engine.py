@@ -224,3 +224,24 @@ def test_prefix_cache_reuses_compressed_pages(mha):
             cached[caching] = [o.num_cached_tokens or 0 for o in outs]
     assert cached[False] == [0, 0] and min(cached[True]) >= 256
     assert results[True] == results[False]
+
+
+def test_sliding_window_layers_lossless_at_16_bits(mha, tmp_path):
+    """Layers with a sliding window (here every other layer, window 48, as Gemma 3 and Mistral
+    declare it) read only their window: 16-bit pages give stock vLLM's greedy tokens, prompts
+    longer than the window."""
+    import json
+    import shutil
+    model = tmp_path / "windowed"
+    shutil.copytree(mha, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(sliding_window=48, layer_types=["sliding_attention", "full_attention"] * 2)
+    (model / "config.json").write_text(json.dumps(config))
+    prompts = [prose(320, 51), prose(70, 52)]  # the first outgrows two 128-token pages past its window
+    with engine(model) as llm:
+        want = greedy(llm, prompts, 24)
+    with engine(model, {"default": {"k_bits": 16, "v_bits": 16}}) as llm:
+        assert "KVCOMPRESS" in attention_backends(llm)
+        assert greedy(llm, prompts, 24) == want
+    with engine(mha) as llm:  # the window matters: without it the tokens differ
+        assert greedy(llm, prompts, 24) != want

@@ -116,8 +116,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  **unsupported) -> None:
-        for name, value in (("alibi_slopes", alibi_slopes), ("logits_soft_cap", logits_soft_cap),
-                            ("sliding_window", sliding_window)):
+        for name, value in (("alibi_slopes", alibi_slopes), ("logits_soft_cap", logits_soft_cap)):
             if value:
                 raise ValueError(f"kv-compression: attention with {name} is not supported")
         if any(v is not None for v in unsupported.values()):
@@ -126,6 +125,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window  # keys p - sliding_window < j <= p, as in vLLM's other backends
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
@@ -144,8 +144,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         if kernel_supports(fmt) is None:
             from .triton_kernels.decode import paged_decode
             from .triton_kernels.write import write_tokens
-            self._decode_kernel = paged_decode
             self._write = write_tokens
+            if self.sliding_window is None:  # the decode kernel reads whole contexts
+                self._decode_kernel = paged_decode
 
     def _page_format(self, layer, kv_cache: torch.Tensor) -> KVPageFormat:
         if self._format is None:
@@ -192,6 +193,6 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             start = md.query_start_loc[nd]
             rest_loc = [x - start for x in md.query_start_loc[nd:]]
             out[start:] = paged_torch.attend(q[start:], pages, fmt, rest_loc, md.seq_lens[nd:],
-                                             md.block_table[nd:], self.scale, key=k_new[start:],
+                                             md.block_table[nd:], self.scale, self.sliding_window, key=k_new[start:],
                                              value=v_new[start:])
         return output

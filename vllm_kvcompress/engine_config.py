@@ -119,8 +119,3 @@ def validate_against_model(cfg: KVCompressionConfig, vllm_config) -> None:
     if mc.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise KVCompressionConfigError(
             f"--dtype {mc.dtype} is not supported with --kv-compression (allowed: float16, bfloat16, float32)")
-    window = getattr(mc.hf_text_config, "sliding_window", None)
-    if window:
-        raise KVCompressionConfigError(
-            f"kv-compression config {cfg.source}: model {mc.model} has sliding-window attention "
-            f"(sliding_window={window}), which compressed pages do not support yet")

@@ -57,8 +57,12 @@ def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_st
     """
     out = torch.empty_like(query)
     B = fmt.block_size
-    num_blocks = [-(-L // B) for L in seq_lens]
-    rows = [block_table[i, :n] for i, n in enumerate(num_blocks)]
+    # Pages a request's queries can see: with a sliding window, vLLM has already freed older ones.
+    first_block = [0 if sliding_window is None else max(0, L - (query_start_loc[i + 1] - query_start_loc[i])
+                                                       - sliding_window + 1) // B
+                   for i, L in enumerate(seq_lens)]
+    last_block = [-(-L // B) for L in seq_lens]
+    rows = [block_table[i, a:b] for i, (a, b) in enumerate(zip(first_block, last_block))]
     if not rows:
         return out
     pages = cache[torch.cat(rows).long()]
@@ -66,15 +70,16 @@ def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_st
     start = 0
     for i, L in enumerate(seq_lens):
         qs, qe = query_start_loc[i], query_start_loc[i + 1]
-        n = num_blocks[i]
-        k = k_all[start:start + n].flatten(0, 1)[:L]
-        v = v_all[start:start + n].flatten(0, 1)[:L]
+        n = last_block[i] - first_block[i]
+        first = first_block[i] * B
+        k = k_all[start:start + n].flatten(0, 1)[:L - first]
+        v = v_all[start:start + n].flatten(0, 1)[:L - first]
         request_pages = pages[start:start + n]
         start += n
         if qe == qs:
             continue
         q_pos = torch.arange(L - (qe - qs), L, device=query.device)
-        k_pos = torch.arange(L, device=query.device)
+        k_pos = torch.arange(first, L, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
@@ -83,7 +88,7 @@ def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_st
             o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                                scale=scale, enable_gqa=True)
         else:
-            exact_k, exact_v, held = _recent_values(fmt, request_pages, L, key[qs:qe], value[qs:qe])
+            exact_k, exact_v, held = _recent_values(fmt, request_pages, first, L, key[qs:qe], value[qs:qe])
             windows = torch.tensor([fmt.window(int(p) + 1) for p in q_pos], device=query.device)
             exact = mask & held[None, :] & (k_pos[None, :] > q_pos[:, None] - windows[:, None])
             o = _attention_two_sources(q, (k, v), (exact_k, exact_v), exact, mask, scale)
@@ -91,19 +96,20 @@ def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_st
     return out
 
 
-def _recent_values(fmt: KVPageFormat, pages: torch.Tensor, L: int, new_k: torch.Tensor, new_v: torch.Tensor):
-    """16-bit K/V [L, H, D] of a request's tokens where known, and which tokens [L] those are:
+def _recent_values(fmt: KVPageFormat, pages: torch.Tensor, first: int, L: int, new_k: torch.Tensor,
+                   new_v: torch.Tensor):
+    """16-bit K/V of a request's tokens ``first..L-1`` where known, and which tokens those are:
     each page's ring (its last ``window_cap`` tokens), then the query rows' own new tokens."""
     ring_k, ring_v = fmt.decode_recent(pages)
     B, cap = fmt.block_size, fmt.window_cap
-    pos = torch.arange(L, device=pages.device)
-    block, offset = pos // B, pos % B
-    filled = (L - block * B).clamp(max=B)
+    pos = torch.arange(first, L, device=pages.device)
+    block, offset = (pos - first) // B, pos % B
+    filled = (L - pos + offset).clamp(max=B)
     held = offset >= filled - cap
     exact_k, exact_v = ring_k[block, offset % cap], ring_v[block, offset % cap]
     m = new_k.shape[0]
-    exact_k[L - m:], exact_v[L - m:] = new_k.float(), new_v.float()
-    held[L - m:] = True
+    exact_k[-m:], exact_v[-m:] = new_k.float(), new_v.float()
+    held[-m:] = True
     return exact_k, exact_v, held
 
 

@@ -157,14 +157,14 @@ def activate(vllm_config) -> None:
 
 def _hook_layer_spec() -> None:
     from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     original = Attention.get_kv_cache_spec
 
     def get_kv_cache_spec(self, vllm_config):
         spec = original(self, vllm_config)
         cfg = active_config(vllm_config)
-        if cfg is None or not isinstance(spec, FullAttentionSpec) or spec.state_content_bytes is not None:
+        if cfg is None or not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)) or spec.state_content_bytes is not None:
             return spec
         from vllm.model_executor.models.utils import extract_layer_index
 
