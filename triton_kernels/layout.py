@@ -46,6 +46,8 @@ def kernel_supports(fmt: KVPageFormat) -> str | None:
     """None if the decode kernel reads this format, else why not."""
     if fmt.recent is not None:
         return "recent 16-bit window (KVmix RPC)"
+    if fmt.v is None:
+        return "K-only pages (slim attention)"
     if isinstance(fmt.k, MinMaxCodec) and fmt.k.axis != "channel":
         return "K quantized per token"
     if isinstance(fmt.v, MinMaxCodec) and fmt.v.axis != "token":

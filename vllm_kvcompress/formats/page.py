@@ -1,6 +1,6 @@
 """A KV page: the bytes one layer keeps for one block of tokens.
 
-The page is K's codec region followed by V's, then, with a recent window
+The page is K's codec region followed by V's (none for K-only pages), then, with a recent window
 (KVmix's RPC), 16-bit copies of the page's newest ``window_cap`` tokens; padded
 so that vLLM can see it as ``block_size`` equal token slots (``slot_bytes``
 each). ``encode``/``decode`` work on whole blocks; the backend gathers and
@@ -34,7 +34,7 @@ def make_codec(bits: int, axis: str, channel_scaling: bool, dtype: torch.dtype,
 @dataclass(frozen=True)
 class KVPageFormat:
     k: UncompressedCodec | MinMaxCodec
-    v: UncompressedCodec | MinMaxCodec
+    v: UncompressedCodec | MinMaxCodec | None  # None: K-only page (slim attention rebuilds V)
     block_size: int
     dtype: torch.dtype
     recent: UncompressedCodec | None = None  # ring of 16-bit copies: K's heads, then V's
@@ -44,7 +44,8 @@ class KVPageFormat:
     def from_layer_format(cls, fmt, dtype: torch.dtype, block_size: int, num_kv_heads: int,
                           head_size: int) -> "KVPageFormat":
         k = make_codec(fmt.k_bits, fmt.k_axis, False, dtype, block_size, num_kv_heads, head_size)
-        v = make_codec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling, dtype, block_size, num_kv_heads, head_size)
+        v = None if fmt.k_only else make_codec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling, dtype, block_size,
+                                               num_kv_heads, head_size)
         if not fmt.has_recent_window:
             return cls(k, v, block_size, dtype)
         if fmt.rpc_tokens >= block_size:
@@ -62,7 +63,7 @@ class KVPageFormat:
 
     @property
     def codes_bytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
 
     @property
     def slot_bytes(self) -> int:
@@ -81,17 +82,18 @@ class KVPageFormat:
         elem = self.dtype.itemsize
         return 2 * self.block_size * self.k.num_heads * self.k.head_size * elem
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
-        """k, v: [N, B, H, D] -> pages [N, page_bytes] uint8."""
+    def encode(self, k: torch.Tensor, v: torch.Tensor | None, num_valid: torch.Tensor) -> torch.Tensor:
+        """k, v: [N, B, H, D] -> pages [N, page_bytes] uint8 (``v`` is ignored for K-only pages)."""
         pages = torch.zeros(k.shape[0], self.page_bytes, dtype=torch.uint8, device=k.device)
         pages[:, :self.k.nbytes] = self.k.encode(k, num_valid)
-        pages[:, self.k.nbytes:self.k.nbytes + self.v.nbytes] = self.v.encode(v, num_valid)
+        if self.v is not None:
+            pages[:, self.k.nbytes:self.codes_bytes] = self.v.encode(v, num_valid)
         return pages
 
-    def decode(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pages [N, page_bytes] -> k, v float32 [N, B, H, D]."""
+    def decode(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """pages [N, page_bytes] -> k, v float32 [N, B, H, D] (v None for K-only pages)."""
         k = self.k.decode(pages[:, :self.k.nbytes])
-        v = self.v.decode(pages[:, self.k.nbytes:self.k.nbytes + self.v.nbytes])
+        v = None if self.v is None else self.v.decode(pages[:, self.k.nbytes:self.codes_bytes])
         return k, v
 
     def decode_recent(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
