@@ -63,7 +63,7 @@ def test_k_only_attention_equals_attention_with_v():
     _, k = emb.forward_native(positions, k_pre.flatten(1).clone(), k_pre.flatten(1).clone())
     k = k.view(L, H, D)
     w_kv, _ = w_kv_from_projections(w_k, w_v)
-    slim = SlimLayer(w_kv.float(), Rotary(emb.cos_sin_cache, D, True))
+    slim = SlimLayer.from_w_kv(w_kv.float(), H, Rotary(emb.cos_sin_cache, D, True))
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_only=True), torch.float32, B, H, D)
     cache = torch.zeros(4, fmt.page_bytes, dtype=torch.uint8)
     table = torch.tensor([[3, 1, 0]])

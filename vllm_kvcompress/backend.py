@@ -137,9 +137,14 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._decode_kernel = None  # Triton decode on CUDA where the format has one
         self._write = paged_torch.write_tokens
 
-    def _select_kernels(self, fmt: KVPageFormat, device: torch.device) -> None:
+    def _select_kernels(self, fmt: KVPageFormat, layer, device: torch.device) -> None:
         """Triton kernels on CUDA; KVCOMPRESS_KERNELS=torch keeps the torch reference (for checking)."""
         if device.type != "cuda" or os.environ.get("KVCOMPRESS_KERNELS") == "torch":
+            return
+        if fmt.v is None:
+            from .triton_kernels.slim_decode import slim_decode, slim_kernel_supports
+            if slim_kernel_supports(fmt, getattr(layer, ATTRIBUTE).rotary) is None:
+                self._decode_kernel = slim_decode
             return
         from .triton_kernels.layout import kernel_supports
         if kernel_supports(fmt) is None:
@@ -153,7 +158,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         if self._format is None:
             self._format = layer_page_format(self._config, extract_layer_index(layer.layer_name), self._dtype,
                                              kv_cache.shape[2], self.num_kv_heads, self.head_size)
-            self._select_kernels(self._format, kv_cache.device)
+            self._select_kernels(self._format, layer, kv_cache.device)
         return self._format
 
     @staticmethod
@@ -186,18 +191,22 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         v_new = value[:t].reshape(t, self.num_kv_heads, self.head_size)
         out = output[:t].view(t, self.num_heads, self.head_size)
         pages = self._pages(kv_cache, fmt)
-        if fmt.v is None:
-            out[:] = paged_torch.attend_k_only(q, pages, fmt, md.query_start_loc, md.seq_lens, md.block_table,
-                                               self.scale, getattr(layer, ATTRIBUTE), k_new, v_new)
-            return output
+        slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
-            self._decode_kernel(q[:nd].contiguous(), pages, fmt, md.block_table[:nd], md.seq_lens_device[:nd], self.scale,
-                                max(md.seq_lens[:nd]), out=out[:nd])
+            decode_args = (q[:nd].contiguous(), pages, fmt, md.block_table[:nd], md.seq_lens_device[:nd], self.scale,
+                           max(md.seq_lens[:nd]))
+            if slim is not None:
+                self._decode_kernel(*decode_args, slim, out=out[:nd])
+            else:
+                self._decode_kernel(*decode_args, out=out[:nd])
         if nd < len(md.seq_lens):
             start = md.query_start_loc[nd]
-            rest_loc = [x - start for x in md.query_start_loc[nd:]]
-            out[start:] = paged_torch.attend(q[start:], pages, fmt, rest_loc, md.seq_lens[nd:],
-                                             md.block_table[nd:], self.scale, self.sliding_window, key=k_new[start:],
-                                             value=v_new[start:])
+            rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
+            if slim is not None:
+                out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new[start:],
+                                                        v_new[start:])
+            else:
+                out[start:] = paged_torch.attend(q[start:], pages, fmt, *rest, self.sliding_window,
+                                                 key=k_new[start:], value=v_new[start:])
         return output

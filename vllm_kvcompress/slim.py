@@ -48,19 +48,22 @@ class Rotary:
 
 @dataclass(frozen=True)
 class SlimLayer:
-    """What one layer needs to rebuild V: ``w_kv`` [H*D, H*D] and the model's RoPE."""
+    """What one layer needs to rebuild V: ``w_heads[i] = W_KV[:, i*D:(i+1)*D]`` ([H, H*D, D]) and the model's RoPE."""
 
-    w_kv: torch.Tensor
+    w_heads: torch.Tensor
     rotary: Rotary
+
+    @classmethod
+    def from_w_kv(cls, w_kv: torch.Tensor, num_heads: int, rotary: Rotary) -> "SlimLayer":
+        size = w_kv.shape[0]
+        return cls(w_kv.view(size, num_heads, size // num_heads).transpose(0, 1).contiguous(), rotary)
 
     def values_from(self, weights: torch.Tensor, k_post: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Head i's ``sum_j weights[i, :, j] V_j,i`` for weights [H, q, L] over keys ``k_post`` [L, H, D]
         at ``positions``, computed as ``(weights_i K_pre) W_KV[:, i]``. Returns [H, q, D]."""
-        heads, head_size = k_post.shape[1], k_post.shape[2]
         k_pre = self.rotary.unrotate(k_post, positions).flatten(1)  # [L, H*D]
         mixed = weights @ k_pre  # [H, q, H*D]
-        w = self.w_kv.float().view(heads * head_size, heads, head_size).transpose(0, 1)  # [H, H*D, D]
-        return mixed @ w
+        return mixed @ self.w_heads.float()
 
 
 def w_kv_from_projections(w_k: torch.Tensor, w_v: torch.Tensor) -> tuple[torch.Tensor | None, float]:

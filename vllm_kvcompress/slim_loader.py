@@ -74,6 +74,6 @@ def attach_slim_layers(model: torch.nn.Module, cfg: KVCompressionConfig, dtype: 
                 f"kv-compression config {cfg.source}: W_KV of layer {index} in {cfg.slim_weights!r} is "
                 f"{tuple(w_kv[index].shape)}, the model needs ({size}, {size})")
         device = next(parent.parameters()).device
-        setattr(attn, ATTRIBUTE, SlimLayer(w_kv[index].to(device=device, dtype=dtype),
-                                           _rotary_of(parent, attn.layer_name)))
+        setattr(attn, ATTRIBUTE, SlimLayer.from_w_kv(w_kv[index].to(device=device, dtype=dtype), attn.num_heads,
+                                                     _rotary_of(parent, attn.layer_name)))
     return len(found)

@@ -1,0 +1,116 @@
+"""Decode attention over K-only pages (slim attention, MHA, 16-bit K).
+
+Head h's output is ``(softmax(q_h K_h^T) K_pre) W_KV[:, h]``, where the weighted
+sum runs over *all* heads' K (rotated back to before RoPE). Two passes, each
+reading the pages once:
+
+1. ``_scores_kernel``, one program per (request, head): the scores ``q_h . K_h``;
+   softmax follows in torch over ``[N, H, max_len]``.
+2. ``_mix_kernel``, one program per (request, K head c): ``P [H, T] @ RoPE^-1(K_c) [T, D]``,
+   the columns ``c*D .. c*D+D`` of every head's weighted sum, as tensor-core dots.
+
+A batched product with ``W_KV`` per head finishes it. Neither V nor a
+full-precision copy of K is ever written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_kvcompress.formats import KVPageFormat, UncompressedCodec
+
+
+@triton.jit
+def _scores_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, s_ptr, sm_scale, bt_stride, page_bytes,
+                   s_stride, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TILE: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    dtype = q_ptr.dtype.element_ty
+    L = tl.load(seq_lens_ptr + seq)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (seq * H + h) * D + d).to(tl.float32)
+    for b in range(0, tl.cdiv(L, BLOCK)):
+        page = cache_ptr + tl.load(block_table_ptr + seq * bt_stride + b).to(tl.int64) * page_bytes
+        for t0 in range(0, BLOCK, TILE):
+            tok = t0 + tl.arange(0, TILE)
+            pos = b * BLOCK + tok
+            valid = pos < L
+            k = tl.load(page.to(tl.pointer_type(dtype)) + (tok[:, None] * H + h) * D + d[None, :],
+                        mask=valid[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(k * q[None, :], 1) * sm_scale
+            tl.store(s_ptr + (seq * H + h) * s_stride + pos, s, mask=valid)
+
+
+@triton.jit
+def _mix_kernel(p_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, cos_sin_ptr, out_ptr, bt_stride, page_bytes,
+                p_stride, cs_stride, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                TILE: tl.constexpr):
+    """NeoX rotation over the whole head: ``pre = (k1 cos + k2 sin, k2 cos - k1 sin)`` on the halves."""
+    seq = tl.program_id(0)
+    c = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty  # the model's: K in the pages and the result
+    HALF: tl.constexpr = D // 2
+    L = tl.load(seq_lens_ptr + seq)
+    heads = tl.arange(0, HP)
+    hmask = heads < H
+    dh = tl.arange(0, HALF)
+    acc1 = tl.zeros([HP, HALF], tl.float32)
+    acc2 = tl.zeros([HP, HALF], tl.float32)
+    for b in range(0, tl.cdiv(L, BLOCK)):
+        page = cache_ptr + tl.load(block_table_ptr + seq * bt_stride + b).to(tl.int64) * page_bytes
+        for t0 in range(0, BLOCK, TILE):
+            tok = t0 + tl.arange(0, TILE)
+            pos = b * BLOCK + tok
+            valid = pos < L
+            p = tl.load(p_ptr + (seq * H + heads[:, None]) * p_stride + pos[None, :],
+                        mask=hmask[:, None] & valid[None, :], other=0.0)
+            k_row = page.to(tl.pointer_type(dtype)) + (tok[:, None] * H + c) * D
+            k1 = tl.load(k_row + dh[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            k2 = tl.load(k_row + HALF + dh[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            cs = cos_sin_ptr + pos[:, None] * cs_stride + dh[None, :]
+            cos = tl.load(cs, mask=valid[:, None], other=0.0)
+            sin = tl.load(cs + HALF, mask=valid[:, None], other=0.0)
+            pf = p.to(tl.float16)
+            acc1 += tl.dot(pf, (k1 * cos + k2 * sin).to(tl.float16))
+            acc2 += tl.dot(pf, (k2 * cos - k1 * sin).to(tl.float16))
+    dst = out_ptr + (seq * H + heads[:, None]) * (H * D) + c * D + dh[None, :]
+    tl.store(dst, acc1.to(dtype), mask=hmask[:, None])
+    tl.store(dst + HALF, acc2.to(dtype), mask=hmask[:, None])
+
+
+def slim_kernel_supports(fmt: KVPageFormat, rotary) -> str | None:
+    """None if these kernels read this layer, else why not."""
+    if not isinstance(fmt.k, UncompressedCodec):
+        return f"{fmt.k.bits}-bit K (the kernels read 16-bit K pages)"
+    if not rotary.neox or rotary.rotary_dim != fmt.k.head_size:
+        return "RoPE other than NeoX style over the whole head"
+    d = fmt.k.head_size
+    if d & (d - 1) or d < 32:
+        return f"head size {d} (powers of two from 32)"
+    return None
+
+
+def slim_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, slim, out: torch.Tensor | None = None,
+                tile: int = 32) -> torch.Tensor:
+    """One new token per request (``query`` [N, H, D]) over K-only pages; ``slim`` is the layer's
+    ``SlimLayer`` (``w_heads`` [H, H*D, D] and the RoPE table)."""
+    n, h, d = query.shape
+    block = fmt.block_size
+    tile = min(tile, block)
+    scores = torch.full((n, h, max_seq_len), float("-inf"), dtype=torch.float32, device=query.device)
+    _scores_kernel[(n, h)](query, cache, block_table, seq_lens, scores, sm_scale, block_table.stride(0),
+                           fmt.page_bytes, scores.stride(1), H=h, D=d, BLOCK=block, TILE=tile)
+    probs = scores.softmax(-1)
+    mixed = torch.empty(n, h, h * d, dtype=query.dtype, device=query.device)
+    cos_sin = slim.rotary.cos_sin.float()
+    _mix_kernel[(n, h)](probs, cache, block_table, seq_lens, cos_sin, mixed, block_table.stride(0),
+                        fmt.page_bytes, probs.stride(1), cos_sin.stride(0), H=h, HP=max(16, triton.next_power_of_2(h)),
+                        D=d, BLOCK=block, TILE=tile)
+    result = torch.bmm(mixed.transpose(0, 1), slim.w_heads.to(query.dtype)).transpose(0, 1)  # [N, H, D]
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
