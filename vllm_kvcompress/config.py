@@ -113,6 +113,9 @@ class KVCompressionConfig(BaseModel):
     full_precision_layers: list[int] = Field(default_factory=list)
     slim_weights: str | None = Field(
         None, description="file of precomputed W_KV (kvcompress slim-weights) for k_only layers")
+    slim_max_amplification: float | None = Field(
+        None, gt=1, description="accept k_only layers whose V error amplification is below this instead of the "
+                                "limit derived from K's precision (e.g. for speed runs on random weights)")
     source: str = Field("inline", exclude=True)
 
     def layer_format(self, layer_index: int) -> LayerFormat:

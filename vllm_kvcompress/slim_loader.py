@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .config import KVCompressionConfig, KVCompressionConfigError
-from .slim import Rotary, SlimLayer, check_conditioning, load_weights, w_kv_from_projections
+from .slim import Rotary, SlimLayer, check_conditioning, load_weights, max_amplification, w_kv_from_projections
 
 ATTRIBUTE = "kvcompress_slim"
 
@@ -66,7 +66,8 @@ def attach_slim_layers(model: torch.nn.Module, cfg: KVCompressionConfig, dtype: 
             w_kv[index], cond[index] = w_kv_from_projections(*_k_and_v_weights(parent, attn, attn.layer_name))
     if not found:
         return 0
-    check_conditioning(cond, cfg.slim_weights or "computed from the checkpoint")
+    limit = cfg.slim_max_amplification or min(max_amplification(cfg.layer_format(i).k_bits, dtype) for i in found)
+    check_conditioning(cond, limit, cfg.slim_weights or "computed from the checkpoint")
     for index, (attn, parent) in found.items():
         size = attn.num_kv_heads * attn.head_size
         if tuple(w_kv[index].shape) != (size, size):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..slim import MAX_CONDITION_NUMBER, save_weights, w_kv_from_projections
+from ..slim import max_amplification, save_weights, w_kv_from_projections
 
 _K_NAME = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.k_proj\.weight$")
 
@@ -61,7 +61,10 @@ def main(argv: list[str]) -> int:
         if full is not None:
             w_kv[layer] = full.to(w_k.dtype)
     save_weights(args.output, w_kv, cond, str(args.model))
-    bad = [i for i, c in cond.items() if not c < MAX_CONDITION_NUMBER]  # no W_KV written for these
-    print(json.dumps({"output": str(args.output), "layers": len(w_kv), "max_cond": max(cond.values()),
-                      "over_limit": bad}))
+    limit = max_amplification(16, next(iter(weights.values()))[0].dtype)
+    print(json.dumps({"output": str(args.output), "layers": len(w_kv),
+                      "max_cond": max(c.cond for c in cond.values()),
+                      "max_amplification": max(c.amplification for c in cond.values()),
+                      "limit_for_16_bit_k": limit,
+                      "over_limit": [i for i, c in cond.items() if not c.amplification < limit]}))
     return 0
