@@ -75,3 +75,27 @@ def test_decode_equals_reference_gpu(head_size, block_size, bits):
     got = paged_decode(q.cuda(), cache.cuda(), fmt, table.cuda(), torch.tensor(seq_lens, dtype=torch.int32).cuda(),
                        head_size ** -0.5, max(seq_lens))
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mixed_batch_as_token_rows_equals_reference(bits):
+    """Decodes and prefill chunks (one with history) in one kernel call, one row per query token,
+    against the reference's causal attention per request."""
+    from vllm_kvcompress.token_rows import token_rows
+    B, H, HQ, D = 16, 2, 4, 64
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), dtype, B, H, D)
+    seq_lens = [21, 1, 40, 9]   # a decode, a 1-token prefill, a 25-token chunk after 15 tokens, a 9-token prompt
+    q_lens = [1, 1, 25, 9]
+    cache, table = _fill(fmt, seq_lens, 3, seed=bits)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    q = torch.randn(qsl[-1], HQ, D, generator=torch.Generator().manual_seed(7)).to(dtype)
+    ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
+    rows = token_rows(torch.tensor(qsl, device=DEVICE), torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE),
+                      qsl[-1], max(seq_lens))
+    assert rows.seq_lens.tolist() == [21, 1] + list(range(16, 41)) + list(range(1, 10))
+    got = paged_decode(q.to(DEVICE), cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5,
+                       rows.max_seq_len)
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)

@@ -31,6 +31,7 @@ from . import paged_torch
 from .engine_config import active_config, layer_page_format
 from .formats import KVPageFormat
 from .slim_loader import ATTRIBUTE
+from .token_rows import TokenRows, token_rows
 
 BACKEND_NAME = "KVCOMPRESS"
 
@@ -80,10 +81,27 @@ class KVCompressMetadata:
     slot_mapping: torch.Tensor
     seq_lens_device: torch.Tensor
     num_decodes: int  # the first num_decodes requests have one query token each
+    token_rows: TokenRows | None  # on CUDA with prefill tokens: every query token as a decode row
 
 
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """Full CUDA graphs of decode-only batches where every layer decodes with the Triton kernel
+        (no host synchronization); otherwise vLLM's piecewise graphs around eager attention."""
+        from vllm.platforms import current_platform
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        from .engine_config import ModelKVShape
+        from .triton_kernels.layout import kernel_supports
+
+        if (not current_platform.is_cuda() or os.environ.get("KVCOMPRESS_KERNELS") == "torch"
+                or isinstance(kv_cache_spec, SlidingWindowSpec)):
+            return AttentionCGSupport.NEVER
+        cfg, shape = active_config(vllm_config), ModelKVShape.of(vllm_config)
+        if any(kernel_supports(shape.page_format(cfg, i)) for i in range(shape.num_layers)):
+            return AttentionCGSupport.NEVER
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -100,6 +118,10 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         num_decodes = 0
         while num_decodes < n and query_start_loc[num_decodes + 1] - query_start_loc[num_decodes] == 1:
             num_decodes += 1
+        rows = None
+        if self.device.type == "cuda" and num_decodes < n:
+            rows = token_rows(cam.query_start_loc[: n + 1], cam.seq_lens[:n], cam.block_table_tensor[:n],
+                              query_start_loc[n], max(seq_lens[:n].tolist()))
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -108,6 +130,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             slot_mapping=cam.slot_mapping,
             seq_lens_device=cam.seq_lens[:n],
             num_decodes=num_decodes,
+            token_rows=rows,
         )
 
 
@@ -133,6 +156,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         vllm_config = get_current_vllm_config()
         self._config = active_config(vllm_config)
         self._dtype = vllm_config.model_config.dtype
+        self._max_model_len = vllm_config.model_config.max_model_len
         self._format: KVPageFormat | None = None
         self._decode_kernel = None  # Triton decode on CUDA where the format has one
         self._write = paged_torch.write_tokens
@@ -192,10 +216,18 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         out = output[:t].view(t, self.num_heads, self.head_size)
         pages = self._pages(kv_cache, fmt)
         slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load
+        if slim is None and self._decode_kernel is not None and md.token_rows is not None:
+            rows = md.token_rows  # a mixed batch: one decode row per query token
+            r = rows.seq_lens.shape[0]
+            self._decode_kernel(q[:r], pages, fmt, rows.block_table, rows.seq_lens, self.scale, rows.max_seq_len,
+                                out=out[:r])
+            return output
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
+            # A CUDA graph keeps the launch for every later batch of this size: size splits for any context.
+            longest = self._max_model_len if torch.cuda.is_current_stream_capturing() else max(md.seq_lens[:nd])
             decode_args = (q[:nd].contiguous(), pages, fmt, md.block_table[:nd], md.seq_lens_device[:nd], self.scale,
-                           max(md.seq_lens[:nd]))
+                           longest)
             if slim is not None:
                 self._decode_kernel(*decode_args, slim, out=out[:nd])
             else:
