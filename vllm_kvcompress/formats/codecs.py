@@ -123,7 +123,8 @@ class MinMaxCodec:
         layout = self._layout
         pages = torch.zeros(N, layout.nbytes, dtype=torch.uint8, device=x.device)
         if self.channel_scaling:
-            c = torch.where(mask, x.abs(), 0).amax(dim=1).clamp_min(_EPS).sqrt().to(_SCALE_DTYPE)  # [N,H,D]
+            # sqrt in float64: some CPU builds of torch round float32 sqrt inexactly; kernels use IEEE sqrt
+            c = torch.where(mask, x.abs(), 0).amax(dim=1).clamp_min(_EPS).double().sqrt().float().to(_SCALE_DTYPE)
             layout.write(pages, "channel_scale", c)
             x = x / c.float()[:, None]
         dims = self._stat_dims()
