@@ -49,6 +49,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare-only", action="store_true", help="only Triton kernels vs the torch path")
+    ap.add_argument("--compare", nargs="+", default=["quant-k4v4", "quant-k2v2"],
+                    help="settings whose Triton path is compared with the torch path")
     args = ap.parse_args()
     from engine_utils import prose
     from tiny_models import build_llama
@@ -73,7 +75,7 @@ def main() -> None:
         print(key, report[key], flush=True)
     # the Triton kernels (prefill as one row per token; decode in full CUDA graphs) against the
     # backend's torch reference path, eager, on the same pages
-    for setting in ("quant-k4v4", "quant-k2v2"):
+    for setting in args.compare:
         tri = run(model, setting, False, prompts)
         ref = run(model, setting, True, prompts, torch_path=True)
         dl = max(abs(a - b) for s, o in zip(tri["logprobs"], ref["logprobs"]) for a, b in zip(s, o))

@@ -1,11 +1,12 @@
-"""Decode-kernel microbenchmark on the GPU.
+"""Decode- and write-kernel microbenchmarks on the GPU.
 
 Times our Triton decode over packed pages against vLLM's FlashAttention bf16
 decode on the same shape, and the device's copy bandwidth measured in the same
 run. Bandwidth figures count bytes moved (a copy: read + written; decode: the
-compressed pages and queries read).
+compressed pages and queries read; write: each touched page read and written).
 
-    python -m benchmarks.kernels --out results/kernels.json
+    python benchmarks/kernels.py --out results/kernels.json [--sweep] [--scaling]
+    ncu ... python benchmarks/kernels.py --profile 4 32 32     # one decode launch per repeat, for a profiler
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import math
 
 import torch
 
+SHAPES = [("Llama-2-7B (MHA 32/32)", 32, 32, 128), ("Llama-3-8B (GQA 32/8)", 32, 8, 128)]
+
 
 def _time_ms(fn, reps: int = 50) -> float:
     import triton.testing
-    return triton.testing.do_bench(fn, warmup=10, rep=reps)
+    return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
@@ -29,14 +32,21 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
+def _format(bits: int, hkv: int, d: int, block: int):
+    from vllm_kvcompress.config import LayerFormat
+    from vllm_kvcompress.formats import KVPageFormat
+    return KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, block, hkv, d)
+
+
 def _pages(fmt, num_seqs: int, ctx: int, seed: int = 0):
-    from vllm_kvcompress import paged_torch
+    """Random (never zero) full pages, encoded a few at a time through the reference and tiled,
+    behind a shuffled block table."""
     B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
     blocks_per_seq = math.ceil(ctx / B)
     n_blocks = num_seqs * blocks_per_seq
     cache = torch.empty(n_blocks, fmt.page_bytes, dtype=torch.uint8, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    chunk = 256  # encode a few pages at a time through the reference, then tile them
+    chunk = 256
     k = torch.randn(chunk, B, H, D, device="cuda", generator=gen)
     v = torch.randn(chunk, B, H, D, device="cuda", generator=gen)
     proto = fmt.encode(k, v, torch.full((chunk,), B, device="cuda"))
@@ -46,18 +56,21 @@ def _pages(fmt, num_seqs: int, ctx: int, seed: int = 0):
     return cache, table
 
 
-def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int, **tuning) -> dict:
-    from vllm_kvcompress.config import LayerFormat
-    from vllm_kvcompress.formats import KVPageFormat
-    from vllm_kvcompress.triton_kernels.decode import paged_decode
-
-    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, block, hkv, d)
+def _decode_case(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int):
+    fmt = _format(bits, hkv, d, block)
     cache, table = _pages(fmt, num_seqs, ctx)
     q = torch.randn(num_seqs, hq, d, device="cuda", dtype=torch.bfloat16)
     seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    nbytes = num_seqs * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
+    return fmt, cache, table, q, seq_lens, nbytes
+
+
+def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 128, **tuning) -> dict:
+    from vllm_kvcompress.triton_kernels.decode import paged_decode
+
+    fmt, cache, table, q, seq_lens, nbytes = _decode_case(bits, num_seqs, hq, hkv, d, ctx, block)
     out = torch.empty_like(q)
     ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out, **tuning))
-    nbytes = num_seqs * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
     name = f"ours k{bits}v{bits}" + "".join(f" {k}={v}" for k, v in tuning.items())
     return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
@@ -83,42 +96,71 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
     return {"kernel": "vLLM FlashAttention bf16", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
+def bench_write(bits: int, num_seqs: int, hkv: int, d: int, ctx: int, block: int = 128) -> dict:
+    """One decode step's cache write: a new token per request, appended to a partly filled page
+    (``ctx % block`` tokens already there), so each request re-encodes its last page."""
+    from vllm_kvcompress.triton_kernels.write import write_tokens
+
+    fmt = _format(bits, hkv, d, block)
+    cache, table = _pages(fmt, num_seqs, ctx)
+    pos = ctx - 1
+    slots = (table[:, pos // block].long() * block + pos % block).contiguous()
+    k = torch.randn(num_seqs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ms = _time_ms(lambda: write_tokens(cache, fmt, k, v, slots))
+    nbytes = 2 * num_seqs * fmt.page_bytes
+    return {"kernel": f"write k{bits}v{bits}", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--sweep", action="store_true", help="also try tile sizes and warp counts (MHA shape)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also try kernel variants (dequantization, tile, warps, programs per SM) at 4/4 bits")
+    ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
+    ap.add_argument("--profile", nargs=3, type=int, metavar=("BITS", "HQ", "HKV"),
+                    help="only launch that decode a few times (for a profiler such as ncu)")
     args = ap.parse_args()
+    if args.profile:
+        from vllm_kvcompress.triton_kernels.decode import paged_decode
+        bits, hq, hkv = args.profile
+        fmt, cache, table, q, seq_lens, _ = _decode_case(bits, args.batch, hq, hkv, 128, args.ctx, 128)
+        for _ in range(3):
+            paged_decode(q, cache, fmt, table, seq_lens, 128 ** -0.5, args.ctx)
+        torch.cuda.synchronize()
+        return
     copy = copy_bandwidth_gbs()
     rows = []
-    shapes = [("Llama-2-7B (MHA 32/32)", 32, 32, 128), ("Llama-3-8B (GQA 32/8)", 32, 8, 128)]
-    for name, hq, hkv, d in shapes:
-        base = bench_flash_bf16(args.batch, hq, hkv, d, args.ctx)
-        base["shape"] = name
+    for name, hq, hkv, d in SHAPES:
+        base = bench_flash_bf16(args.batch, hq, hkv, d, args.ctx) | {"shape": name}
         rows.append(base)
         for bits in (8, 4, 2, 3):
-            for block in (64, 128):
-                r = bench_ours(bits, args.batch, hq, hkv, d, args.ctx, block)
-                r["shape"] = name
+            rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx) | {"shape": name})
+        if args.sweep:
+            for variant in ({"magic": False}, {"tile": 128}, {"num_warps": 8}, {"tile": 128, "num_warps": 8},
+                            {"programs_per_sm": 8}, {"programs_per_sm": 8, "tile": 128}):
+                rows.append(bench_ours(4, args.batch, hq, hkv, d, args.ctx, **variant) | {"shape": name})
+        for bits in (4, 8):
+            rows.append(bench_write(bits, args.batch, hkv, d, args.ctx - 37) | {"shape": name})
+        for r in rows:
+            if r["shape"] == name and r["kernel"].startswith("ours"):
                 r["speedup_vs_bf16"] = base["ms"] / r["ms"]
-                rows.append(r)
-    if args.sweep:
-        base = rows[0]
-        for bits in (8, 4, 2):
-            for tile in (32, 64, 128):
-                for warps in (4, 8):
-                    r = bench_ours(bits, args.batch, 32, 32, 128, args.ctx, 128, tile=tile, num_warps=warps)
-                    r["shape"] = shapes[0][0]
-                    r["speedup_vs_bf16"] = base["ms"] / r["ms"]
-                    rows.append(r)
+    if args.scaling:
+        name, hq, hkv, d = SHAPES[1]
+        for batch, ctx in ((16, 4096), (256, 4096), (64, 1024), (64, 16384)):
+            base = bench_flash_bf16(batch, hq, hkv, d, ctx) | {"shape": f"{name} b{batch} ctx{ctx}"}
+            ours = bench_ours(4, batch, hq, hkv, d, ctx) | {"shape": base["shape"], "speedup_vs_bf16": 0.0}
+            ours["speedup_vs_bf16"] = base["ms"] / ours["ms"]
+            rows += [base, ours]
     for r in rows:
         r["of_copy_bw"] = r["GB/s"] / copy
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth (read+write): {copy:.0f} GB/s")
-    print(f"decode, batch {args.batch}, context {args.ctx}, head size 128")
-    print(f"{'shape':24s} {'kernel':36s} {'block':>5s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'x bf16':>7s}")
+    print(f"batch {args.batch}, context {args.ctx}, head size 128 unless the shape says otherwise")
+    print(f"{'shape':34s} {'kernel':40s} {'block':>5s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s} {'x bf16':>7s}")
     for r in rows:
-        print(f"{r['shape']:24s} {r['kernel']:36s} {r['block']:5d} {r['ms'] * 1e3:8.1f} {r['GB/s']:7.0f} "
+        print(f"{r['shape']:34s} {r['kernel']:40s} {r['block']:5d} {r['ms'] * 1e3:8.1f} {r['GB/s']:7.0f} "
               f"{100 * r['of_copy_bw']:5.0f}% {r.get('speedup_vs_bf16', 1.0):7.2f}")
     if args.out:
         with open(args.out, "w") as f:

@@ -23,11 +23,11 @@ from .layout import page_layout
 
 
 @triton.jit
-def _gathered_codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr):
-    """Integer codes [T, D] of packed rows, one load per channel (3 bits, and small tiles)."""
+def _gathered_codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr):
+    """Codes [T, D] of packed rows as float16 (see ``_as_fp16``), one load per channel (8 and 3 bits)."""
     d = tl.arange(0, D)[None, :]
     if BITS == 8:
-        c = tl.load(row_ptr + d).to(tl.int32)
+        c = tl.load(row_ptr + d)
     elif BITS == 4:
         c = (tl.load(row_ptr + d // 2).to(tl.int32) >> ((d % 2) * 4)) & 15
     elif BITS == 2:
@@ -35,20 +35,31 @@ def _gathered_codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr):
     else:  # 3 bits: ten 3-bit codes + one 2-bit code per little-endian 32-bit word
         w = tl.load((row_ptr + (d // 11) * 4).to(tl.pointer_type(tl.int32)))
         c = (w >> ((d % 11) * 3)) & tl.where(d % 11 == 10, 3, 7)
-    return c.to(tl.float16)
+    return _as_fp16(c, MAGIC)
 
 
 @triton.jit
-def _plane(packed, K: tl.constexpr, BITS: tl.constexpr):
+def _as_fp16(codes, MAGIC: tl.constexpr):
+    """Integer codes as float16: ``1024 + code`` with MAGIC (the code OR'd into the mantissa of 1024.0,
+    0x6400: no int-to-float conversion, whose throughput is a quarter of integer logic's; callers
+    subtract 1024 times the other factor's sum), else ``code``."""
+    if MAGIC:
+        return ((codes.to(tl.int32) | 0x6400).to(tl.int16)).to(tl.float16, bitcast=True)
+    return codes.to(tl.float16)
+
+
+@triton.jit
+def _plane(packed, K: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr):
     """Field K of each byte: the codes of channels byte * (8 // BITS) + K."""
-    return ((packed >> (K * BITS)) & ((1 << BITS) - 1)).to(tl.float16)
+    return _as_fp16((packed >> (K * BITS)) & ((1 << BITS) - 1), MAGIC)
 
 
 @triton.jit
-def _accumulate_plane(acc, alpha, ps, pz, packed, K: tl.constexpr, BITS: tl.constexpr, channel_scale):
+def _accumulate_plane(acc, alpha, ps, pz, packed, K: tl.constexpr, BITS: tl.constexpr, channel_scale,
+                      MAGIC: tl.constexpr):
     """Rescaled running output of plane K plus this tile's share: (p*s) . codes + p . zero, times
     the ZipCache channel scale (1.0 without)."""
-    return acc * alpha + (tl.dot(ps, _plane(packed, K, BITS)) + pz) * channel_scale
+    return acc * alpha + (tl.dot(ps, _plane(packed, K, BITS, MAGIC)) + pz) * channel_scale
 
 
 @triton.jit
@@ -65,14 +76,18 @@ def _decode_kernel(
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
-    V_ZERO: tl.constexpr, V_CS: tl.constexpr,
+    V_ZERO: tl.constexpr, V_CS: tl.constexpr, MAGIC: tl.constexpr,
 ):
     """KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
-    per plane, so packed bytes go to the tensor cores without being interleaved."""
-    seq = tl.program_id(0)
-    h = tl.program_id(1)
-    split = tl.program_id(2)
+    per plane, so packed bytes go to the tensor cores without being interleaved.
+
+    Program ``(seq * H + h, split)``: the KV heads of one request are neighbours in launch
+    order, so the pages they share (rows of all heads lie side by side) are read from memory
+    once and from L2 by the others."""
+    h = tl.program_id(0) % H
+    seq = tl.program_id(0) // H
+    split = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
     L = tl.load(seq_lens_ptr + seq)
     b_start = split * blocks_per_split
@@ -113,13 +128,19 @@ def _decode_kernel(
             kz0 = _fp16(kstat + K_ZERO)
             qs0 = (q0 * ks0).to(tl.float16)
             bias = tl.sum(q0 * kz0, 1)
+            if MAGIC:
+                bias -= 1024.0 * tl.sum(qs0.to(tl.float32), 1)
             if KP > 1:
                 qs1 = (q1 * _fp16(kstat + 2 + K_SCALE)).to(tl.float16)
                 bias += tl.sum(q1 * _fp16(kstat + 2 + K_ZERO), 1)
+                if MAGIC:
+                    bias -= 1024.0 * tl.sum(qs1.to(tl.float32), 1)
             if KP > 2:
                 qs2 = (q2 * _fp16(kstat + 4 + K_SCALE)).to(tl.float16)
                 qs3 = (q3 * _fp16(kstat + 6 + K_SCALE)).to(tl.float16)
                 bias += tl.sum(q2 * _fp16(kstat + 4 + K_ZERO), 1) + tl.sum(q3 * _fp16(kstat + 6 + K_ZERO), 1)
+                if MAGIC:
+                    bias -= 1024.0 * (tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1))
         if V_CS >= 0:  # ZipCache channel scales, per plane
             vcs = page + V_CS + (h * D + dv * VP) * 2
             cs0 = _fp16(vcs)
@@ -140,12 +161,14 @@ def _decode_kernel(
             if K_BITS == 16:
                 s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d)))
             elif KP == 1:  # 8 bits, or 3 bits gathered
-                s = tl.dot(qs0, tl.trans(_gathered_codes(k_row, D, K_BITS))) + bias[:, None]
+                s = tl.dot(qs0, tl.trans(_gathered_codes(k_row, D, K_BITS, MAGIC))) + bias[:, None]
             else:
-                kb = tl.load(k_row + dk).to(tl.int32)
-                s = tl.dot(qs0, tl.trans(_plane(kb, 0, K_BITS))) + tl.dot(qs1, tl.trans(_plane(kb, 1, K_BITS)))
+                kb = tl.load(k_row + dk)
+                s = tl.dot(qs0, tl.trans(_plane(kb, 0, K_BITS, MAGIC)))
+                s += tl.dot(qs1, tl.trans(_plane(kb, 1, K_BITS, MAGIC)))
                 if KP > 2:
-                    s += tl.dot(qs2, tl.trans(_plane(kb, 2, K_BITS))) + tl.dot(qs3, tl.trans(_plane(kb, 3, K_BITS)))
+                    s += tl.dot(qs2, tl.trans(_plane(kb, 2, K_BITS, MAGIC)))
+                    s += tl.dot(qs3, tl.trans(_plane(kb, 3, K_BITS, MAGIC)))
                 s += bias[:, None]
             s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -161,18 +184,22 @@ def _decode_kernel(
                 vz = _fp16(page + V_ZERO + (tok * H + h) * 2)
                 ps = (p * vs[None, :]).to(tl.float16)
                 pz = tl.sum(p * vz[None, :], 1)[:, None]
+                pm = 0.0
+                if MAGIC:
+                    pm = 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]
                 if VP == 1:  # 8 bits, or 3 bits gathered
-                    pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS))
+                    pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS, MAGIC)) - pm
                     if V_BITS == 3:
                         pv = pv * tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0)
                     acc0 = acc0 * alpha + (pv + pz) * cs0
                 else:
-                    vb = tl.load(v_row + dv).to(tl.int32)
-                    acc0 = _accumulate_plane(acc0, alpha, ps, pz, vb, 0, V_BITS, cs0)
-                    acc1 = _accumulate_plane(acc1, alpha, ps, pz, vb, 1, V_BITS, cs1)
+                    vb = tl.load(v_row + dv)
+                    pz -= pm
+                    acc0 = _accumulate_plane(acc0, alpha, ps, pz, vb, 0, V_BITS, cs0, MAGIC)
+                    acc1 = _accumulate_plane(acc1, alpha, ps, pz, vb, 1, V_BITS, cs1, MAGIC)
                     if VP > 2:
-                        acc2 = _accumulate_plane(acc2, alpha, ps, pz, vb, 2, V_BITS, cs2)
-                        acc3 = _accumulate_plane(acc3, alpha, ps, pz, vb, 3, V_BITS, cs3)
+                        acc2 = _accumulate_plane(acc2, alpha, ps, pz, vb, 2, V_BITS, cs2, MAGIC)
+                        acc3 = _accumulate_plane(acc3, alpha, ps, pz, vb, 3, V_BITS, cs3, MAGIC)
 
     if NUM_SPLITS == 1:
         dst = out_ptr + (seq * H * G + heads[:, None]) * D + dv * VP
@@ -213,48 +240,56 @@ def _planes(bits: int) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
-                      device: torch.device) -> int:
-    """Enough programs to fill the GPU twice over, at least one block per split, a power of two."""
+                      device: torch.device, programs_per_sm: int = 2) -> int:
+    """Enough programs to give each SM ``programs_per_sm``, at least one block per split, a power of two."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, -(-2 * sms // (num_seqs * num_kv_heads)))
+    want = max(1, -(-programs_per_sm * sms // (num_seqs * num_kv_heads)))
     max_blocks = max(1, -(-max_seq_len // block_size))
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), 64)
 
 
+def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int | None = None,
+                     magic: bool = True) -> dict:
+    """The decode kernel's compile-time constants for a page format and query heads per KV head."""
+    lay = page_layout(fmt)
+    d = lay.head_size
+    return dict(
+        H=lay.num_kv_heads, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BLOCK=lay.block_size,
+        TILE=tile or min(lay.block_size, 64 if d <= 128 else 32), NUM_SPLITS=num_splits,
+        K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
+        K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
+        V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
+        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale, MAGIC=magic,
+    )
+
+
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
-                 out: torch.Tensor | None = None, tile: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                 out: torch.Tensor | None = None, tile: int | None = None, num_warps: int = 4,
+                 programs_per_sm: int = 2, magic: bool = True) -> torch.Tensor:
     """Attention of one new token per request (``query`` [N, Hq, D]) over its pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
     ``block_table`` [N, max_blocks] and ``seq_lens`` [N] (context length,
     the new token included) are int32 on the same device.
     """
-    lay = page_layout(fmt)
     n, hq, d = query.shape
-    h = lay.num_kv_heads
-    g = hq // h
+    h = fmt.k.num_heads
     if num_splits is None:
-        num_splits = choose_num_splits(n, h, max_seq_len, lay.block_size, query.device)
-    max_blocks = max(1, -(-max_seq_len // lay.block_size))
+        num_splits = choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device, programs_per_sm)
+    max_blocks = max(1, -(-max_seq_len // fmt.block_size))
     blocks_per_split = -(-max_blocks // num_splits)
     if out is None:
         out = torch.empty_like(query)
     part = out
     if num_splits > 1:
         part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
-    _decode_kernel[(n, h, num_splits)](
+    _decode_kernel[(n * h, num_splits)](
         query, cache, block_table, seq_lens, out, part,
-        sm_scale, block_table.stride(0), lay.page_bytes, blocks_per_split,
-        H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=lay.block_size,
-        TILE=tile or min(lay.block_size, 64 if d <= 128 else 32), NUM_SPLITS=num_splits,
-        K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
-        K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
-        V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
-        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero,
-        V_CS=lay.v.channel_scale, num_warps=num_warps,
+        sm_scale, block_table.stride(0), fmt.page_bytes, blocks_per_split,
+        **kernel_constants(fmt, hq // h, num_splits, tile, magic), num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](part, out, HQ=hq, D=d, NUM_SPLITS=num_splits)

@@ -127,6 +127,31 @@ def check_slim_fits(cfg: KVCompressionConfig, vllm_config) -> None:
             f"but {mc.model} has attention_bias=true")
 
 
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_cuda_kernels(cfg: KVCompressionConfig, shape: ModelKVShape) -> list[str]:
+    """On CUDA: refuse shapes and dtypes the Triton kernels cannot read; return the layers that
+    decode through the torch reference path instead (formats without a kernel yet), with why."""
+    from .triton_kernels.layout import kernel_supports
+
+    if shape.dtype not in CUDA_DTYPES:
+        raise KVCompressionConfigError(
+            f"--dtype {shape.dtype} is not supported with --kv-compression on CUDA (allowed: float16, bfloat16)")
+    d = shape.head_size
+    if d & (d - 1) or not 64 <= d <= 256:
+        raise KVCompressionConfigError(
+            f"kv-compression config {cfg.source}: the model's head size {d} is not supported by the CUDA kernels "
+            "(allowed: 64, 128, 256); KVCOMPRESS_KERNELS=torch runs the slow torch reference path instead")
+    slow = []
+    for i in range(shape.num_layers):
+        fmt = shape.page_format(cfg, i)
+        reason = None if fmt.v is None else kernel_supports(fmt)  # K-only layers: checked at load (RoPE)
+        if reason is not None:
+            slow.append(f"layer {i} ({reason})")
+    return slow
+
+
 def validate_against_model(cfg: KVCompressionConfig, vllm_config) -> None:
     """Refuse settings that cannot work with this model and engine, at startup."""
     mc = vllm_config.model_config

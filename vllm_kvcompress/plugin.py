@@ -9,12 +9,14 @@ plugin leaves vLLM as it is.
 from __future__ import annotations
 
 import logging
+import os
 
 from .engine_config import (
     ADDITIONAL_CONFIG_KEY,
     ModelKVShape,
     active_config,
     capacity_report,
+    check_cuda_kernels,
     layer_page_format,
     requested_setting,
     validate_against_model,
@@ -149,7 +151,13 @@ def activate(vllm_config) -> None:
         # (16-token pages would spend 2 bits), and the decode kernel is fastest there.
         cache_config.block_size = CUDA_BLOCK_SIZE
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(mode="json") | {"source": cfg.source}
-    ratio, line = capacity_report(cfg, ModelKVShape.of(vllm_config))
+    shape = ModelKVShape.of(vllm_config)
+    if current_platform.is_cuda() and os.environ.get("KVCOMPRESS_KERNELS") != "torch":
+        slow = check_cuda_kernels(cfg, shape)
+        if slow:
+            logger.warning("kv-compression: %d layers have no CUDA kernel for their format yet and run the much "
+                           "slower torch reference path: %s", len(slow), ", ".join(slow))
+    ratio, line = capacity_report(cfg, shape)
     logger.info("%s (config: %s)", line, cfg.source)
     vllm_config.additional_config["kv_compression_capacity_ratio"] = round(ratio, 4)
 
