@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 from pathlib import Path
 
 
@@ -52,3 +53,15 @@ def error_line(log: str) -> str:
         if ("Error" in ln or "error:" in ln) and not ln.startswith("File "):
             return ln[-400:]
     return lines[-1][-400:] if lines else "no output"
+
+
+def device() -> str:
+    """The machine in words, for result files and docs."""
+    import platform
+
+    import torch
+    import vllm
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, vLLM {vllm.__version__}"
+    return f"{os.cpu_count()}-core {platform.machine()} CPU, vLLM {vllm.__version__}"

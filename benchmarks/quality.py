@@ -1,0 +1,271 @@
+"""Quality of each KV setting on real weights, measured through the vLLM engine itself.
+
+Per setting, one in-process engine (the compressed pages are what attention reads, prompt
+tokens included) and:
+
+- perplexity on Paul Graham's essays (held out: the KVmix profile used GSM8K) from the engine's
+  own prompt logprobs, at several contexts: the perplexity at context L is taken over the
+  first L tokens of each window (a causal model scores them as an L-token window would);
+- mean KL divergence of the next-token distributions against the uncompressed cache, over the
+  same positions, from the top-k prompt logprobs (see ``metrics.kl_top_k``);
+- greedy agreement with the uncompressed cache over generated tokens;
+- needle retrieval (RULER's niah_single_2 form, ``needle.py``) at several lengths, for a
+  compressed setting only at the lengths where the uncompressed cache finds some needles;
+- GSM8K accuracy, only when the uncompressed cache scores clearly above zero.
+
+The uncompressed run (``auto``) comes first: it is the reference for KL and agreement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from tqdm import tqdm
+
+from . import metrics, needle, report, settings
+from .models import Model
+
+GSM8K_MIN = 0.1  # GSM8K runs on the compressed settings only above this 16-bit accuracy
+
+
+@dataclass(frozen=True)
+class Sizes:
+    contexts: tuple[int, ...] = (1024, 4096, 8192)  # perplexity at these contexts (tokens)
+    ppl_windows: int = 1  # essay windows of max(contexts) tokens
+    greedy_prompts: int = 4
+    greedy_context: int = 512
+    greedy_tokens: int = 256
+    needle: tuple[tuple[int, int], ...] = ((1024, 4), (2048, 4), (4096, 2), (8192, 1))  # (length, samples)
+    gsm8k: int = 40  # questions of the 16-bit check
+    gsm8k_tokens: int = 256
+    top_k: int = 20  # the reference's most likely tokens per position that KL is taken over
+    test_top_k: int = 100  # prompt logprobs per position asked of the other settings (so few are missing)
+
+    @property
+    def max_len(self) -> int:
+        return max(self.contexts + tuple(n for n, _ in self.needle) +
+                   (self.greedy_context + self.greedy_tokens,))
+
+
+FULL = Sizes()
+SMALL = Sizes(contexts=(128, 256), greedy_prompts=2, greedy_context=64, greedy_tokens=16, needle=((256, 2),),
+              gsm8k=2, gsm8k_tokens=16)
+
+
+@dataclass
+class Data:
+    windows: list[list[int]]
+    greedy: list[list[int]]
+    needles: dict[int, list[needle.Sample]]
+    gsm8k: list[tuple[list[int], str]]
+
+
+def prepare_data(tokenizer, sizes: Sizes, seed: int = 0) -> Data:
+    from vllm_kvcompress.tools.datasets import dataset_texts
+
+    essays = dataset_texts("essays")[0]
+    prefix = tokenizer("").input_ids  # the BOS token, for tokenizers that start with one
+    n_ppl, n_greedy = max(sizes.contexts) - 1 - len(prefix), sizes.greedy_context - len(prefix)
+    need = sizes.ppl_windows * n_ppl + sizes.greedy_prompts * n_greedy
+    stream = tokenizer(essays[:8 * need], add_special_tokens=False).input_ids
+    if len(stream) < need:
+        raise SystemExit(f"essays: {len(stream)} tokens, {need} needed")
+    windows = [prefix + stream[i * n_ppl:(i + 1) * n_ppl] for i in range(sizes.ppl_windows)]
+    start = sizes.ppl_windows * n_ppl
+    greedy = [prefix + stream[start + i * n_greedy:start + (i + 1) * n_greedy] for i in range(sizes.greedy_prompts)]
+    needles = {length: needle.make_samples(tokenizer, essays, length, count, seed + length)
+               for length, count in sizes.needle}
+    return Data(windows, greedy, needles, gsm8k_prompts(tokenizer, sizes.gsm8k))
+
+
+def gsm8k_prompts(tokenizer, count: int) -> list[tuple[list[int], str]]:
+    """The first ``count`` GSM8K test questions (chat template where the tokenizer has one), gold answers."""
+    import json
+
+    from vllm_kvcompress.tools.datasets import dataset_file
+
+    rows = [json.loads(line) for line in dataset_file("gsm8k").read_text().splitlines() if line.strip()][:count]
+    out = []
+    for r in rows:
+        question = f"{r['question']}\nSolve it step by step, then give the final answer as a number."
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+        else:
+            ids = tokenizer(f"Question: {question}\nAnswer:").input_ids
+        out.append((list(ids), r["answer"].split("####")[-1].strip().replace(",", "")))
+    return out
+
+
+@contextlib.contextmanager
+def engine(model: Model, setting, sizes: Sizes, dtype: str, kv_bytes: int):
+    """One vLLM engine in this process for ``setting`` (a name of ``settings``, or a config dict)."""
+    from vllm import LLM
+
+    kwargs = {"additional_config": {"kv_compression": setting}} if isinstance(setting, dict) else \
+        settings.llm_kwargs(setting)
+    llm = LLM(str(model.path), dtype=dtype, enforce_eager=True, seed=0, max_model_len=sizes.max_len,
+              kv_cache_memory_bytes=kv_bytes, max_logprobs=sizes.test_top_k, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _generate(llm, prompts: list[list[int]], **params):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(**params), use_tqdm=False)
+
+
+def window_logprobs(llm, windows: list[list[int]], top_k: int) -> list[tuple[list[float], list[metrics.TopK]]]:
+    """Per window: each token's logprob given its prefix, and the top-k per position."""
+    outs = _generate(llm, windows, max_tokens=1, temperature=0.0, prompt_logprobs=top_k)
+    return [(metrics.prompt_token_logprobs(o.prompt_token_ids, o.prompt_logprobs), metrics.top_k(o.prompt_logprobs))
+            for o in outs]
+
+
+def perplexity_at(logprobs: list[list[float]], context: int) -> float:
+    """Perplexity over the first ``context`` tokens of every window (``context - 1`` predictions each)."""
+    return metrics.perplexity([lp for window in logprobs for lp in window[:context - 1]])
+
+
+def evaluate(llm, data: Data, sizes: Sizes, ref: dict | None, needle_lengths, run_gsm8k: bool,
+             bar: tqdm) -> tuple[dict, dict]:
+    """One setting's row, and what a later setting compares against (this one's top-k and greedy tokens)."""
+    cc = llm.llm_engine.vllm_config.cache_config
+    row: dict = {"kv_tokens": cc.num_gpu_blocks * cc.block_size}
+    bar.set_postfix_str("perplexity")
+    windows = window_logprobs(llm, data.windows, sizes.top_k if ref is None else sizes.test_top_k)
+    logprobs = [lp for lp, _ in windows]
+    for ctx in sizes.contexts:
+        row[f"ppl_{ctx}"] = perplexity_at(logprobs, ctx)
+    tops = [top for _, top in windows]
+    if ref is not None:
+        kls = [metrics.kl_top_k(r, t, sizes.top_k) for rw, tw in zip(ref["top"], tops) for r, t in zip(rw, tw)]
+        row["kl"] = sum(k for k, _ in kls) / len(kls)
+        row["kl_missing"] = sum(m for _, m in kls) / len(kls)
+    bar.set_postfix_str("greedy")
+    outs = _generate(llm, data.greedy, max_tokens=sizes.greedy_tokens, temperature=0.0, ignore_eos=True)
+    greedy = [list(o.outputs[0].token_ids) for o in outs]
+    if ref is not None:
+        agree = [metrics.greedy_agreement(r, g) for r, g in zip(ref["greedy"], greedy)]
+        row["greedy_match"] = sum(a for a, _ in agree) / len(agree)
+        row["greedy_first_diff"] = sum(f for _, f in agree) / len(agree)
+    for length in needle_lengths:
+        bar.set_postfix_str(f"needle {length}")
+        samples = data.needles[length]
+        outs = _generate(llm, [s.prompt_ids for s in samples], max_tokens=16, temperature=0.0)
+        row[f"needle_{length}"] = sum(needle.score(o.outputs[0].text, s.answer)
+                                      for o, s in zip(outs, samples)) / len(samples)
+    if run_gsm8k and data.gsm8k:
+        bar.set_postfix_str("gsm8k")
+        outs = _generate(llm, [p for p, _ in data.gsm8k], max_tokens=sizes.gsm8k_tokens, temperature=0.0)
+        row["gsm8k"] = sum(metrics.last_number(o.outputs[0].text) == gold
+                           for o, (_, gold) in zip(outs, data.gsm8k)) / len(data.gsm8k)
+    return row, {"top": tops, "greedy": greedy}
+
+
+def error_text(err: BaseException) -> str:
+    lines = [ln for ln in str(err).splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def run(model: Model, kv_settings: list, sizes: Sizes, out_dir, dtype: str, kv_bytes: int,
+        names: list[str] | None = None) -> dict:
+    """Evaluate every setting (the baseline first); results are written after each one."""
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process, one at a time
+    tokenizer = AutoTokenizer.from_pretrained(model.path)
+    print(f"preparing data for {model.name}", flush=True)
+    data = prepare_data(tokenizer, sizes)
+    names = names or [settings.label(s) for s in kv_settings]
+    todo = [(n, s) for n, s in zip(names, kv_settings)]
+    if settings.BASELINE not in kv_settings:
+        todo.insert(0, (settings.label(settings.BASELINE), settings.BASELINE))
+    todo.sort(key=lambda ns: ns[1] != settings.BASELINE)
+    result = {"bench": "quality", "model": model.name, "dtype": dtype, "kv_cache_memory_bytes": kv_bytes,
+              "sizes": asdict(sizes), "device": report.device(), "rows": []}
+    ref, needle_lengths, run_gsm8k = None, [n for n, _ in sizes.needle], True
+    bar = tqdm(todo, desc=f"quality {model.name}", unit="setting")
+    for name, setting in bar:
+        bar.set_description(f"quality {model.name}: {name}")
+        start = time.time()
+        try:
+            with engine(model, setting, sizes, dtype, kv_bytes) as llm:
+                row, raw = evaluate(llm, data, sizes, ref, needle_lengths, run_gsm8k, bar)
+        except Exception as err:  # a setting vLLM or the plugin refuses: recorded, the others go on
+            row, raw = {"error": error_text(err)}, None
+        row = {"setting": name, **row, "seconds": round(time.time() - start, 1)}
+        if setting == settings.BASELINE and raw is not None:
+            ref = raw
+            needle_lengths = [n for n in needle_lengths if row.get(f"needle_{n}", 0) > 0]
+            run_gsm8k = row.get("gsm8k", 0) >= GSM8K_MIN
+            result["gsm8k_note"] = gsm8k_note(row.get("gsm8k"), len(data.gsm8k), run_gsm8k)
+        result["rows"].append(row)
+        tqdm.write(f"{name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in row.items() if k != "setting"))
+        report.write(out_dir, result, table(result))
+    plot(result, out_dir / "quality.png")
+    return result
+
+
+def gsm8k_note(acc: float | None, n: int, ran: bool) -> str:
+    if acc is None:
+        return "GSM8K not run"
+    if ran:
+        return f"GSM8K: the uncompressed cache solves {acc:.0%} of {n} questions, so every setting was run"
+    return (f"GSM8K: the uncompressed cache solves {acc:.0%} of the first {n} test questions (below "
+            f"{GSM8K_MIN:.0%}), too close to zero to compare settings, so the compressed settings were not run")
+
+
+def columns(result: dict) -> list[tuple[str, str]]:
+    sizes = result["sizes"]
+    cols = [("setting", "setting"), ("kv_tokens", "KV tokens")]
+    cols += [(f"ppl_{c}", f"ppl @{c // 1024}k" if c >= 1024 else f"ppl @{c}") for c in sizes["contexts"]]
+    cols += [("kl", "KL vs auto"), ("greedy_match", "greedy agree"), ("greedy_first_diff", "first diff")]
+    cols += [(f"needle_{n}", f"needle @{n // 1024}k" if n >= 1024 else f"needle @{n}") for n, _ in sizes["needle"]]
+    if any("gsm8k" in r for r in result["rows"][1:]):
+        cols.append(("gsm8k", "GSM8K"))
+    return cols + [("error", "error")]
+
+
+def table(result: dict) -> str:
+    return report.markdown_table(result["rows"], columns(result))
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "error" not in r]
+    contexts = result["sizes"]["contexts"]
+    lengths = [n for n, _ in result["sizes"]["needle"]]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.8))
+    for r in rows:
+        ax1.plot(contexts, [r[f"ppl_{c}"] for c in contexts], marker="o", label=r["setting"])
+        got = [n for n in lengths if f"needle_{n}" in r]
+        ax3.plot(got, [r[f"needle_{n}"] for n in got], marker="o", label=r["setting"])
+    ax1.set(xscale="log", xlabel="context (tokens)", ylabel="perplexity", title="perplexity (essays)")
+    ax1.set_xticks(contexts, [str(c) for c in contexts])
+    with_kl = [r for r in rows if "kl" in r]
+    ax2.bar([r["setting"] for r in with_kl], [r["kl"] for r in with_kl], color="tab:gray")
+    ax2.set(ylabel="mean KL (nats)", title="KL vs uncompressed", yscale="log")
+    ax2.tick_params(axis="x", rotation=45)
+    ax3.set(xscale="log", xlabel="prompt length (tokens)", ylabel="accuracy", title="needle retrieval", ylim=(-0.05, 1.05))
+    ax3.set_xticks(lengths, [str(n) for n in lengths])
+    ax1.legend(fontsize=7)
+    fig.suptitle(f"{result['model']} ({result['dtype']}), {result['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
