@@ -63,14 +63,14 @@ def _accumulate_plane(acc, alpha, ps, pz, packed, K: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
-def _fp16(ptr):
-    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+def _f32(ptr):
+    return tl.load(ptr).to(tl.float32)
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_ptr,
-    sm_scale, bt_stride, page_bytes, blocks_per_split,
+    q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_ptr,
+    sm_scale, bt_stride, page_bytes, page_halves, blocks_per_split,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
@@ -81,6 +81,9 @@ def _decode_kernel(
     """KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
     per plane, so packed bytes go to the tensor cores without being interleaved.
+
+    ``half_ptr`` is the cache seen as float16 (scales and zeros are read through it, so that
+    the compiler knows their alignment and vectorizes the loads).
 
     Program ``(seq * H + h, split)``: the KV heads of one request are neighbours in launch
     order, so the pages they share (rows of all heads lie side by side) are read from memory
@@ -119,36 +122,38 @@ def _decode_kernel(
         acc2 = tl.zeros([GP, DV], tl.float32)
         acc3 = tl.zeros([GP, DV], tl.float32)
     for b in range(b_start, b_end):
-        page = cache_ptr + tl.load(block_table_ptr + seq * bt_stride + b).to(tl.int64) * page_bytes
+        block_id = tl.load(block_table_ptr + seq * bt_stride + b).to(tl.int64)
+        page = cache_ptr + block_id * page_bytes
+        half = half_ptr + block_id * page_halves
         if K_BITS != 16:  # per-channel scale and zero, read per plane
-            kstat = page + (h * D + dk * KP) * 2
-            ks0 = _fp16(kstat + K_SCALE)
+            kstat = half + h * D + dk * KP
+            ks0 = _f32(kstat + K_SCALE // 2)
             if K_BITS == 3:
                 ks0 = ks0 * tl.where(dk % 11 == 10, 7.0 / 3.0, 1.0)
-            kz0 = _fp16(kstat + K_ZERO)
+            kz0 = _f32(kstat + K_ZERO // 2)
             qs0 = (q0 * ks0).to(tl.float16)
             bias = tl.sum(q0 * kz0, 1)
             if MAGIC:
                 bias -= 1024.0 * tl.sum(qs0.to(tl.float32), 1)
             if KP > 1:
-                qs1 = (q1 * _fp16(kstat + 2 + K_SCALE)).to(tl.float16)
-                bias += tl.sum(q1 * _fp16(kstat + 2 + K_ZERO), 1)
+                qs1 = (q1 * _f32(kstat + 1 + K_SCALE // 2)).to(tl.float16)
+                bias += tl.sum(q1 * _f32(kstat + 1 + K_ZERO // 2), 1)
                 if MAGIC:
                     bias -= 1024.0 * tl.sum(qs1.to(tl.float32), 1)
             if KP > 2:
-                qs2 = (q2 * _fp16(kstat + 4 + K_SCALE)).to(tl.float16)
-                qs3 = (q3 * _fp16(kstat + 6 + K_SCALE)).to(tl.float16)
-                bias += tl.sum(q2 * _fp16(kstat + 4 + K_ZERO), 1) + tl.sum(q3 * _fp16(kstat + 6 + K_ZERO), 1)
+                qs2 = (q2 * _f32(kstat + 2 + K_SCALE // 2)).to(tl.float16)
+                qs3 = (q3 * _f32(kstat + 3 + K_SCALE // 2)).to(tl.float16)
+                bias += tl.sum(q2 * _f32(kstat + 2 + K_ZERO // 2), 1) + tl.sum(q3 * _f32(kstat + 3 + K_ZERO // 2), 1)
                 if MAGIC:
                     bias -= 1024.0 * (tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1))
         if V_CS >= 0:  # ZipCache channel scales, per plane
-            vcs = page + V_CS + (h * D + dv * VP) * 2
-            cs0 = _fp16(vcs)
+            vcs = half + V_CS // 2 + h * D + dv * VP
+            cs0 = _f32(vcs)
             if VP > 1:
-                cs1 = _fp16(vcs + 2)
+                cs1 = _f32(vcs + 1)
             if VP > 2:
-                cs2 = _fp16(vcs + 4)
-                cs3 = _fp16(vcs + 6)
+                cs2 = _f32(vcs + 2)
+                cs3 = _f32(vcs + 3)
         else:
             cs0 = 1.0
             cs1 = 1.0
@@ -180,8 +185,8 @@ def _decode_kernel(
             if V_BITS == 16:
                 acc0 = acc0 * alpha + tl.dot(p.to(dtype), tl.load(v_row.to(tl.pointer_type(dtype)) + d))
             else:
-                vs = _fp16(page + V_SCALE + (tok * H + h) * 2)
-                vz = _fp16(page + V_ZERO + (tok * H + h) * 2)
+                vs = _f32(half + V_SCALE // 2 + h * BLOCK + tok)
+                vz = _f32(half + V_ZERO // 2 + h * BLOCK + tok)
                 ps = (p * vs[None, :]).to(tl.float16)
                 pz = tl.sum(p * vz[None, :], 1)[:, None]
                 pm = 0.0
@@ -287,8 +292,8 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     if num_splits > 1:
         part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
     _decode_kernel[(n * h, num_splits)](
-        query, cache, block_table, seq_lens, out, part,
-        sm_scale, block_table.stride(0), fmt.page_bytes, blocks_per_split,
+        query, cache, cache.view(torch.float16), block_table, seq_lens, out, part,
+        sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split,
         **kernel_constants(fmt, hq // h, num_splits, tile, magic), num_warps=num_warps,
     )
     if num_splits > 1:

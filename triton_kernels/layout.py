@@ -21,7 +21,7 @@ class TensorLayout:
 @dataclass(frozen=True)
 class PageLayout:
     k: TensorLayout
-    v: TensorLayout
+    v: TensorLayout | None  # None: K-only pages
     page_bytes: int
     block_size: int
     num_kv_heads: int
@@ -38,7 +38,8 @@ def _tensor_layout(codec, base: int) -> TensorLayout:
 
 
 def page_layout(fmt: KVPageFormat) -> PageLayout:
-    return PageLayout(_tensor_layout(fmt.k, 0), _tensor_layout(fmt.v, fmt.k.nbytes), fmt.page_bytes,
+    v = None if fmt.v is None else _tensor_layout(fmt.v, fmt.k.nbytes)
+    return PageLayout(_tensor_layout(fmt.k, 0), v, fmt.page_bytes,
                       fmt.block_size, fmt.k.num_heads, fmt.k.head_size)
 
 

@@ -1,12 +1,21 @@
-"""Cache write: quantize, pack and store new tokens into their pages in one pass.
+"""Cache write: quantize, pack and store new tokens into their pages.
 
-Divisions and square roots are IEEE-rounded (``div_rn``, ``sqrt_rn``) so the
-bytes match the torch reference. One program per (token, KV head), and only the program of the last new token
-of each block works: it reads the block's earlier tokens back from the page,
-adds the new ones, recomputes the statistics over all of them and writes the
-whole block, exactly as ``paged_torch.write_tokens`` does.
+Writes the bytes ``paged_torch.write_tokens`` writes (divisions and square roots
+are IEEE-rounded, ``div_rn`` / ``sqrt_rn``, so they match the torch reference),
+with as little work as the format allows. One program per (token, KV head,
+K or V):
 
-Values sit in registers as ``[BLOCK, UNITS, PER]``: token, storage unit (a byte,
+- statistics per token (V, KIVI), or 16-bit rows: the token's program encodes its
+  own row. Earlier rows keep their codes: re-encoding them would give the same
+  bytes, as their statistics don't change.
+- statistics per channel over the block (K, KIVI): the program of the block's last
+  new token re-encodes the block, a chunk of channels at a time: it reads the
+  earlier tokens back from the page, adds the new ones, recomputes each channel's
+  statistics over all of them and writes the chunk.
+- ZipCache channel scales (V): the block's last new token re-encodes the whole
+  block, as every row's statistics depend on the block-wide channel scales.
+
+Values sit in registers as ``[ROWS, UNITS, PER]``: token, storage unit (a byte,
 or a 32-bit word for 3 bits) and position inside the unit; channel
 ``unit * VALS + position``. Packing is then a shifted sum over the last axis.
 """
@@ -19,20 +28,27 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
 
-from .layout import page_layout
+from .layout import TensorLayout, page_layout
+
+CHUNK_CHANNELS = 32  # channels a chunk covers where statistics are per channel
 
 
 @triton.jit
-def _write_tensor(src_ptr, src_stride, j, is_new, valid, page, h,
-                  H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                  BITS: tl.constexpr, VALS: tl.constexpr, UNITS: tl.constexpr, PER: tl.constexpr,
-                  CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr,
-                  CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    t = tl.arange(0, BLOCK)[:, None, None]
-    u = tl.arange(0, UNITS)[None, :, None]
+def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0,
+                 H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr,
+                 PER: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr,
+                 ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """Encode rows ``t`` (block offsets, [ROWS]) of units ``u0 .. u0 + UC`` of one head's tensor.
+    Row r takes its values from source row ``j[r]`` where ``is_new[r]``, else from the page;
+    statistics cover the rows where ``valid[r]``."""
+    t2 = t[:, None]
+    u2 = u0 + tl.arange(0, UC)[None, :]
+    t = t[:, None, None]
+    u = u2[:, :, None]
     p = tl.arange(0, PER)[None, None, :]
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D)
+    unit_ok = u * VALS < D
     if BITS == 3:
         width = tl.where(p == 10, 2, 3)
         top = tl.where(p == 10, 3.0, 7.0)
@@ -43,15 +59,17 @@ def _write_tensor(src_ptr, src_stride, j, is_new, valid, page, h,
         ratio = 1.0
     full_top: tl.constexpr = (1 << BITS) - 1.0
     row = page + CODES + (t * H + h) * ROW
-    newm = is_new[:, None, None] & ch_ok
-    oldm = valid[:, None, None] & (is_new[:, None, None] == 0) & ch_ok
+    is_new = is_new[:, None, None]
+    valid = valid[:, None, None]
+    newm = is_new & ch_ok
+    oldm = valid & (is_new == 0) & ch_ok
     x_new = tl.load(src_ptr + j[:, None, None] * src_stride + h * D + ch, mask=newm, other=0.0).to(tl.float32)
 
-    # earlier tokens of the block, decoded from the page
+    # earlier tokens, decoded from the page
     if BITS == 3:
-        unit = tl.load((row + u * 4).to(tl.pointer_type(tl.int32)), mask=(t < BLOCK) & (u * VALS < D), other=0)
+        unit = tl.load((row + u * 4).to(tl.pointer_type(tl.int32)), mask=valid & unit_ok, other=0)
     else:
-        unit = tl.load(row + u, mask=(t < BLOCK) & (u * VALS < D), other=0).to(tl.int32)
+        unit = tl.load(row + u, mask=valid & unit_ok, other=0).to(tl.int32)
     shift = p * BITS if BITS != 3 else p * 3
     old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
     if PER_CHANNEL:
@@ -59,16 +77,16 @@ def _write_tensor(src_ptr, src_stride, j, is_new, valid, page, h,
         scale = tl.load((page + SCALE + sz).to(tl.pointer_type(tl.float16)), mask=ch_ok, other=0.0).to(tl.float32)
         zero = tl.load((page + ZERO + sz).to(tl.pointer_type(tl.float16)), mask=ch_ok, other=0.0).to(tl.float32)
     else:
-        sz = (t * H + h) * 2
-        scale = tl.load((page + SCALE + sz).to(tl.pointer_type(tl.float16))).to(tl.float32)
-        zero = tl.load((page + ZERO + sz).to(tl.pointer_type(tl.float16))).to(tl.float32)
+        sz = (h * BLOCK + t) * 2  # per-token statistics are head-major
+        scale = tl.load((page + SCALE + sz).to(tl.pointer_type(tl.float16)), mask=valid, other=0.0).to(tl.float32)
+        zero = tl.load((page + ZERO + sz).to(tl.pointer_type(tl.float16)), mask=valid, other=0.0).to(tl.float32)
     x_old = old_codes * (scale * ratio) + zero
     if CS >= 0:
         cs_old = tl.load((page + CS + (h * D + ch) * 2).to(tl.pointer_type(tl.float16)), mask=ch_ok,
                          other=1.0).to(tl.float32)
         x_old = x_old * cs_old
     x = tl.where(newm, x_new, tl.where(oldm, x_old, 0.0))
-    rows_ok = valid[:, None, None] & ch_ok
+    rows_ok = valid & ch_ok
 
     if CS >= 0:  # ZipCache: divide channels by sqrt(max |x|) over the block
         amax = tl.max(tl.where(rows_ok, tl.abs(x), 0.0), 0)[None, :, :]
@@ -89,63 +107,53 @@ def _write_tensor(src_ptr, src_stride, j, is_new, valid, page, h,
     codes = tl.floor(tl.math.div_rn(x - zero_h.to(tl.float32), step + tl.zeros_like(x)) + 0.5)
     codes = tl.minimum(tl.maximum(codes, 0.0), top)
     codes = tl.where(rows_ok, codes, 0.0).to(tl.int64)
-    packed = tl.sum(codes << shift.to(tl.int64), 2)  # [BLOCK, UNITS]
-    urow = page + CODES + (tl.arange(0, BLOCK)[:, None] * H + h) * ROW
-    uu = tl.arange(0, UNITS)[None, :]
+    packed = tl.sum(codes << shift.to(tl.int64), 2)  # [ROWS, UC]
+    urow = page + CODES + (t2 * H + h) * ROW
     if BITS == 3:
-        tl.store((urow + uu * 4).to(tl.pointer_type(tl.int32)), packed.to(tl.uint32).to(tl.int32, bitcast=True),
-                 mask=uu * VALS < D)
+        tl.store((urow + u2 * 4).to(tl.pointer_type(tl.int32)), packed.to(tl.uint32).to(tl.int32, bitcast=True),
+                 mask=u2 * VALS < D)
     else:
-        tl.store(urow + uu, packed.to(tl.uint8), mask=uu * VALS < D)
-    if PER_CHANNEL:  # statistics [1, UNITS, PER]
+        tl.store(urow + u2, packed.to(tl.uint8), mask=u2 * VALS < D)
+    if PER_CHANNEL:  # statistics [1, UC, PER]
         tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h, mask=ch_ok)
         tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), zero_h, mask=ch_ok)
-    else:  # statistics [BLOCK, 1, 1]
-        tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h)
-        tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), zero_h)
+    else:  # statistics [ROWS, 1, 1]
+        tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h, mask=valid)
+        tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), zero_h, mask=valid)
 
 
 @triton.jit
-def _write_raw(src_ptr, src_stride, j, is_new, page, h, H: tl.constexpr, D: tl.constexpr,
-               BLOCK: tl.constexpr, OFF: tl.constexpr, ROW: tl.constexpr):
-    t = tl.arange(0, BLOCK)[:, None]
-    d = tl.arange(0, D)[None, :]
-    x = tl.load(src_ptr + j[:, None] * src_stride + h * D + d, mask=is_new[:, None], other=0.0)
-    dst = (page + OFF + (t * H + h) * ROW).to(tl.pointer_type(src_ptr.dtype.element_ty)) + d
-    tl.store(dst, x, mask=is_new[:, None])
-
-
-@triton.jit
-def _write_kernel(key_ptr, value_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_stride, v_stride,
-                  H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                  K_BITS: tl.constexpr, K_VALS: tl.constexpr, K_UNITS: tl.constexpr, K_PER: tl.constexpr,
-                  K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr, K_ZERO: tl.constexpr,
-                  V_BITS: tl.constexpr, V_VALS: tl.constexpr, V_UNITS: tl.constexpr, V_PER: tl.constexpr,
-                  V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
-                  V_CS: tl.constexpr):
+def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stride,
+                  H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
+                  UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
+                  SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """Program (token i, head h) for one tensor (K or V) of the page."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + i).to(tl.int64)
-    nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
-    blk = slot // BLOCK
-    off = slot % BLOCK
-    if (slot >= 0) & ((nxt < 0) | (nxt // BLOCK != blk)):
-        t = tl.arange(0, BLOCK)
-        j = i - (off - t)
-        in_batch = (j >= 0) & (t <= off)
-        is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
-        valid = t <= off
+    if slot >= 0:
+        blk = slot // BLOCK
+        off = slot % BLOCK
         page = cache_ptr + blk * page_bytes
-        if K_BITS == 16:
-            _write_raw(key_ptr, k_stride, j, is_new, page, h, H, D, BLOCK, K_CODES, K_ROW)
-        else:
-            _write_tensor(key_ptr, k_stride, j, is_new, valid, page, h, H, D, BLOCK, K_BITS, K_VALS, K_UNITS,
-                          K_PER, K_CODES, K_ROW, K_SCALE, K_ZERO, -1, True)
-        if V_BITS == 16:
-            _write_raw(value_ptr, v_stride, j, is_new, page, h, H, D, BLOCK, V_CODES, V_ROW)
-        else:
-            _write_tensor(value_ptr, v_stride, j, is_new, valid, page, h, H, D, BLOCK, V_BITS, V_VALS, V_UNITS,
-                          V_PER, V_CODES, V_ROW, V_SCALE, V_ZERO, V_CS, False)
+        if BITS == 16:  # the model's own values
+            d = tl.arange(0, D)
+            dst = (page + CODES + (off * H + h) * ROW).to(src_ptr.dtype) + d
+            tl.store(dst, tl.load(src_ptr + i * src_stride + h * D + d))
+        elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
+            nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
+            if (nxt < 0) | (nxt // BLOCK != blk):
+                t = tl.arange(0, BLOCK)
+                j = i - (off - t)
+                in_batch = (j >= 0) & (t <= off)
+                is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
+                valid = t <= off
+                for u0 in range(0, UNITS, UC):
+                    _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0, H, D, BLOCK, BITS, VALS, UC, PER,
+                                 CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
+        else:  # statistics per token: only its own row changes
+            one = tl.arange(0, 1)
+            _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, 0, H, D, BLOCK, BITS, VALS,
+                         UNITS, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
 
 
 def _geometry(bits: int, d: int) -> tuple[int, int, int]:
@@ -156,20 +164,27 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
     return vals, triton.next_power_of_2(-(-d // vals)), triton.next_power_of_2(vals)
 
 
+def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVPageFormat,
+                  lay: TensorLayout, per_channel: bool) -> None:
+    vals, units, per = _geometry(lay.bits, fmt.k.head_size)
+    # a chunk of channels where statistics are per channel (channels are independent); the whole
+    # row where they are per token or need the ZipCache channel scales
+    chunk = min(units, max(1, CHUNK_CHANNELS // vals)) if per_channel and lay.channel_scale < 0 else units
+    n = slot_mapping.shape[0]
+    _write_kernel[(n, fmt.k.num_heads)](
+        src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
+        H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, BITS=lay.bits, VALS=vals, UNITS=units, PER=per,
+        UC=chunk, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale,
+        PER_CHANNEL=per_channel, num_warps=8 if lay.bits != 16 else 1,
+    )
+
+
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """Same contract as ``paged_torch.write_tokens``; key/value [N, H, D] (row-strided views allowed)."""
-    n = slot_mapping.shape[0]
-    if n == 0:
+    if slot_mapping.shape[0] == 0:
         return
     lay = page_layout(fmt)
-    kv, ku, kp = _geometry(lay.k.bits, lay.head_size)
-    vv, vu, vp = _geometry(lay.v.bits, lay.head_size)
-    _write_kernel[(n, lay.num_kv_heads)](
-        key, value, slot_mapping, cache, n, lay.page_bytes, key.stride(0), value.stride(0),
-        H=lay.num_kv_heads, D=lay.head_size, BLOCK=lay.block_size,
-        K_BITS=lay.k.bits, K_VALS=kv, K_UNITS=ku, K_PER=kp, K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
-        K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
-        V_BITS=lay.v.bits, V_VALS=vv, V_UNITS=vu, V_PER=vp, V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
-        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale,
-    )
+    _write_tensor(cache, key, slot_mapping, fmt, lay.k, fmt.k.bits != 16 and fmt.k.axis == "channel")
+    if lay.v is not None:
+        _write_tensor(cache, value, slot_mapping, fmt, lay.v, fmt.v.bits != 16 and fmt.v.axis == "channel")

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -34,6 +35,7 @@ from .slim_loader import ATTRIBUTE
 from .token_rows import TokenRows, token_rows
 
 BACKEND_NAME = "KVCOMPRESS"
+logger = init_logger("vllm.kvcompress")
 
 
 class KVCompressBackend(AttentionBackend):
@@ -165,24 +167,28 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         """Triton kernels on CUDA; KVCOMPRESS_KERNELS=torch keeps the torch reference (for checking)."""
         if device.type != "cuda" or os.environ.get("KVCOMPRESS_KERNELS") == "torch":
             return
+        if fmt.recent is None:  # the write kernel has no 16-bit recent ring yet
+            from .triton_kernels.write import write_tokens
+            self._write = write_tokens
         if fmt.v is None:
             from .triton_kernels.slim_decode import slim_decode, slim_kernel_supports
             if slim_kernel_supports(fmt, getattr(layer, ATTRIBUTE).rotary) is None:
                 self._decode_kernel = slim_decode
             return
         from .triton_kernels.layout import kernel_supports
-        if kernel_supports(fmt) is None:
+        if kernel_supports(fmt) is None and self.sliding_window is None:  # the decode kernel reads whole contexts
             from .triton_kernels.decode import paged_decode
-            from .triton_kernels.write import write_tokens
-            self._write = write_tokens
-            if self.sliding_window is None:  # the decode kernel reads whole contexts
-                self._decode_kernel = paged_decode
+            self._decode_kernel = paged_decode
 
     def _page_format(self, layer, kv_cache: torch.Tensor) -> KVPageFormat:
         if self._format is None:
             self._format = layer_page_format(self._config, extract_layer_index(layer.layer_name), self._dtype,
                                              kv_cache.shape[2], self.num_kv_heads, self.head_size)
             self._select_kernels(self._format, layer, kv_cache.device)
+            logger.info_once(
+                "kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens); decode with %s",
+                kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}",
+                "the torch reference" if self._decode_kernel is None else self._decode_kernel.__name__)
         return self._format
 
     @staticmethod

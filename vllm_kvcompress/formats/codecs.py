@@ -140,19 +140,31 @@ class MinMaxCodec:
         codes = torch.minimum(codes, self.levels(x.device)).to(torch.int32)
         codes = torch.where(mask, codes, 0)
         layout.write(pages, "codes", pack(codes, self.bits))
-        layout.write(pages, "scale", scale.to(_SCALE_DTYPE))
-        layout.write(pages, "zero", zero.to(_SCALE_DTYPE))
+        layout.write(pages, "scale", self._stats_to_page(scale))
+        layout.write(pages, "zero", self._stats_to_page(zero))
         return pages
+
+    def _stats_to_page(self, stat: torch.Tensor) -> torch.Tensor:
+        """Statistics as stored: per channel [H, D]; per token head-major [H, B], so that one head's
+        statistics for a block lie together (a decode kernel reads one head at a time)."""
+        stat = stat.to(_SCALE_DTYPE)
+        return stat if self.axis == "channel" else stat.transpose(1, 2)
+
+    def _stats_from_page(self, pages: torch.Tensor, name: str) -> torch.Tensor:
+        """Back to [N, 1, H, D] (per channel) or [N, B, H, 1] (per token), float32."""
+        B, H, D = self.block_size, self.num_heads, self.head_size
+        if self.axis == "channel":
+            return self._layout.view(pages, name, _SCALE_DTYPE, (1, H, D)).float()
+        return self._layout.view(pages, name, _SCALE_DTYPE, (H, B, 1)).transpose(1, 2).float()
 
     def decode(self, pages: torch.Tensor) -> torch.Tensor:
         N = pages.shape[0]
         B, H, D = self.block_size, self.num_heads, self.head_size
         layout = self._layout
-        stat_shape = (1, H, D) if self.axis == "channel" else (B, H, 1)
         packed = layout.view(pages, "codes", torch.uint8, (B, H, packed_row_bytes(D, self.bits)))
         codes = unpack(packed, self.bits, D).float()
-        scale = layout.view(pages, "scale", _SCALE_DTYPE, stat_shape).float()
-        zero = layout.view(pages, "zero", _SCALE_DTYPE, stat_shape).float()
+        scale = self._stats_from_page(pages, "scale")
+        zero = self._stats_from_page(pages, "zero")
         step = scale * (float((1 << self.bits) - 1) / self.levels(pages.device))
         x = codes * step + zero
         if self.channel_scaling:
