@@ -25,7 +25,7 @@ BENCHES = ("throughput", "serve", "kernels", "quality", "kvmix")
 DEFAULT_SETTINGS = {
     "throughput": ["auto", "fp8", "int4_per_token_head", "quant-k8v8", "quant-k4v4", "quant-k2v2", "zipcache-k4v2"],
     "serve": ["auto", "fp8", "quant-k8v8", "quant-k4v4", "quant-k2v2"],
-    "quality": ["auto", "fp8", "quant-k8v8", "quant-k4v4", "quant-k2v2", "zipcache-k4v2",
+    "quality": ["auto", "fp8", "int4_per_token_head", "quant-k8v8", "quant-k4v4", "quant-k2v2", "zipcache-k4v2",
                 "configs/kvmix-smollm2.yaml", "quant-k3v3"],
 }
 SMALL_SETTINGS = ["auto", "quant-k4v4"]
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     model = prepare(args.model, args.models_dir)
     kv_settings = args.settings or (SMALL_SETTINGS if args.small else DEFAULT_SETTINGS.get(args.bench, []))
     out = report.results_dir(args.bench, args.out)
-    print(f"{args.bench}: {model.name}, settings {' '.join(kv_settings)}; results in {out}", flush=True)
+    what = f"config {args.config}" if args.bench == "kvmix" else f"settings {' '.join(kv_settings)}"
+    print(f"{args.bench}: {model.name}, {what}; results in {out}", flush=True)
     if args.bench in ("throughput", "serve"):
         return _vllm_bench(args, model, kv_settings, out)
     from . import kvmix, quality
@@ -110,7 +111,7 @@ def _vllm_bench(args, model, kv_settings: list[str], out: Path) -> int:
     num_prompts = args.num_prompts or (8 if args.small else 1000 if args.bench == "throughput" else 200)
     dataset = sharegpt.write_for_vllm(out / "sharegpt.json", sample=max(num_prompts * 4, 100))
     kv_bytes = args.kv_bytes or (64 << 20 if args.small else 1 << 30)
-    max_len = args.max_model_len or (1024 if args.small else 4096)
+    max_len = args.max_model_len or (2048 if args.small else 4096)
     output_len = args.output_len or (16 if args.small else None)
     eager = not settings.on_gpu()
     if args.bench == "throughput":

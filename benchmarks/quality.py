@@ -39,7 +39,7 @@ class Sizes:
     greedy_prompts: int = 4
     greedy_context: int = 512
     greedy_tokens: int = 256
-    needle: tuple[tuple[int, int], ...] = ((1024, 4), (2048, 4), (4096, 2), (8192, 1))  # (length, samples)
+    needle: tuple[tuple[int, int], ...] = ((1024, 4), (2048, 2), (4096, 2), (8192, 1))  # (length, samples)
     gsm8k: int = 40  # questions of the 16-bit check
     gsm8k_tokens: int = 256
     top_k: int = 20  # the reference's most likely tokens per position that KL is taken over
@@ -52,7 +52,7 @@ class Sizes:
 
 
 FULL = Sizes()
-SMALL = Sizes(contexts=(128, 256), greedy_prompts=2, greedy_context=64, greedy_tokens=16, needle=((256, 2),),
+SMALL = Sizes(contexts=(128, 256), greedy_prompts=2, greedy_context=64, greedy_tokens=16, needle=((512, 2),),
               gsm8k=2, gsm8k_tokens=16)
 
 

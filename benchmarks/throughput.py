@@ -43,7 +43,7 @@ def run(model: Model, kv_settings: list[str], dataset: Path, out_dir: Path, num_
             "--dataset-path", dataset, "--num-prompts", num_prompts, "--seed", 0,
             "--kv-cache-memory-bytes", kv_bytes, "--max-model-len", max_model_len,
             *(["--output-len", output_len] if output_len else []), *(["--enforce-eager"] if eager else []),
-            *settings.cli_args(setting))
+            *settings.cli_args(setting), "--output-json", out_dir / "logs" / f"throughput-{name}.json")
         rc, log = run_logged(cmd, out_dir / "logs" / f"throughput-{name}.log", timeout)
         row = {"setting": setting, **parse_log(log)}
         if rc != 0 or "tokens_per_s" not in row:
@@ -59,3 +59,28 @@ def run(model: Model, kv_settings: list[str], dataset: Path, out_dir: Path, num_
 
 def table(rows: list[dict]) -> str:
     return report.markdown_table(rows, COLUMNS)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Output tokens/s and KV capacity per setting, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [settings.label(r["setting"]) for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.bar(names, [r.get("output_tokens_per_s", 0) for r in rows], color="tab:blue")
+    ax1.set(ylabel="output tokens/s", title="throughput (vllm bench throughput)")
+    ax2.bar(names, [r.get("kv_tokens", 0) for r in rows], color="tab:green")
+    ax2.set(ylabel="KV tokens", title="KV capacity at the same memory")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", rotation=45)
+    for ax, key in ((ax1, "output_tokens_per_s"), (ax2, "kv_tokens")):
+        for i, r in enumerate(rows):
+            if key not in r:
+                ax.text(i, 0, "failed", ha="center", va="bottom", fontsize=7, rotation=90)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -48,6 +48,13 @@ def recover_json_array(text: str) -> list:
         items.append(item)
 
 
+def sharegpt_conversations(path: Path | None = None) -> list[dict]:
+    """The whole ShareGPT conversations with two or more turns (what ``vllm bench --dataset-name
+    sharegpt`` uses), in file order."""
+    items = recover_json_array(Path(path or dataset_file("sharegpt")).read_text())
+    return [c for c in items if len(c.get("conversations", [])) >= 2]
+
+
 def dataset_texts(name: str, path: Path | None = None) -> list[str]:
     """Every text of a dataset, in file order.
 
@@ -62,13 +69,8 @@ def dataset_texts(name: str, path: Path | None = None) -> list[str]:
     if name == "essays":
         return [json.loads(path.read_text())["text"]]
     if name == "sharegpt":
-        convs = recover_json_array(path.read_text())
-        texts = []
-        for c in convs:
-            turns = [t.get("value", "") for t in c.get("conversations", [])]
-            if len(turns) >= 2 and all(turns):
-                texts.append("\n\n".join(turns))
-        return texts
+        turns = ([t.get("value", "") for t in c["conversations"]] for c in sharegpt_conversations(path))
+        return ["\n\n".join(t) for t in turns if all(t)]
     raise SystemExit(f"error: unknown dataset {name!r} (allowed: {', '.join(DATASETS)})")
 
 

@@ -1,0 +1,220 @@
+"""The benchmarks (``python -m benchmarks ...``): their metrics against independent computations,
+the ShareGPT recovery against vLLM's own loader, and each ``--small`` run end to end from the
+checkout root on a tiny model, its figures checked against vLLM's own records or a transformers
+forward."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import kvmix, metrics, needle, quality, sharegpt
+from vllm_kvcompress.config import load_config
+from vllm_kvcompress.tools.datasets import dataset_texts
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def bench(*args, timeout=600) -> subprocess.CompletedProcess:
+    """``python -m benchmarks ARGS`` from the checkout root, as the docs say to run it."""
+    return subprocess.run([sys.executable, "-m", "benchmarks", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ))
+
+
+def result_of(out_root: Path) -> tuple[Path, dict]:
+    (folder,) = [p for p in out_root.iterdir() if p.is_dir()]
+    return folder, json.loads((folder / "results.json").read_text())
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+def _top(logp: torch.Tensor, k: int) -> dict:
+    vals, idx = logp.topk(k)
+    return dict(zip(idx.tolist(), vals.tolist()))
+
+
+def test_kl_top_k_is_the_kl_of_distributions_coarsened_to_the_reference_top_k():
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(1000, generator=gen, dtype=torch.float64) * 3
+    p, q = a.log_softmax(0), (a + 0.3 * torch.randn(1000, generator=gen, dtype=torch.float64)).log_softmax(0)
+    k = 20
+    top = p.topk(k).indices
+    rest = torch.ones(1000, dtype=torch.bool)
+    rest[top] = False
+    pc = torch.cat([p[top].exp(), p[rest].exp().sum()[None]])  # k+1 outcomes
+    qc = torch.cat([q[top].exp(), q[rest].exp().sum()[None]])
+    want = float((pc * (pc.log() - qc.log())).sum())
+    got, missing = metrics.kl_top_k(_top(p, k), _top(q, 200), k)
+    assert not missing and got == pytest.approx(want, rel=1e-9)
+    assert 0 < got <= float((p.exp() * (p - q)).sum())  # coarsening only loses divergence
+    assert metrics.kl_top_k(_top(p, k), _top(p, 200), k)[0] == pytest.approx(0, abs=1e-12)
+    _, missing = metrics.kl_top_k(_top(p, k), _top(q, 5), k)  # the reference's top-20 is not all there
+    assert missing
+
+
+def test_greedy_agreement_and_gsm8k_answers():
+    assert metrics.greedy_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 2)
+    assert metrics.greedy_agreement([1, 2, 3], [1, 2, 3]) == (1.0, 3)
+    assert metrics.last_number("so 3 + 4 = 7, and the answer is 1,234.") == "1234"
+    assert metrics.last_number("no digits") is None
+
+
+def test_needles_follow_ruler_and_fit_their_length(gqa):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gqa)
+    samples = needle.make_samples(tok, dataset_texts("essays")[0], 2048, 3, seed=0)
+    assert [s.depth for s in samples] == pytest.approx([1 / 6, 1 / 2, 5 / 6])
+    assert len({s.answer for s in samples}) == 3
+    for s in samples:
+        assert 2048 - 16 - 200 < len(s.prompt_ids) <= 2048 - 16
+        text = tok.decode(s.prompt_ids)
+        assert text.startswith("A special magic number is hidden within the following text.")
+        assert text.endswith("mentioned in the provided text is")
+        assert text.count(s.answer) == 1 and f"is: {s.answer}." in text
+        body = text[text.index("\n") + 1:text.rindex("\n")]
+        assert abs(body.index(s.answer) / len(body) - s.depth) < 0.1
+    assert needle.score(" 8056020.\nThe special", "8056020") == 1.0
+    assert needle.score(" 805602", "8056020") == 0.0
+
+
+def test_kvmix_variants_keep_the_profiled_bit_budget():
+    cfg = __import__("yaml").safe_load((REPO / "configs/kvmix-smollm2.yaml").read_text())
+    out = kvmix.variants(cfg, [0, 1, 2], rpc_tokens=32)
+    assert [kind for kind, _, _ in out] == ["profiled", "uniform", "random", "random", "random"] * 2
+    profiled = load_config(out[0][2])
+    for i in range(30):
+        want = cfg["layers"].get(i, {})
+        assert profiled.layer_format(i).k_bits == want.get("k_bits", 2)
+        assert profiled.layer_format(i).v_bits == want.get("v_bits", 2)
+    high_k = sum(1 for i in range(30) if profiled.layer_format(i).k_bits == 4)
+    high_v = sum(1 for i in range(30) if profiled.layer_format(i).v_bits == 4)
+    draws = []
+    for kind, name, c in out:
+        loaded = load_config(c)  # every variant is a config the plugin accepts
+        ks = [loaded.layer_format(i).k_bits for i in range(30)]
+        vs = [loaded.layer_format(i).v_bits for i in range(30)]
+        if kind != "uniform":
+            assert ks.count(4) == high_k and vs.count(4) == high_v and kvmix.avg_bits(c) == pytest.approx(2.4)
+        if kind == "random":
+            draws.append((tuple(ks), tuple(vs)))
+        with_window = "RPC" in name
+        assert loaded.layer_format(0).has_recent_window == with_window
+    assert len(set(draws)) == 3  # seeds draw different layers (the same three twice: with and without RPC)
+    assert kvmix.variants(cfg, [0], 0)[2][2] == out[2][2]  # seeded
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def test_sharegpt_recovery_is_json_that_vllms_loader_reads(gqa, tmp_path):
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets.datasets import ShareGPTDataset
+
+    path = sharegpt.write_for_vllm(tmp_path / "sharegpt.json", sample=40, seed=1)
+    convs = json.loads(path.read_text())
+    assert len(convs) == 40 and all(len(c["conversations"]) >= 2 for c in convs)
+    requests = ShareGPTDataset(dataset_path=str(path), random_seed=0).sample(
+        tokenizer=AutoTokenizer.from_pretrained(gqa), num_requests=10, output_len=16)
+    assert len(requests) == 10
+    assert {r.prompt for r in requests} <= {c["conversations"][0]["value"] for c in convs}
+
+
+# --- the entry point -------------------------------------------------------------------------
+
+
+def test_kernels_needs_a_gpu_and_bad_input_is_named(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the kernel benchmark would run")
+    run = bench("kernels")
+    assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr
+    run = bench("kernels", "--small")
+    assert run.returncode == 0 and "skipped" in run.stdout
+    run = bench("quality", "--model", tmp_path / "nowhere")
+    assert run.returncode != 0 and "nowhere" in run.stderr and "smollm2" in run.stderr
+    run = bench("quality", "--kv-bytes", "-5")
+    assert run.returncode != 0 and "--kv-bytes -5" in run.stderr
+
+
+@pytest.mark.engine
+def test_quality_small(gqa, tmp_path):
+    """Perplexity from the engine's prompt logprobs equals a transformers forward's on the same
+    tokens; a lossless config through our backend agrees exactly; 2 bits diverge; a bad setting is
+    reported on its row and the others still run."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    lossless = tmp_path / "k16v16.yaml"
+    lossless.write_text("name: k16v16\ndefault: {k_bits: 16, v_bits: 16}\n")
+    run = bench("quality", "--small", "--model", gqa, "--settings", "auto", lossless, "quant-k2v2", "no-such-preset",
+                "--out", tmp_path / "res")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "triton_kernels" not in run.stderr  # the checkout's folder did not shadow vLLM's import
+    folder, result = result_of(tmp_path / "res")
+    rows = {r["setting"]: r for r in result["rows"]}
+    assert list(rows) == ["16-bit (auto)", "k16v16", "quant-k2v2", "no-such-preset"]
+
+    tok = AutoTokenizer.from_pretrained(gqa)
+    windows = quality.prepare_data(tok, quality.SMALL).windows
+    model = LlamaForCausalLM.from_pretrained(gqa, dtype=torch.float32)
+    nll = []
+    with torch.no_grad():
+        for ids in windows:
+            x = torch.tensor([ids])
+            logp = model(x).logits[0].log_softmax(-1)
+            nll += (-logp[:-1].gather(1, x[0, 1:, None])[:, 0]).tolist()
+    for ctx in quality.SMALL.contexts:
+        want = math.exp(sum(nll[:ctx - 1]) / (ctx - 1))  # one window: its first ctx tokens
+        assert rows["16-bit (auto)"][f"ppl_{ctx}"] == pytest.approx(want, rel=1e-3)
+
+    exact, low = rows["k16v16"], rows["quant-k2v2"]
+    assert exact["kl"] < 1e-5 and exact["greedy_match"] == 1.0
+    assert exact["ppl_256"] == pytest.approx(rows["16-bit (auto)"]["ppl_256"], rel=1e-4)
+    assert low["kl"] > 100 * max(exact["kl"], 1e-6) and low["kv_tokens"] > 6 * exact["kv_tokens"]
+    assert "no-such-preset" in rows["no-such-preset"]["error"]
+    assert "| quant-k2v2 |" in (folder / "table.md").read_text()
+    assert 0 < (folder / "quality.png").stat().st_size < 150_000
+
+
+@pytest.mark.engine
+def test_throughput_small(gqa, tmp_path):
+    """Requests/s and tokens/s read from vLLM's log equal what vLLM writes with --output-json; the KV
+    capacity it reports grows as the page arithmetic says."""
+    from vllm_kvcompress.formats.page import KVPageFormat
+
+    run = bench("throughput", "--small", "--model", gqa, "--settings", "auto", "quant-k4v4", "--out", tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    folder, result = result_of(tmp_path)
+    auto, k4 = result["rows"]
+    for row, name in ((auto, "16-bit_(auto)"), (k4, "quant-k4v4")):
+        own = json.loads((folder / "logs" / f"throughput-{name}.json").read_text())
+        assert row["requests_per_s"] == pytest.approx(own["requests_per_second"], abs=0.006)
+        assert row["tokens_per_s"] == pytest.approx(own["tokens_per_second"], abs=0.006)
+        assert own["num_requests"] == result["num_prompts"]
+    log = (folder / "logs" / "throughput-16-bit_(auto).log").read_text()
+    dtype = torch.bfloat16 if "dtype=torch.bfloat16" in log else torch.float32
+    fmt = KVPageFormat.from_layer_format(load_config("quant-k4v4").layer_format(0), dtype, 128, 2, 64)
+    want = 2 * 128 * 2 * 64 * dtype.itemsize / fmt.page_bytes
+    assert k4["kv_vs_auto"] == pytest.approx(want, rel=0.03)
+    assert 0 < (folder / "throughput.png").stat().st_size < 150_000
+
+
+@pytest.mark.engine
+def test_serve_small(gqa, tmp_path):
+    """vllm bench serve against our server: every request completes and is answered by the server."""
+    run = bench("serve", "--small", "--model", gqa, "--settings", "quant-k4v4", "--rates", "4", "--num-prompts", 6,
+                "--out", tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    folder, result = result_of(tmp_path)
+    (row,) = result["rows"]
+    assert row["completed"] == 6 and row["rate"] == 4
+    assert 0 < row["p50_ttft_ms"] <= row["p99_ttft_ms"] and 0 < row["p50_tpot_ms"] <= row["p99_tpot_ms"]
+    server_log = (folder / "logs" / "server-quant-k4v4.log").read_text()
+    assert server_log.count("POST /v1/completions HTTP/1.1\" 200") >= 6
+    assert "kv-compression 'quant-k4v4'" in server_log
+    assert 0 < (folder / "serve.png").stat().st_size < 150_000
