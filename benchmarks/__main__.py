@@ -18,6 +18,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 
 from . import report, settings  # noqa: E402
 
@@ -50,10 +51,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=None, help="fixed output tokens per request (throughput, serve)")
     p.add_argument("--rates", type=float, nargs="+", default=None, help="request rates per second (serve)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per vLLM command (throughput, serve)")
+    p.add_argument("--needles", nargs="+", default=None, metavar="LENGTH:COUNT",
+                   help="needle prompts per length (quality), e.g. 1024:4 2048:2")
+    p.add_argument("--greedy-prompts", type=int, default=None, help="prompts of the greedy comparison (quality)")
     p.add_argument("--config", type=Path, default=Path("configs/kvmix-smollm2.yaml"), help="profiled config (kvmix)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="random baselines (kvmix)")
     p.add_argument("--rpc-tokens", type=int, default=32, help="recent window for the RPC variants, 0: none (kvmix)")
     return p
+
+
+def _needle_arg(text: str) -> tuple[int, int]:
+    length, _, count = text.partition(":")
+    if not (length.isdigit() and count.isdigit() and int(count) > 0):
+        raise SystemExit(f"error: --needles {text!r}: expected LENGTH:COUNT with positive integers, e.g. 1024:4")
+    return int(length), int(count)
 
 
 def _kernels(rest: list[str], small: bool) -> int:
@@ -80,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.kv_bytes is not None and args.kv_bytes <= 0:
         raise SystemExit(f"error: --kv-bytes {args.kv_bytes} must be a positive number of bytes")
+    sizes = _quality_sizes(args)  # checked before anything is converted or written
     from .models import prepare
 
     model = prepare(args.model, args.models_dir)
@@ -91,18 +103,30 @@ def main(argv: list[str] | None = None) -> int:
         return _vllm_bench(args, model, kv_settings, out)
     from . import kvmix, quality
 
-    sizes = quality.SMALL if args.small else quality.FULL
     dtype = args.dtype or ("auto" if settings.on_gpu() else "float32")
     kv_bytes = args.kv_bytes or (64 << 20 if args.small else 512 << 20)
     if args.bench == "quality":
         result = quality.run(model, kv_settings, sizes, out, dtype, kv_bytes)
     else:
         seeds = args.seeds or ([0, 1] if args.small else [0, 1, 2, 3])
-        sizes = quality.Sizes(contexts=(256,), ppl_windows=1, needle=()) if args.small else \
-            quality.Sizes(contexts=(2048,), ppl_windows=2, needle=())
         result = kvmix.run(model, args.config, seeds, args.rpc_tokens, sizes, out, dtype, kv_bytes)
     print((out / "table.md").read_text())
     return 1 if all("error" in r for r in result["rows"]) else 0
+
+
+def _quality_sizes(args):
+    """How much text each quality measurement uses (quality, kvmix)."""
+    from . import quality
+
+    if args.bench == "kvmix":  # perplexity only: windows of 2048 tokens (256 with --small)
+        return quality.Sizes(contexts=(256,) if args.small else (2048,), ppl_windows=1 if args.small else 2,
+                             needle=())
+    sizes = quality.SMALL if args.small else quality.FULL
+    if args.needles:
+        sizes = dataclasses.replace(sizes, needle=tuple(_needle_arg(a) for a in args.needles))
+    if args.greedy_prompts:
+        sizes = dataclasses.replace(sizes, greedy_prompts=args.greedy_prompts)
+    return sizes
 
 
 def _vllm_bench(args, model, kv_settings: list[str], out: Path) -> int:

@@ -78,7 +78,7 @@ def run(model: Model, config_path: Path, seeds: list[int], rpc_tokens: int, size
         try:
             with quality.engine(model, cfg, sizes, dtype, kv_bytes) as llm:
                 logprobs = [lp for lp, _ in quality.window_logprobs(llm, windows, 1)]
-            row = {"ppl": quality.perplexity_at(logprobs, ctx)}
+                row = {"kv_tokens": quality.kv_tokens(llm), "ppl": quality.perplexity_at(logprobs, ctx)}
         except Exception as err:
             row = {"error": quality.error_text(err)}
         row = {"kind": kind, "setting": label, "rpc_tokens": cfg["default"].get("rpc_tokens", 0),
@@ -86,6 +86,7 @@ def run(model: Model, config_path: Path, seeds: list[int], rpc_tokens: int, size
         result["rows"].append(row)
         tqdm.write(f"{label}: {row.get('ppl', row.get('error'))}")
         report.write(out_dir, result, table(result))
+    plot(result, out_dir / "kvmix.png")
     return result
 
 
@@ -110,9 +111,39 @@ SUMMARY_COLUMNS = [("rpc", "recent window"), ("profiled", "profiled"), ("uniform
                    ("random_mean", "random: mean"), ("random_sd", "random: sd"), ("random_min", "random: best"),
                    ("random_max", "random: worst"), ("random_beaten", "random draws worse than profiled"),
                    ("random_n", "random draws")]
-COLUMNS = [("setting", "setting"), ("avg_bits", "avg K/V bits"), ("ppl", "perplexity"), ("error", "error")]
+COLUMNS = [("setting", "setting"), ("avg_bits", "avg K/V bits"), ("kv_tokens", "KV tokens"), ("ppl", "perplexity"),
+           ("error", "error")]
 
 
 def table(result: dict) -> str:
     return (report.markdown_table(summary(result), SUMMARY_COLUMNS) + "\n\n" +
             report.markdown_table(result["rows"], COLUMNS))
+
+
+def plot(result: dict, path: Path) -> None:
+    """Perplexity of each choice of high-bit layers, without and with the recent window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = summary(result)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    width = 0.8 / len(groups)
+    for g, group in enumerate(groups):
+        rpc = 0 if group["rpc"] == "off" else int(group["rpc"].split()[0])
+        rows = [r for r in result["rows"] if r["rpc_tokens"] == rpc and "ppl" in r]
+        for x, kind in enumerate(("profiled", "random", "uniform")):
+            vals = [r["ppl"] for r in rows if r["kind"] == kind]
+            if not vals:
+                continue
+            pos = x + (g - (len(groups) - 1) / 2) * width
+            ax.bar(pos, statistics.mean(vals), width, color=f"C{g}", alpha=0.6,
+                   label=f"recent window {group['rpc']}" if x == 0 else None)
+            ax.scatter([pos] * len(vals), vals, color="black", s=10, zorder=3)
+    ax.set_xticks(range(3), ["profiled", "random (same bits)", "uniform 2-bit"])
+    ax.set(ylabel="perplexity (essays)", title=f"KVmix high-bit layers, {result['model']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -118,6 +118,12 @@ def engine(model: Model, setting, sizes: Sizes, dtype: str, kv_bytes: int):
         gc.collect()
 
 
+def kv_tokens(llm) -> int:
+    """The KV capacity in tokens that the engine allocated."""
+    cc = llm.llm_engine.vllm_config.cache_config
+    return cc.num_gpu_blocks * cc.block_size
+
+
 def _generate(llm, prompts: list[list[int]], **params):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -140,8 +146,7 @@ def perplexity_at(logprobs: list[list[float]], context: int) -> float:
 def evaluate(llm, data: Data, sizes: Sizes, ref: dict | None, needle_lengths, run_gsm8k: bool,
              bar: tqdm) -> tuple[dict, dict]:
     """One setting's row, and what a later setting compares against (this one's top-k and greedy tokens)."""
-    cc = llm.llm_engine.vllm_config.cache_config
-    row: dict = {"kv_tokens": cc.num_gpu_blocks * cc.block_size}
+    row: dict = {"kv_tokens": kv_tokens(llm)}
     bar.set_postfix_str("perplexity")
     windows = window_logprobs(llm, data.windows, sizes.top_k if ref is None else sizes.test_top_k)
     logprobs = [lp for lp, _ in windows]

@@ -169,7 +169,8 @@ def test_quality_small(gqa, tmp_path):
             logp = model(x).logits[0].log_softmax(-1)
             nll += (-logp[:-1].gather(1, x[0, 1:, None])[:, 0]).tolist()
     for ctx in quality.SMALL.contexts:
-        want = math.exp(sum(nll[:ctx - 1]) / (ctx - 1))  # one window: its first ctx tokens
+        first = nll[:ctx - 1]  # one window: the predictions within its first ctx tokens
+        want = math.exp(sum(first) / len(first))
         assert rows["16-bit (auto)"][f"ppl_{ctx}"] == pytest.approx(want, rel=1e-3)
 
     exact, low = rows["k16v16"], rows["quant-k2v2"]
