@@ -245,3 +245,18 @@ def test_sliding_window_layers_lossless_at_16_bits(mha, tmp_path):
         assert greedy(llm, prompts, 24) == want
     with engine(mha) as llm:  # the window matters: without it the tokens differ
         assert greedy(llm, prompts, 24) != want
+
+
+def test_generic_platforms_give_compressed_layers_128_token_pages(mha):
+    """On CUDA, vLLM sets the block size from the chosen backend after the config is built
+    (``Platform.update_block_size_for_backend``, the generic implementation; the CPU platform
+    keeps its own 128). Run that implementation on this engine's config: our backend must get
+    128-token pages (16-token pages would spend 2 bits a value on K's per-channel scales)."""
+    from vllm.platforms.interface import Platform
+
+    from vllm_kvcompress.backend import KVCompressBackend
+
+    with engine(mha, "quant-k4v4", dtype="bfloat16", kv_bytes=32 << 20) as llm:
+        vllm_config = llm.llm_engine.vllm_config
+    vllm_config.cache_config.block_size = 16  # what the generic path starts from on CUDA
+    assert Platform._preferred_block_size_for_backends([KVCompressBackend], 16, vllm_config) == 128

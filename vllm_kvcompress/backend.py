@@ -35,6 +35,9 @@ from .slim_loader import ATTRIBUTE
 from .token_rows import TokenRows, token_rows
 
 BACKEND_NAME = "KVCOMPRESS"
+# K's per-channel scales and zeros are per page: 0.25 bit a value at 128 tokens (2 bits at 16),
+# and the decode kernel runs fastest on 128-token pages.
+PAGE_TOKENS = 128
 logger = init_logger("vllm.kvcompress")
 
 
@@ -59,6 +62,11 @@ class KVCompressBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
         return [MultipleOf(16)]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """vLLM sets the block size from this once the backend is chosen, unless --block-size is given."""
+        return PAGE_TOKENS
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:

@@ -24,7 +24,6 @@ from .engine_config import (
 
 logger = logging.getLogger("vllm.kvcompress")  # under "vllm" so vLLM's log handlers print it
 BACKEND_PATH = "vllm_kvcompress.backend.KVCompressBackend"
-CUDA_BLOCK_SIZE = 128
 _installed = False
 
 
@@ -146,10 +145,9 @@ def activate(vllm_config) -> None:
     cfg = active_config(vllm_config)
     validate_against_model(cfg, vllm_config)
     cache_config = vllm_config.cache_config
-    if current_platform.is_cuda() and not cache_config.user_specified_block_size:
-        # K's per-channel scales are per block: 128-token pages keep them to 0.25 bit a value
-        # (16-token pages would spend 2 bits), and the decode kernel is fastest there.
-        cache_config.block_size = CUDA_BLOCK_SIZE
+    if not cache_config.user_specified_block_size:
+        from .backend import PAGE_TOKENS
+        cache_config.block_size = PAGE_TOKENS  # what vLLM asks the backend for later; the report below uses it
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(mode="json") | {"source": cfg.source}
     shape = ModelKVShape.of(vllm_config)
     if current_platform.is_cuda() and os.environ.get("KVCOMPRESS_KERNELS") != "torch":
