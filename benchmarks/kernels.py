@@ -139,9 +139,9 @@ def main() -> None:
         for bits in (8, 4, 2, 3):
             rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx) | {"shape": name})
         if args.sweep:
-            for variant in ({"magic": False}, {"tile": 128}, {"num_warps": 8}, {"tile": 128, "num_warps": 8},
-                            {"programs_per_sm": 8}, {"programs_per_sm": 8, "tile": 128}):
-                rows.append(bench_ours(4, args.batch, hq, hkv, d, args.ctx, **variant) | {"shape": name})
+            for bits, variant in ((4, {"magic": False}), (4, {"tile": 128}), (4, {"num_warps": 8}),
+                                  (4, {"programs_per_sm": 8}), (8, {"num_warps": 8}), (8, {"tile": 32})):
+                rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx, **variant) | {"shape": name})
         for bits in (4, 8):
             rows.append(bench_write(bits, args.batch, hkv, d, args.ctx - 37) | {"shape": name})
         for r in rows:

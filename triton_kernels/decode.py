@@ -82,7 +82,7 @@ def _decode_kernel(
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
     per plane, so packed bytes go to the tensor cores without being interleaved.
 
-    ``half_ptr`` is the cache seen as float16 (scales and zeros are read through it, so that
+    ``half_ptr`` is the cache seen as float16 (K's scales and zeros are read through it, so that
     the compiler knows their alignment and vectorizes the loads).
 
     Program ``(seq * H + h, split)``: the KV heads of one request are neighbours in launch
@@ -185,8 +185,10 @@ def _decode_kernel(
             if V_BITS == 16:
                 acc0 = acc0 * alpha + tl.dot(p.to(dtype), tl.load(v_row.to(tl.pointer_type(dtype)) + d))
             else:
-                vs = _f32(half + V_SCALE // 2 + h * BLOCK + tok)
-                vz = _f32(half + V_ZERO // 2 + h * BLOCK + tok)
+                # through the byte pointer: with their alignment known, the compiler pipelines these
+                # loads too and needs 196 registers instead of 122 (a third of the occupancy)
+                vs = tl.load((page + V_SCALE + (h * BLOCK + tok) * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
+                vz = tl.load((page + V_ZERO + (h * BLOCK + tok) * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
                 ps = (p * vs[None, :]).to(tl.float16)
                 pz = tl.sum(p * vz[None, :], 1)[:, None]
                 pm = 0.0
