@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--needles", nargs="+", default=None, metavar="LENGTH:COUNT",
                    help="needle prompts per length (quality), e.g. 1024:4 2048:2")
     p.add_argument("--greedy-prompts", type=int, default=None, help="prompts of the greedy comparison (quality)")
+    p.add_argument("--gsm8k-questions", type=int, default=None, help="questions of the 16-bit GSM8K check (quality)")
     p.add_argument("--config", type=Path, default=Path("configs/kvmix-smollm2.yaml"), help="profiled config (kvmix)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="random baselines (kvmix)")
     p.add_argument("--rpc-tokens", type=int, default=32, help="recent window for the RPC variants, 0: none (kvmix)")
@@ -122,10 +123,15 @@ def _quality_sizes(args):
         return quality.Sizes(contexts=(256,) if args.small else (2048,), ppl_windows=1 if args.small else 2,
                              needle=())
     sizes = quality.SMALL if args.small else quality.FULL
+    for flag, value, least in (("--greedy-prompts", args.greedy_prompts, 1), ("--gsm8k-questions", args.gsm8k_questions, 0)):
+        if value is not None and value < least:
+            raise SystemExit(f"error: {flag} {value} is not allowed; allowed: {least} or more")
     if args.needles:
         sizes = dataclasses.replace(sizes, needle=tuple(_needle_arg(a) for a in args.needles))
-    if args.greedy_prompts:
+    if args.greedy_prompts is not None:
         sizes = dataclasses.replace(sizes, greedy_prompts=args.greedy_prompts)
+    if args.gsm8k_questions is not None:
+        sizes = dataclasses.replace(sizes, gsm8k=args.gsm8k_questions)
     return sizes
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import quality, report
+from . import quality, report, settings
 from .models import Model
 
 
@@ -71,7 +71,8 @@ def run(model: Model, config_path: Path, seeds: list[int], rpc_tokens: int, size
     result = {"bench": "kvmix", "model": model.name, "config": str(config_path), "seeds": seeds,
               "rpc_tokens": rpc_tokens, "windows": len(windows), "window_tokens": ctx - 1, "dtype": dtype,
               "device": report.device(), "rows": []}
-    bar = tqdm(variants(config, seeds, rpc_tokens), desc="kvmix", unit="config")
+    todo = [("reference", settings.label(settings.BASELINE), settings.BASELINE), *variants(config, seeds, rpc_tokens)]
+    bar = tqdm(todo, desc="kvmix", unit="config")
     for kind, label, cfg in bar:
         bar.set_postfix_str(label)
         start = time.time()
@@ -81,8 +82,11 @@ def run(model: Model, config_path: Path, seeds: list[int], rpc_tokens: int, size
                 row = {"kv_tokens": quality.kv_tokens(llm), "ppl": quality.perplexity_at(logprobs, ctx)}
         except Exception as err:
             row = {"error": quality.error_text(err)}
-        row = {"kind": kind, "setting": label, "rpc_tokens": cfg["default"].get("rpc_tokens", 0),
-               "avg_bits": avg_bits(cfg), **row, "seconds": round(time.time() - start, 1)}
+        if kind == "reference":
+            row |= {"rpc_tokens": 0, "avg_bits": 16.0}
+        else:
+            row |= {"rpc_tokens": cfg["default"].get("rpc_tokens", 0), "avg_bits": avg_bits(cfg)}
+        row = {"kind": kind, "setting": label, **row, "seconds": round(time.time() - start, 1)}
         result["rows"].append(row)
         tqdm.write(f"{label}: {row.get('ppl', row.get('error'))}")
         report.write(out_dir, result, table(result))
@@ -94,11 +98,12 @@ def summary(result: dict) -> list[dict]:
     """Per RPC setting: profiled, uniform, and the random choices' mean, spread and range."""
     out = []
     for rpc in sorted({r["rpc_tokens"] for r in result["rows"]}):
-        rows = [r for r in result["rows"] if r["rpc_tokens"] == rpc and "ppl" in r]
+        rows = [r for r in result["rows"] if r["rpc_tokens"] == rpc and "ppl" in r and r["kind"] != "reference"]
         rand = [r["ppl"] for r in rows if r["kind"] == "random"]
         prof = next((r["ppl"] for r in rows if r["kind"] == "profiled"), None)
         uni = next((r["ppl"] for r in rows if r["kind"] == "uniform"), None)
-        row = {"rpc": f"{rpc} tokens" if rpc else "off", "profiled": prof, "uniform": uni}
+        ref = next((r["ppl"] for r in result["rows"] if r["kind"] == "reference" and "ppl" in r), None)
+        row = {"rpc": f"{rpc} tokens" if rpc else "off", "reference": ref, "profiled": prof, "uniform": uni}
         if rand:
             row |= {"random_mean": statistics.mean(rand), "random_sd": statistics.stdev(rand) if len(rand) > 1 else 0.0,
                     "random_min": min(rand), "random_max": max(rand), "random_n": len(rand),
@@ -107,7 +112,7 @@ def summary(result: dict) -> list[dict]:
     return out
 
 
-SUMMARY_COLUMNS = [("rpc", "recent window"), ("profiled", "profiled"), ("uniform", "uniform 2-bit"),
+SUMMARY_COLUMNS = [("rpc", "recent window"), ("reference", "16-bit"), ("profiled", "profiled"), ("uniform", "uniform 2-bit"),
                    ("random_mean", "random: mean"), ("random_sd", "random: sd"), ("random_min", "random: best"),
                    ("random_max", "random: worst"), ("random_beaten", "random draws worse than profiled"),
                    ("random_n", "random draws")]
@@ -141,6 +146,8 @@ def plot(result: dict, path: Path) -> None:
             ax.bar(pos, statistics.mean(vals), width, color=f"C{g}", alpha=0.6,
                    label=f"recent window {group['rpc']}" if x == 0 else None)
             ax.scatter([pos] * len(vals), vals, color="black", s=10, zorder=3)
+    if groups and groups[0]["reference"] is not None:
+        ax.axhline(groups[0]["reference"], color="black", linestyle=":", label="16-bit cache")
     ax.set_xticks(range(3), ["profiled", "random (same bits)", "uniform 2-bit"])
     ax.set(ylabel="perplexity (essays)", title=f"KVmix high-bit layers, {result['model']}")
     ax.legend(fontsize=8)

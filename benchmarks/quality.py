@@ -244,7 +244,8 @@ def columns(result: dict) -> list[tuple[str, str]]:
 
 
 def table(result: dict) -> str:
-    return report.markdown_table(result["rows"], columns(result))
+    note = result.get("gsm8k_note")
+    return report.markdown_table(result["rows"], columns(result)) + (f"\n\n{note}" if note else "")
 
 
 def plot(result: dict, path) -> None:

@@ -219,3 +219,27 @@ def test_serve_small(gqa, tmp_path):
     assert server_log.count("POST /v1/completions HTTP/1.1\" 200") >= 6
     assert "kv-compression 'quant-k4v4'" in server_log
     assert 0 < (folder / "serve.png").stat().st_size < 150_000
+
+
+@pytest.mark.engine
+def test_kvmix_small(gqa, tmp_path):
+    """The comparison runs on a profiled config of the tiny model: the 16-bit reference, the profiled
+    bits, uniform 2 bits and a random draw with the profile's bit budget, each through the engine."""
+    from vllm_kvcompress.tools import profiler
+
+    config = tmp_path / "kvmix-tiny.yaml"
+    profiler.profile(gqa, config, texts=[dataset_texts("essays")[0][:2000]], max_tokens=128, high_fraction=0.5,
+                     progress=False, plot=False)
+    run = bench("kvmix", "--small", "--model", gqa, "--config", config, "--seeds", 0, "--rpc-tokens", 0,
+                "--out", tmp_path / "res")
+    assert run.returncode == 0, run.stderr[-3000:]
+    folder, result = result_of(tmp_path / "res")
+    rows = {r["kind"]: r for r in result["rows"]}
+    assert list(rows) == ["reference", "profiled", "uniform", "random"]
+    assert rows["profiled"]["avg_bits"] == rows["random"]["avg_bits"] == 3.0 and rows["uniform"]["avg_bits"] == 2.0
+    assert all(math.isfinite(r["ppl"]) for r in rows.values())
+    assert rows["uniform"]["ppl"] != pytest.approx(rows["reference"]["ppl"], rel=1e-4)  # 2 bits change the result
+    assert rows["uniform"]["kv_tokens"] > rows["profiled"]["kv_tokens"]  # fewer bits, more tokens
+    (summary,) = kvmix.summary(result)
+    assert summary["reference"] == rows["reference"]["ppl"] and summary["random_n"] == 1
+    assert 0 < (folder / "kvmix.png").stat().st_size < 150_000
