@@ -123,7 +123,8 @@ def _quality_sizes(args):
         return quality.Sizes(contexts=(256,) if args.small else (2048,), ppl_windows=1 if args.small else 2,
                              needle=())
     sizes = quality.SMALL if args.small else quality.FULL
-    for flag, value, least in (("--greedy-prompts", args.greedy_prompts, 1), ("--gsm8k-questions", args.gsm8k_questions, 0)):
+    for flag, value, least in (("--greedy-prompts", args.greedy_prompts, 1),
+                               ("--gsm8k-questions", args.gsm8k_questions, 0)):
         if value is not None and value < least:
             raise SystemExit(f"error: {flag} {value} is not allowed; allowed: {least} or more")
     if args.needles:

@@ -112,7 +112,8 @@ def summary(result: dict) -> list[dict]:
     return out
 
 
-SUMMARY_COLUMNS = [("rpc", "recent window"), ("reference", "16-bit"), ("profiled", "profiled"), ("uniform", "uniform 2-bit"),
+SUMMARY_COLUMNS = [("rpc", "recent window"), ("reference", "16-bit"), ("profiled", "profiled"),
+                   ("uniform", "uniform 2-bit"),
                    ("random_mean", "random: mean"), ("random_sd", "random: sd"), ("random_min", "random: best"),
                    ("random_max", "random: worst"), ("random_beaten", "random draws worse than profiled"),
                    ("random_n", "random draws")]

@@ -268,7 +268,8 @@ def plot(result: dict, path) -> None:
     ax2.bar([r["setting"] for r in with_kl], [r["kl"] for r in with_kl], color="tab:gray")
     ax2.set(ylabel="mean KL (nats)", title="KL vs uncompressed", yscale="log")
     ax2.tick_params(axis="x", rotation=45)
-    ax3.set(xscale="log", xlabel="prompt length (tokens)", ylabel="accuracy", title="needle retrieval", ylim=(-0.05, 1.05))
+    ax3.set(xscale="log", xlabel="prompt length (tokens)", ylabel="accuracy", title="needle retrieval",
+            ylim=(-0.05, 1.05))
     ax3.set_xticks(lengths, [str(n) for n in lengths])
     ax1.legend(fontsize=7)
     fig.suptitle(f"{result['model']} ({result['dtype']}), {result['device']}", fontsize=9)
