@@ -264,6 +264,7 @@ def plot(result: dict, path) -> None:
         ax3.plot(got, [r[f"needle_{n}"] for n in got], marker="o", label=r["setting"])
     ax1.set(xscale="log", xlabel="context (tokens)", ylabel="perplexity", title="perplexity (essays)")
     ax1.set_xticks(contexts, [str(c) for c in contexts])
+    ax1.minorticks_off()
     with_kl = [r for r in rows if "kl" in r]
     ax2.bar([r["setting"] for r in with_kl], [r["kl"] for r in with_kl], color="tab:gray")
     ax2.set(ylabel="mean KL (nats)", title="KL vs uncompressed", yscale="log")
@@ -271,6 +272,7 @@ def plot(result: dict, path) -> None:
     ax3.set(xscale="log", xlabel="prompt length (tokens)", ylabel="accuracy", title="needle retrieval",
             ylim=(-0.05, 1.05))
     ax3.set_xticks(lengths, [str(n) for n in lengths])
+    ax3.minorticks_off()
     ax1.legend(fontsize=7)
     fig.suptitle(f"{result['model']} ({result['dtype']}), {result['device']}", fontsize=9)
     fig.tight_layout()
