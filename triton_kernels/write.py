@@ -2,16 +2,16 @@
 
 Writes the bytes ``paged_torch.write_tokens`` writes (divisions and square roots
 are IEEE-rounded, ``div_rn`` / ``sqrt_rn``, so they match the torch reference),
-with as little work as the format allows. One program per (token, KV head,
-K or V):
+with as little work as the format allows. Programs per (token, KV head,
+chunk of channels), one launch for K and one for V:
 
 - statistics per token (V, KIVI), or 16-bit rows: the token's program encodes its
   own row. Earlier rows keep their codes: re-encoding them would give the same
   bytes, as their statistics don't change.
-- statistics per channel over the block (K, KIVI): the program of the block's last
-  new token re-encodes the block, a chunk of channels at a time: it reads the
-  earlier tokens back from the page, adds the new ones, recomputes each channel's
-  statistics over all of them and writes the chunk.
+- statistics per channel over the block (K, KIVI): the programs of the block's last
+  new token re-encode the block, one program per chunk of channels (channels are
+  independent): each reads the earlier tokens back from the page, adds the new ones,
+  recomputes its channels' statistics over all of them and writes the chunk.
 - ZipCache channel scales (V): the block's last new token re-encodes the whole
   block, as every row's statistics depend on the block-wide channel scales.
 
@@ -30,7 +30,7 @@ from vllm_kvcompress.formats import KVPageFormat
 
 from .layout import TensorLayout, page_layout
 
-CHUNK_CHANNELS = 32  # channels a chunk covers where statistics are per channel
+CHUNK_CHANNELS = 16  # channels a program covers where statistics are per channel
 
 
 @triton.jit
@@ -127,9 +127,10 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
                   SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """Program (token i, head h) for one tensor (K or V) of the page."""
+    """Program (token i, head h, chunk of UC units) for one tensor (K or V) of the page."""
     i = tl.program_id(0)
     h = tl.program_id(1)
+    u0 = tl.program_id(2) * UC
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if slot >= 0:
         blk = slot // BLOCK
@@ -147,10 +148,9 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                 in_batch = (j >= 0) & (t <= off)
                 is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
                 valid = t <= off
-                for u0 in range(0, UNITS, UC):
-                    _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0, H, D, BLOCK, BITS, VALS, UC, PER,
-                                 CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
-        else:  # statistics per token: only its own row changes
+                _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0, H, D, BLOCK, BITS, VALS, UC, PER,
+                             CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
+        elif u0 == 0:  # statistics per token: only its own row changes
             one = tl.arange(0, 1)
             _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, 0, H, D, BLOCK, BITS, VALS,
                          UNITS, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
@@ -171,11 +171,11 @@ def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Te
     # row where they are per token or need the ZipCache channel scales
     chunk = min(units, max(1, CHUNK_CHANNELS // vals)) if per_channel and lay.channel_scale < 0 else units
     n = slot_mapping.shape[0]
-    _write_kernel[(n, fmt.k.num_heads)](
+    _write_kernel[(n, fmt.k.num_heads, triton.cdiv(units, chunk))](
         src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
         H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, BITS=lay.bits, VALS=vals, UNITS=units, PER=per,
         UC=chunk, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale,
-        PER_CHANNEL=per_channel, num_warps=8 if lay.bits != 16 else 1,
+        PER_CHANNEL=per_channel, num_warps=4 if lay.bits != 16 else 1,
     )
 
 
