@@ -27,6 +27,8 @@ def _cell(value) -> str:
     if isinstance(value, float):
         if math.isnan(value) or math.isinf(value):
             return str(value)
+        if value != 0 and abs(value) < 0.01:
+            return f"{value:.2e}"
         return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
     if isinstance(value, int):
         return f"{value:,}"
