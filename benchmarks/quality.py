@@ -262,7 +262,7 @@ def plot(result: dict, path) -> None:
         ax1.plot(contexts, [r[f"ppl_{c}"] for c in contexts], marker="o", label=r["setting"])
         got = [n for n in lengths if f"needle_{n}" in r]
         ax3.plot(got, [r[f"needle_{n}"] for n in got], marker="o", label=r["setting"])
-    ax1.set(xscale="log", xlabel="context (tokens)", ylabel="perplexity", title="perplexity (essays)")
+    ax1.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="perplexity", title="perplexity (essays)")
     ax1.set_xticks(contexts, [str(c) for c in contexts])
     ax1.minorticks_off()
     with_kl = [r for r in rows if "kl" in r]
