@@ -139,7 +139,7 @@ def main() -> None:
         for bits in (8, 4, 2, 3):
             rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx) | {"shape": name})
         if args.sweep:
-            for bits, variant in ((4, {"magic": False}), (4, {"tile": 128}), (4, {"num_warps": 8}),
+            for bits, variant in ((4, {"tile": 128}), (4, {"num_warps": 8}),
                                   (4, {"programs_per_sm": 8}), (8, {"num_warps": 8}), (8, {"tile": 32})):
                 rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx, **variant) | {"shape": name})
         for bits in (4, 8):

@@ -23,7 +23,7 @@ from .layout import page_layout
 
 
 @triton.jit
-def _gathered_codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr):
+def _gathered_codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr):
     """Codes [T, D] of packed rows as float16 (see ``_as_fp16``), one load per channel (8 and 3 bits)."""
     d = tl.arange(0, D)[None, :]
     if BITS == 8:
@@ -35,31 +35,28 @@ def _gathered_codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.cons
     else:  # 3 bits: ten 3-bit codes + one 2-bit code per little-endian 32-bit word
         w = tl.load((row_ptr + (d // 11) * 4).to(tl.pointer_type(tl.int32)))
         c = (w >> ((d % 11) * 3)) & tl.where(d % 11 == 10, 3, 7)
-    return _as_fp16(c, MAGIC)
+    return _as_fp16(c)
 
 
 @triton.jit
-def _as_fp16(codes, MAGIC: tl.constexpr):
-    """Integer codes as float16: ``1024 + code`` with MAGIC (the code OR'd into the mantissa of 1024.0,
-    0x6400: no int-to-float conversion, whose throughput is a quarter of integer logic's; callers
-    subtract 1024 times the other factor's sum), else ``code``."""
-    if MAGIC:
-        return ((codes.to(tl.int32) | 0x6400).to(tl.int16)).to(tl.float16, bitcast=True)
-    return codes.to(tl.float16)
+def _as_fp16(codes):
+    """Integer codes as float16 ``1024 + code``: the code OR'd into the mantissa of 1024.0 (0x6400),
+    with no int-to-float conversion (whose throughput is a quarter of integer logic's). Callers
+    subtract 1024 times the other factor's sum."""
+    return ((codes.to(tl.int32) | 0x6400).to(tl.int16)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _plane(packed, K: tl.constexpr, BITS: tl.constexpr, MAGIC: tl.constexpr):
+def _plane(packed, K: tl.constexpr, BITS: tl.constexpr):
     """Field K of each byte: the codes of channels byte * (8 // BITS) + K."""
-    return _as_fp16((packed >> (K * BITS)) & ((1 << BITS) - 1), MAGIC)
+    return _as_fp16((packed >> (K * BITS)) & ((1 << BITS) - 1))
 
 
 @triton.jit
-def _accumulate_plane(acc, alpha, ps, pz, packed, K: tl.constexpr, BITS: tl.constexpr, channel_scale,
-                      MAGIC: tl.constexpr):
+def _accumulate_plane(acc, alpha, ps, pz, packed, K: tl.constexpr, BITS: tl.constexpr, channel_scale):
     """Rescaled running output of plane K plus this tile's share: (p*s) . codes + p . zero, times
     the ZipCache channel scale (1.0 without)."""
-    return acc * alpha + (tl.dot(ps, _plane(packed, K, BITS, MAGIC)) + pz) * channel_scale
+    return acc * alpha + (tl.dot(ps, _plane(packed, K, BITS)) + pz) * channel_scale
 
 
 @triton.jit
@@ -76,7 +73,7 @@ def _decode_kernel(
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
-    V_ZERO: tl.constexpr, V_CS: tl.constexpr, MAGIC: tl.constexpr,
+    V_ZERO: tl.constexpr, V_CS: tl.constexpr,
 ):
     """KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
@@ -133,19 +130,16 @@ def _decode_kernel(
             kz0 = _f32(kstat + K_ZERO // 2)
             qs0 = (q0 * ks0).to(tl.float16)
             bias = tl.sum(q0 * kz0, 1)
-            if MAGIC:
-                bias -= 1024.0 * tl.sum(qs0.to(tl.float32), 1)
+            bias -= 1024.0 * tl.sum(qs0.to(tl.float32), 1)  # codes enter the dots as 1024 + code
             if KP > 1:
                 qs1 = (q1 * _f32(kstat + 1 + K_SCALE // 2)).to(tl.float16)
                 bias += tl.sum(q1 * _f32(kstat + 1 + K_ZERO // 2), 1)
-                if MAGIC:
-                    bias -= 1024.0 * tl.sum(qs1.to(tl.float32), 1)
+                bias -= 1024.0 * tl.sum(qs1.to(tl.float32), 1)
             if KP > 2:
                 qs2 = (q2 * _f32(kstat + 2 + K_SCALE // 2)).to(tl.float16)
                 qs3 = (q3 * _f32(kstat + 3 + K_SCALE // 2)).to(tl.float16)
                 bias += tl.sum(q2 * _f32(kstat + 2 + K_ZERO // 2), 1) + tl.sum(q3 * _f32(kstat + 3 + K_ZERO // 2), 1)
-                if MAGIC:
-                    bias -= 1024.0 * (tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1))
+                bias -= 1024.0 * (tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1))
         if V_CS >= 0:  # ZipCache channel scales, per plane
             vcs = half + V_CS // 2 + h * D + dv * VP
             cs0 = _f32(vcs)
@@ -166,14 +160,14 @@ def _decode_kernel(
             if K_BITS == 16:
                 s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d)))
             elif KP == 1:  # 8 bits, or 3 bits gathered
-                s = tl.dot(qs0, tl.trans(_gathered_codes(k_row, D, K_BITS, MAGIC))) + bias[:, None]
+                s = tl.dot(qs0, tl.trans(_gathered_codes(k_row, D, K_BITS))) + bias[:, None]
             else:
                 kb = tl.load(k_row + dk)
-                s = tl.dot(qs0, tl.trans(_plane(kb, 0, K_BITS, MAGIC)))
-                s += tl.dot(qs1, tl.trans(_plane(kb, 1, K_BITS, MAGIC)))
+                s = tl.dot(qs0, tl.trans(_plane(kb, 0, K_BITS)))
+                s += tl.dot(qs1, tl.trans(_plane(kb, 1, K_BITS)))
                 if KP > 2:
-                    s += tl.dot(qs2, tl.trans(_plane(kb, 2, K_BITS, MAGIC)))
-                    s += tl.dot(qs3, tl.trans(_plane(kb, 3, K_BITS, MAGIC)))
+                    s += tl.dot(qs2, tl.trans(_plane(kb, 2, K_BITS)))
+                    s += tl.dot(qs3, tl.trans(_plane(kb, 3, K_BITS)))
                 s += bias[:, None]
             s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
@@ -191,22 +185,20 @@ def _decode_kernel(
                 vz = tl.load((page + V_ZERO + (h * BLOCK + tok) * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
                 ps = (p * vs[None, :]).to(tl.float16)
                 pz = tl.sum(p * vz[None, :], 1)[:, None]
-                pm = 0.0
-                if MAGIC:
-                    pm = 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]
+                pm = 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]  # codes enter the dot as 1024 + code
                 if VP == 1:  # 8 bits, or 3 bits gathered
-                    pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS, MAGIC)) - pm
+                    pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS)) - pm
                     if V_BITS == 3:
                         pv = pv * tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0)
                     acc0 = acc0 * alpha + (pv + pz) * cs0
                 else:
                     vb = tl.load(v_row + dv)
                     pz -= pm
-                    acc0 = _accumulate_plane(acc0, alpha, ps, pz, vb, 0, V_BITS, cs0, MAGIC)
-                    acc1 = _accumulate_plane(acc1, alpha, ps, pz, vb, 1, V_BITS, cs1, MAGIC)
+                    acc0 = _accumulate_plane(acc0, alpha, ps, pz, vb, 0, V_BITS, cs0)
+                    acc1 = _accumulate_plane(acc1, alpha, ps, pz, vb, 1, V_BITS, cs1)
                     if VP > 2:
-                        acc2 = _accumulate_plane(acc2, alpha, ps, pz, vb, 2, V_BITS, cs2, MAGIC)
-                        acc3 = _accumulate_plane(acc3, alpha, ps, pz, vb, 3, V_BITS, cs3, MAGIC)
+                        acc2 = _accumulate_plane(acc2, alpha, ps, pz, vb, 2, V_BITS, cs2)
+                        acc3 = _accumulate_plane(acc3, alpha, ps, pz, vb, 3, V_BITS, cs3)
 
     if NUM_SPLITS == 1:
         dst = out_ptr + (seq * H * G + heads[:, None]) * D + dv * VP
@@ -257,8 +249,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), 64)
 
 
-def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int | None = None,
-                     magic: bool = True) -> dict:
+def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int | None = None) -> dict:
     """The decode kernel's compile-time constants for a page format and query heads per KV head."""
     lay = page_layout(fmt)
     d = lay.head_size
@@ -268,14 +259,14 @@ def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int |
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
-        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale, MAGIC=magic,
+        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale,
     )
 
 
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
                  out: torch.Tensor | None = None, tile: int | None = None, num_warps: int = 4,
-                 programs_per_sm: int = 2, magic: bool = True) -> torch.Tensor:
+                 programs_per_sm: int = 2) -> torch.Tensor:
     """Attention of one new token per request (``query`` [N, Hq, D]) over its pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
@@ -296,7 +287,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     _decode_kernel[(n * h, num_splits)](
         query, cache, cache.view(torch.float16), block_table, seq_lens, out, part,
         sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split,
-        **kernel_constants(fmt, hq // h, num_splits, tile, magic), num_warps=num_warps,
+        **kernel_constants(fmt, hq // h, num_splits, tile), num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](part, out, HQ=hq, D=d, NUM_SPLITS=num_splits)
