@@ -130,8 +130,9 @@ def test_values_come_from_k(mha, tmp_path):
 
 @pytest.mark.engine
 def test_8_bit_k_refused_where_rebuilt_v_would_suffer(mha):
-    """This model's W_K amplify K's rounding 20-150x: 8-bit K would put more than 5% error into V,
-    so slim-k8 is refused, naming the layers; raising the limit runs it, visibly less exact than K16."""
+    """This model's W_K amplify K's rounding tens to hundreds of times (the trained weights, hence the
+    exact figure, vary with the CPU's arithmetic): 8-bit K would put more than 5% error into V, so
+    slim-k8 is refused, naming the layers; lifting the limit runs it, visibly less exact than K16."""
     with pytest.raises(KVCompressionConfigError, match=r"\(layer 0: cond .*, layer 3: .*allowed: amplification "
                                                        r"below 8.5"):
         with engine(mha, "slim-k8"):
@@ -139,7 +140,7 @@ def test_8_bit_k_refused_where_rebuilt_v_would_suffer(mha):
     with engine(mha) as llm:
         want = prompt_logprobs(llm, PROMPTS)
     errors = {}
-    for name, extra in (("slim-k16", {}), ("slim-k8", {"slim_max_amplification": 200})):
+    for name, extra in (("slim-k16", {}), ("slim-k8", {"slim_max_amplification": 1e6})):
         with engine(mha, load_config(name).model_dump() | extra, **CHUNKED) as llm:
             got = prompt_logprobs(llm, PROMPTS)
         errors[name] = max((g - w).abs().max().item() for g, w in zip(got, want))
