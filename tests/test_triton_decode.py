@@ -80,7 +80,8 @@ def test_decode_equals_reference_gpu(head_size, block_size, bits):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_mixed_batch_as_token_rows_equals_reference(bits):
     """Decodes and prefill chunks (one with history) in one kernel call, one row per query token,
-    against the reference's causal attention per request."""
+    against the reference's causal attention per request. The queries are a view into a fused QKV
+    output, as the engine hands them over in eager mode."""
     from vllm_kvcompress.token_rows import token_rows
     B, H, HQ, D = 16, 2, 4, 64
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
@@ -91,11 +92,11 @@ def test_mixed_batch_as_token_rows_equals_reference(bits):
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
-    q = torch.randn(qsl[-1], HQ, D, generator=torch.Generator().manual_seed(7)).to(dtype)
-    ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
+    qkv = torch.randn(qsl[-1], (HQ + 2 * H) * D, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE)
+    q = qkv[:, :HQ * D].view(qsl[-1], HQ, D)
+    ref = paged_torch.attend(q.float().cpu(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
     rows = token_rows(torch.tensor(qsl, device=DEVICE), torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE),
                       qsl[-1], max(seq_lens))
     assert rows.seq_lens.tolist() == [21, 1] + list(range(16, 41)) + list(range(1, 10))
-    got = paged_decode(q.to(DEVICE), cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5,
-                       rows.max_seq_len)
+    got = paged_decode(q, cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len)
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)

@@ -273,6 +273,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     ``block_table`` [N, max_blocks] and ``seq_lens`` [N] (context length,
     the new token included) are int32 on the same device.
     """
+    query = query.contiguous()  # a prefill batch's queries may arrive as a view into the fused QKV output
     n, hq, d = query.shape
     h = fmt.k.num_heads
     if num_splits is None:

@@ -112,6 +112,7 @@ def slim_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, blo
                 tile: int = 32) -> torch.Tensor:
     """One new token per request (``query`` [N, H, D]) over K-only pages; ``slim`` is the layer's
     ``SlimLayer`` (``w_heads`` [H, H*D, D] and the RoPE table)."""
+    query = query.contiguous()  # may arrive as a view into the fused QKV output
     n, h, d = query.shape
     block = fmt.block_size
     tile = min(tile, block)
