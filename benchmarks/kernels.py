@@ -3,9 +3,10 @@
 Times our Triton decode over packed pages against vLLM's FlashAttention bf16
 decode on the same shape, and the device's copy bandwidth measured in the same
 run. Bandwidth figures count bytes moved (a copy: read + written; decode: the
-compressed pages and queries read; write: each touched page read and written).
+compressed pages and queries read; write: each touched page read and written, an upper bound
+now that a token which fits its grids writes one row).
 
-    python benchmarks/kernels.py --out results/kernels.json [--sweep] [--scaling]
+    python benchmarks/kernels.py --out results/kernels.json [--sweep] [--scaling] [--write-chunks 8 32]
     ncu ... python benchmarks/kernels.py --profile 4 32 32     # one decode launch per repeat, for a profiler
 """
 
@@ -96,20 +97,34 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
     return {"kernel": "vLLM FlashAttention bf16", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
-def bench_write(bits: int, num_seqs: int, hkv: int, d: int, ctx: int, block: int = 128) -> dict:
-    """One decode step's cache write: a new token per request, appended to a partly filled page
-    (``ctx % block`` tokens already there), so each request re-encodes its last page."""
-    from vllm_kvcompress.triton_kernels.write import write_tokens
+def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, chunk_channels: int | None = None) -> dict:
+    """One decode step's cache write: each request appends a token to its last page, which holds
+    1 to block-1 earlier tokens (spread evenly over the batch, as in a serving batch) from the same
+    distribution. The pages are restored before every timed write and the restore's time is
+    subtracted, so every write meets the same page state (a token that fits its channels' grids
+    writes one row; one that widens a channel re-encodes that chunk of channels)."""
+    from vllm_kvcompress.triton_kernels import write as write_kernel
 
     fmt = _format(bits, hkv, d, block)
-    cache, table = _pages(fmt, num_seqs, ctx)
-    pos = ctx - 1
-    slots = (table[:, pos // block].long() * block + pos % block).contiguous()
-    k = torch.randn(num_seqs, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    ms = _time_ms(lambda: write_tokens(cache, fmt, k, v, slots))
+    fills = [1 + s * (block - 2) // max(1, num_seqs - 1) for s in range(num_seqs)]
+    cache = torch.zeros(num_seqs, fmt.page_bytes, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    earlier = torch.cat([s * block + torch.arange(n, device="cuda") for s, n in enumerate(fills)])
+    k0, v0 = (torch.randn(len(earlier), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    write_kernel.write_tokens(cache, fmt, k0, v0, earlier)
+    saved = cache.clone()
+    slots = torch.tensor([s * block + n for s, n in enumerate(fills)], device="cuda")
+    k, v = (torch.randn(num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    default_chunk = write_kernel.CHUNK_CHANNELS
+    write_kernel.CHUNK_CHANNELS = chunk_channels or default_chunk
+    try:
+        restore = _time_ms(lambda: cache.copy_(saved))
+        ms = _time_ms(lambda: (cache.copy_(saved), write_kernel.write_tokens(cache, fmt, k, v, slots))) - restore
+    finally:
+        write_kernel.CHUNK_CHANNELS = default_chunk
     nbytes = 2 * num_seqs * fmt.page_bytes
-    return {"kernel": f"write k{bits}v{bits}", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+    label = f"write k{bits}v{bits}" + (f" chunk {chunk_channels}" if chunk_channels else "")
+    return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
 def main() -> None:
@@ -119,6 +134,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true",
                     help="also try kernel variants (dequantization, tile, warps, programs per SM) at 4/4 bits")
+    ap.add_argument("--write-chunks", nargs="*", type=int, default=[], metavar="CHANNELS",
+                    help="also time the 4/4 write with these chunks of channels per program")
     ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
     ap.add_argument("--profile", nargs=3, type=int, metavar=("BITS", "HQ", "HKV"),
                     help="only launch that decode a few times (for a profiler such as ncu)")
@@ -142,8 +159,10 @@ def main() -> None:
             for bits, variant in ((4, {"tile": 128}), (4, {"num_warps": 8}),
                                   (4, {"programs_per_sm": 8}), (8, {"num_warps": 8}), (8, {"tile": 32})):
                 rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx, **variant) | {"shape": name})
-        for bits in (4, 8):
-            rows.append(bench_write(bits, args.batch, hkv, d, args.ctx - 37) | {"shape": name})
+        for bits in (4, 8, 2):
+            rows.append(bench_write(bits, args.batch, hkv, d) | {"shape": name})
+        for chunk in args.write_chunks:
+            rows.append(bench_write(4, args.batch, hkv, d, chunk_channels=chunk) | {"shape": name})
         for r in rows:
             if r["shape"] == name and r["kernel"].startswith("ours"):
                 r["speedup_vs_bf16"] = base["ms"] / r["ms"]

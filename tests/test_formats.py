@@ -118,6 +118,30 @@ def test_write_in_pieces_reads_back():
     assert (got_k - k).abs().max() < 0.05 and (got_v - v).abs().max() < 0.05
 
 
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_append_keeps_a_channel_grid_until_a_value_falls_off_it(bits):
+    """Per-channel K statistics under appends: a prefill piece, then single tokens, then a short chunk,
+    written through the reference write path, equal an independent statement of the append rule, and
+    both kinds of append (grid kept, channel re-encoded) occur."""
+    from reference_quant import appended_channel_quant
+
+    B, H, D = 32, 2, 64
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=4), torch.float32, B, H, D)
+    cache = torch.zeros(3, fmt.page_bytes, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(bits)
+    k, v = torch.randn(30, H, D, generator=gen), torch.randn(30, H, D, generator=gen)
+    sizes = [6] + [1] * 20 + [4]
+    start, pieces = 0, []
+    for n in sizes:
+        paged_torch.write_tokens(cache, fmt, k[start:start + n], v[start:start + n], torch.arange(B + start, B + start + n))
+        pieces.append(k[start:start + n])
+        start += n
+    expected, kept, reencoded = appended_channel_quant(pieces, bits)
+    got, _ = fmt.decode(cache)
+    torch.testing.assert_close(got[1, :start], expected, rtol=0, atol=1e-6)
+    assert kept > 0 and reencoded > 0
+
+
 def test_uncompressed_write_is_exact():
     fmt = KVPageFormat.from_layer_format(LayerFormat(), torch.float32, 16, 2, 64)
     cache = torch.zeros(3, fmt.page_bytes, dtype=torch.uint8)

@@ -46,3 +46,35 @@ def test_write_matches_reference_bytes(layer_format):
     torch.testing.assert_close(ko[used], kr[used], rtol=0, atol=1e-6)
     if vr is not None:
         torch.testing.assert_close(vo[used], vr[used], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_decode_appends_match_reference_bytes(bits):
+    """Decoding into well-filled 128-token blocks, where most new tokens fit their channels' stored
+    grids and some widen one: twenty steps of two requests, identical pages after each step, and
+    both outcomes occur (a step either leaves every earlier code and the statistics in place or
+    rewrites some of them)."""
+    B, H, D = 128, 2, 64
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.float32, B, H, D)
+    gen = torch.Generator().manual_seed(bits)
+    ref = torch.zeros(4, fmt.page_bytes, dtype=torch.uint8)
+    prefill = torch.cat([torch.arange(B, B + 90), torch.arange(3 * B, 3 * B + 100)])
+    paged_torch.write_tokens(ref, fmt, torch.randn(190, H, D, generator=gen), torch.randn(190, H, D, generator=gen),
+                             prefill)
+    ours = ref.clone().to(DEVICE)
+    earlier_kept = earlier_rewritten = 0
+    for step in range(20):
+        slots = torch.tensor([B + 90 + step, 3 * B + 100 + step])
+        k, v = torch.randn(2, H, D, generator=gen), torch.randn(2, H, D, generator=gen)
+        before = ref.clone()
+        paged_torch.write_tokens(ref, fmt, k, v, slots)
+        write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+        assert torch.equal(ours.cpu(), ref), f"step {step}"
+        k_region = slice(0, fmt.k.nbytes)
+        for blk, n in ((1, 90 + step), (3, 100 + step)):
+            codes_end = n * H * fmt.k._layout.offsets["codes"][1] // (B * H)
+            same = torch.equal(before[blk, :codes_end], ref[blk, :codes_end]) and torch.equal(
+                before[blk, fmt.k._layout.offsets["scale"][0]:k_region.stop], ref[blk, fmt.k._layout.offsets["scale"][0]:k_region.stop])
+            earlier_kept += same
+            earlier_rewritten += not same
+    assert earlier_kept > 0 and earlier_rewritten > 0

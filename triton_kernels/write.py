@@ -30,7 +30,7 @@ from vllm_kvcompress.formats import KVPageFormat
 
 from .layout import TensorLayout, page_layout
 
-CHUNK_CHANNELS = 16  # channels a program covers where statistics are per channel
+CHUNK_CHANNELS = 4  # channels a program covers where statistics are per channel
 
 
 @triton.jit
@@ -103,9 +103,18 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0,
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     zero_h = mn.to(tl.float16)
     scale_h = tl.maximum(tl.math.div_rn(mx - zero_h.to(tl.float32), full_top + tl.zeros_like(mx)), 1e-6).to(tl.float16)
+    if PER_CHANNEL and CS < 0:  # append rule: channels whose new values fit their grid keep it
+        has_old = tl.max((valid & (is_new == 0)).to(tl.int32)) > 0
+        q_old = tl.floor(tl.math.div_rn(x_new - zero, scale * ratio + tl.zeros_like(x_new)) + 0.5)
+        off_grid = tl.max((newm & ((q_old < 0.0) | (q_old > top))).to(tl.int32), 0)[None, :, :]
+        keep = (off_grid == 0) & has_old
+        zero_h = tl.where(keep, zero.to(tl.float16), zero_h)
+        scale_h = tl.where(keep, scale.to(tl.float16), scale_h)
     step = scale_h.to(tl.float32) * ratio
     codes = tl.floor(tl.math.div_rn(x - zero_h.to(tl.float32), step + tl.zeros_like(x)) + 0.5)
     codes = tl.minimum(tl.maximum(codes, 0.0), top)
+    if PER_CHANNEL and CS < 0:
+        codes = tl.where(keep & oldm, old_codes, codes)
     codes = tl.where(rows_ok, codes, 0.0).to(tl.int64)
     packed = tl.sum(codes << shift.to(tl.int64), 2)  # [ROWS, UC]
     urow = page + CODES + (t2 * H + h) * ROW
@@ -120,6 +129,42 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0,
     else:  # statistics [ROWS, 1, 1]
         tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h, mask=valid)
         tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), zero_h, mask=valid)
+
+
+@triton.jit
+def _append_on_grid(src_ptr, src_stride, i, off, page, h, u0, D: tl.constexpr, H: tl.constexpr,
+                    BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr, PER: tl.constexpr, CODES: tl.constexpr,
+                    ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr):
+    """Decoding's common case under per-channel statistics: token ``i`` goes to block offset ``off``
+    on its channels' stored grids, units ``u0 .. u0 + UC`` only. Returns whether every value fit its
+    grid; if one did not, nothing is written and the caller re-encodes."""
+    u = u0 + tl.arange(0, UC)[:, None]
+    p = tl.arange(0, PER)[None, :]
+    ch = u * VALS + p
+    ch_ok = (p < VALS) & (ch < D)
+    if BITS == 3:
+        top = tl.where(p == 10, 3.0, 7.0)
+        ratio = tl.where(p == 10, 7.0 / 3.0, 1.0)
+        shift = p * 3
+    else:
+        top = (1 << BITS) - 1.0
+        ratio = 1.0
+        shift = p * BITS
+    x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
+    sz = (h * D + ch) * 2
+    scale = tl.load((page + SCALE + sz).to(tl.pointer_type(tl.float16)), mask=ch_ok, other=1.0).to(tl.float32)
+    zero = tl.load((page + ZERO + sz).to(tl.pointer_type(tl.float16)), mask=ch_ok, other=0.0).to(tl.float32)
+    q = tl.floor(tl.math.div_rn(x - zero, scale * ratio + tl.zeros_like(x)) + 0.5)
+    fits = tl.min(tl.where(ch_ok, (q >= 0.0) & (q <= top), 1).to(tl.int32))  # 1 if every value fits
+    packed = tl.sum(tl.where(ch_ok, q, 0.0).to(tl.int64) << shift.to(tl.int64), 1)  # [UC]
+    row = page + CODES + (off * H + h) * ROW
+    u1 = u0 + tl.arange(0, UC)
+    if BITS == 3:
+        tl.store((row + u1 * 4).to(tl.pointer_type(tl.int32)), packed.to(tl.uint32).to(tl.int32, bitcast=True),
+                 mask=(u1 * VALS < D) & (u1 * 0 + fits == 1))
+    else:
+        tl.store(row + u1, packed.to(tl.uint8), mask=(u1 * VALS < D) & (u1 * 0 + fits == 1))
+    return fits
 
 
 @triton.jit
@@ -142,7 +187,14 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
             tl.store(dst, tl.load(src_ptr + i * src_stride + h * D + d))
         elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
             nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
-            if (nxt < 0) | (nxt // BLOCK != blk):
+            last = (nxt < 0) | (nxt // BLOCK != blk)
+            done = (off < 0).to(tl.int32)  # 0; 1 once a single appended token fit the stored grids
+            if PER_CHANNEL and CS < 0:
+                prev = tl.load(slot_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
+                if last & (off > 0) & (prev != slot - 1):
+                    done = _append_on_grid(src_ptr, src_stride, i, off, page, h, u0, D, H, BITS, VALS, UC, PER,
+                                           CODES, ROW, SCALE, ZERO)
+            if last & (done == 0):
                 t = tl.arange(0, BLOCK)
                 j = i - (off - t)
                 in_batch = (j >= 0) & (t <= off)

@@ -19,9 +19,11 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
                  slot_mapping: torch.Tensor) -> None:
     """Store new tokens ``key``/``value`` ``[N, H, D]`` at ``slot_mapping``.
 
-    Writes to a block append after its first ``min(offset)`` tokens, so each
-    touched block is decoded, extended and re-encoded: statistics taken over a
-    block (K per channel) then cover all of its tokens.
+    Writes to a block append after its first ``min(offset)`` tokens: each
+    touched block is decoded, extended and encoded again under the append rule
+    (``MinMaxCodec.encode``): a channel keeps its statistics while new tokens
+    fit its grid, else it is re-encoded so that its statistics cover all of the
+    block's tokens.
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
@@ -32,12 +34,13 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     blocks, offsets = slots // B, slots % B
     touched, which = torch.unique(blocks, return_inverse=True)
     filled = torch.zeros_like(touched).scatter_reduce(0, which, offsets + 1, reduce="amax")
+    stored = torch.full_like(touched, B).scatter_reduce(0, which, offsets, reduce="amin")
     old = cache[touched]
     k, v = fmt.decode(old)
     k[which, offsets] = key.float()
     if v is not None:
         v[which, offsets] = value.float()
-    pages = fmt.encode(k, v, filled)
+    pages = fmt.encode(k, v, filled, old, stored)
     if fmt.recent is not None:
         pages[:, fmt.codes_bytes:] = old[:, fmt.codes_bytes:]
         newest = offsets >= filled[which] - fmt.window_cap  # the page's last tokens: one per ring slot

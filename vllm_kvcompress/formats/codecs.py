@@ -116,7 +116,13 @@ class MinMaxCodec:
     def _stat_dims(self) -> tuple[int, ...]:
         return (1,) if self.axis == "channel" else (3,)
 
-    def encode(self, x: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, num_valid: torch.Tensor, stored: torch.Tensor | None = None,
+               num_stored: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode blocks ``x``. With ``stored`` (the blocks' bytes before an append) and ``num_stored``
+        (how many leading tokens they hold; the rest up to ``num_valid`` are new), statistics per
+        channel follow the append rule: a channel whose new values all round onto its stored grid
+        (codes 0..top) keeps its statistics and its earlier codes, and only the new tokens are
+        encoded; any other channel is re-encoded over the whole block."""
         N, B, H, D = x.shape
         x = x.float()
         mask = _valid_mask(num_valid, B)[:, :, None, None]
@@ -135,14 +141,38 @@ class MinMaxCodec:
         full_levels = float((1 << self.bits) - 1)
         zero = mn.to(_SCALE_DTYPE).float()
         scale = ((mx - zero) / full_levels).clamp_min(_EPS).to(_SCALE_DTYPE).float()
-        step = scale * (full_levels / self.levels(x.device))  # narrow 3-bit slots: coarser step
-        codes = torch.floor((x - zero) / step + 0.5).clamp_(min=0)  # round half up, as the kernels do
-        codes = torch.minimum(codes, self.levels(x.device)).to(torch.int32)
+        ratio = full_levels / self.levels(x.device)  # narrow 3-bit slots: coarser step
+        keep = None
+        if stored is not None and self.axis == "channel" and not self.channel_scaling:
+            keep, old_codes = self._grid_kept(stored, num_stored, x, mask, ratio)
+            zero = torch.where(keep, self._stats_from_page(stored, "zero"), zero)
+            scale = torch.where(keep, self._stats_from_page(stored, "scale"), scale)
+        codes = self._codes(x, zero, scale * ratio)
+        if keep is not None:
+            earlier = torch.arange(B, device=x.device)[None, :, None, None] < num_stored[:, None, None, None]
+            codes = torch.where(keep & earlier, old_codes, codes)
         codes = torch.where(mask, codes, 0)
         layout.write(pages, "codes", pack(codes, self.bits))
         layout.write(pages, "scale", self._stats_to_page(scale))
         layout.write(pages, "zero", self._stats_to_page(zero))
         return pages
+
+    def _codes(self, x: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        codes = torch.floor((x - zero) / step + 0.5).clamp_(min=0)  # round half up, as the kernels do
+        return torch.minimum(codes, self.levels(x.device)).to(torch.int32)
+
+    def _grid_kept(self, stored: torch.Tensor, num_stored: torch.Tensor, x: torch.Tensor, mask: torch.Tensor,
+                   ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which channels keep their stored grid ([N, 1, H, D] bool), and the stored codes."""
+        B, H, D = self.block_size, self.num_heads, self.head_size
+        zero = self._stats_from_page(stored, "zero")
+        step = self._stats_from_page(stored, "scale") * ratio
+        new = mask & (torch.arange(B, device=x.device)[None, :, None, None] >= num_stored[:, None, None, None])
+        q = torch.floor((x - zero) / step + 0.5)
+        fits = torch.where(new, (q >= 0) & (q <= self.levels(x.device)), True).all(dim=1, keepdim=True)
+        keep = fits & (num_stored > 0)[:, None, None, None]
+        packed = self._layout.view(stored, "codes", torch.uint8, (B, H, packed_row_bytes(D, self.bits)))
+        return keep, unpack(packed, self.bits, D)
 
     def _stats_to_page(self, stat: torch.Tensor) -> torch.Tensor:
         """Statistics as stored: per channel [H, D]; per token head-major [H, B], so that one head's
