@@ -8,10 +8,13 @@ chunk of channels), one launch for K and one for V:
 - statistics per token (V, KIVI), or 16-bit rows: the token's program encodes its
   own row. Earlier rows keep their codes: re-encoding them would give the same
   bytes, as their statistics don't change.
-- statistics per channel over the block (K, KIVI): the programs of the block's last
-  new token re-encode the block, one program per chunk of channels (channels are
-  independent): each reads the earlier tokens back from the page, adds the new ones,
-  recomputes its channels' statistics over all of them and writes the chunk.
+- statistics per channel over the block (K, KIVI), under the format's append rule
+  (``MinMaxCodec.encode``): the programs of the block's last new token handle the
+  block, one program per chunk of channels (channels are independent). A single
+  token appended to stored ones (decoding) is first coded on the stored grids; if
+  every value of the chunk fits, that row is all that is written. Otherwise the
+  program reads the earlier tokens back from the page, adds the new ones,
+  recomputes the statistics of the channels that no longer fit and writes the chunk.
 - ZipCache channel scales (V): the block's last new token re-encodes the whole
   block, as every row's statistics depend on the block-wide channel scales.
 
@@ -30,7 +33,7 @@ from vllm_kvcompress.formats import KVPageFormat
 
 from .layout import TensorLayout, page_layout
 
-CHUNK_CHANNELS = 4  # channels a program covers where statistics are per channel
+CHUNK_CHANNELS = 4  # channels a program covers where statistics are per channel (H200: 4 beat 2, 8, 16, 32)
 
 
 @triton.jit
