@@ -84,7 +84,11 @@ def bench(server: Server, model: Model, dataset: Path, rate: float, num_prompts:
     rc, log = run_logged(cmd, result.with_suffix(".log"), timeout)
     if rc != 0 or not result.exists():
         return {"error": report.error_line(log)}
-    data = json.loads(result.read_text())
+    return summary(json.loads(result.read_text()))
+
+
+def summary(data: dict) -> dict:
+    """The figures kept from one ``vllm bench serve --save-result`` file."""
     keep = ["completed", "request_throughput", "output_throughput",
             *[f"{s}_{m}_ms" for m in METRICS for s in ("mean", *(f"p{p}" for p in PERCENTILES))]]
     return {k: data[k] for k in keep if k in data}

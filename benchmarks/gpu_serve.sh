@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On the GPU machine: `vllm bench serve` against `vllm serve` (OpenAI API) for each KV setting at a
+# sweep of request rates, dummy weights of a well-known shape, 8 GiB of KV, vLLM's defaults.
+# Result files go to $OUT as serve-SHAPE-SETTING-rateR.json (read with benchmarks.serve.summary).
+#   SHAPE=llama2-7b TOKENIZER=dir DATA=sharegpt.json SETTINGS="auto quant-k4v4" RATES="4 16" bash benchmarks/gpu_serve.sh
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
+export VLLM_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
+MODEL=${MODELS_DIR:-/tmp/models}/$SHAPE
+PORT=${PORT:-8123}
+[ -f "$MODEL/config.json" ] || python "$REPO/benchmarks/dummy_models.py" "$SHAPE" "$TOKENIZER" "$MODEL" >/dev/null
+cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
+for setting in $SETTINGS; do
+  case $setting in
+    auto|fp8|int4_per_token_head) kv=(--kv-cache-dtype "$setting") ;;
+    *.yaml) kv=(--kv-compression "$REPO/$setting") ;;
+    *) kv=(--kv-compression "$setting") ;;
+  esac
+  name=$(basename "$setting" .yaml)
+  python -m vllm.entrypoints.cli.main serve "$MODEL" --port "$PORT" --load-format dummy --dtype bfloat16 \
+    --max-model-len 2048 --kv-cache-memory-bytes 8589934592 "${kv[@]}" > "$OUT/server-$SHAPE-$name.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 "${START_TIMEOUT:-180}"); do
+    python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health')" 2>/dev/null && break
+    kill -0 $server 2>/dev/null || break
+    sleep 1
+  done
+  for rate in $RATES; do
+    start=$(date +%s)
+    timeout "${RUN_TIMEOUT:-150}" python -m vllm.entrypoints.cli.main bench serve --backend openai \
+      --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --tokenizer "$MODEL" --dataset-name sharegpt \
+      --dataset-path "$DATA" --num-prompts "${NUM_PROMPTS:-200}" --request-rate "$rate" --seed 0 --disable-tqdm \
+      --percentile-metrics ttft,tpot --metric-percentiles 50,90,99 --save-result --result-dir "$OUT" \
+      --result-filename "serve-$SHAPE-$name-rate$rate.json" > "$OUT/serve-$SHAPE-$name-rate$rate.log" 2>&1
+    echo "== $SHAPE $name rate $rate rc=$? $(( $(date +%s) - start ))s: $(grep -hE 'Request throughput|Median TTFT|Median TPOT' "$OUT/serve-$SHAPE-$name-rate$rate.log" | tr -s ' ' | tr '\n' ';')"
+  done
+  kill $server; wait $server 2>/dev/null; pkill -f "entrypoints.cli.main serve"; sleep 3
+  grep -E "kv-compression|KV cache size" "$OUT/server-$SHAPE-$name.log" | head -2 | cut -c1-200
+done
