@@ -3,6 +3,8 @@
 # sweep of request rates, dummy weights of a well-known shape, 8 GiB of KV, vLLM's defaults.
 # Result files go to $OUT as serve-SHAPE-SETTING-rateR.json (read with benchmarks.serve.summary).
 #   SHAPE=llama2-7b TOKENIZER=dir DATA=sharegpt.json SETTINGS="auto quant-k4v4" RATES="4 16" bash benchmarks/gpu_serve.sh
+# SERVE: the server command (default `vllm serve` through its module; `python -m vllm_kvcompress.cli serve`
+# is the plugin's own front end).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
@@ -18,7 +20,7 @@ for setting in $SETTINGS; do
     *) kv=(--kv-compression "$setting") ;;
   esac
   name=$(basename "$setting" .yaml)
-  python -m vllm.entrypoints.cli.main serve "$MODEL" --port "$PORT" --load-format dummy --dtype bfloat16 \
+  ${SERVE:-python -m vllm.entrypoints.cli.main serve} "$MODEL" --port "$PORT" --load-format dummy --dtype bfloat16 \
     --max-model-len 2048 --kv-cache-memory-bytes 8589934592 "${kv[@]}" > "$OUT/server-$SHAPE-$name.log" 2>&1 &
   server=$!
   for _ in $(seq 1 "${START_TIMEOUT:-180}"); do

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     from .config import KVCompressionConfigError
+    from .plugin import register
+    register()  # --kv-compression on the parser now, not only once vLLM loads its plugins
     sys.argv = ["vllm", *argv]
     try:
         vllm_main()
