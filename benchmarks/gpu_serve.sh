@@ -8,18 +8,11 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
-export VLLM_HOST_IP=127.0.0.1 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
-MODEL=${MODELS_DIR:-/tmp/models}/$SHAPE
 PORT=${PORT:-8123}
-[ -f "$MODEL/config.json" ] || python "$REPO/benchmarks/dummy_models.py" "$SHAPE" "$TOKENIZER" "$MODEL" >/dev/null
+source "$REPO/benchmarks/gpu_common.sh"
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
 for setting in $SETTINGS; do
-  case $setting in
-    auto|fp8|int4_per_token_head) kv=(--kv-cache-dtype "$setting") ;;
-    *.yaml) kv=(--kv-compression "$REPO/$setting") ;;
-    *) kv=(--kv-compression "$setting") ;;
-  esac
-  name=$(basename "$setting" .yaml)
+  kv_flags "$setting"
   ${SERVE:-python -m vllm.entrypoints.cli.main serve} "$MODEL" --port "$PORT" --load-format dummy --dtype bfloat16 \
     --max-model-len 2048 --kv-cache-memory-bytes 8589934592 "${kv[@]}" > "$OUT/server-$SHAPE-$name.log" 2>&1 &
   server=$!
