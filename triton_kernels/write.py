@@ -37,6 +37,44 @@ CHUNK_CHANNELS = 4  # channels a program covers where statistics are per channel
 
 
 @triton.jit
+def _grid(p, BITS: tl.constexpr):
+    """For position ``p`` inside a storage unit: the code's bit width, its highest code, its step
+    over the scale, and its shift in the unit. 3 bits: position 10 of each word is a 2-bit code on
+    a grid 7/3 as coarse (see ``packing``)."""
+    if BITS == 3:
+        width = tl.where(p == 10, 2, 3)
+        top = tl.where(p == 10, 3.0, 7.0)
+        ratio = tl.where(p == 10, 7.0 / 3.0, 1.0)
+    else:
+        width = BITS + p * 0
+        top = (1 << BITS) - 1.0 + p * 0.0
+        ratio = 1.0 + p * 0.0
+    return width, top, ratio, p * (3 if BITS == 3 else BITS)
+
+
+@triton.jit
+def _code_on(x, zero, step):
+    """Unclamped code of ``x`` on the grid ``zero + k * step``, rounded half up as the reference."""
+    return tl.floor(tl.math.div_rn(x - zero, step + tl.zeros_like(x)) + 0.5)
+
+
+@triton.jit
+def _half(byte_ptr, mask, other):
+    """float16 values at byte addresses ``byte_ptr``, as float32."""
+    return tl.load(byte_ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=other).to(tl.float32)
+
+
+@triton.jit
+def _store_units(row, u, packed, mask, BITS: tl.constexpr):
+    """Packed storage units ``u`` of a code row: bytes, or 32-bit words for 3 bits."""
+    if BITS == 3:
+        tl.store((row + u * 4).to(tl.pointer_type(tl.int32)), packed.to(tl.uint32).to(tl.int32, bitcast=True),
+                 mask=mask)
+    else:
+        tl.store(row + u, packed.to(tl.uint8), mask=mask)
+
+
+@triton.jit
 def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0,
                  H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr,
                  PER: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr,
@@ -52,14 +90,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0,
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D)
     unit_ok = u * VALS < D
-    if BITS == 3:
-        width = tl.where(p == 10, 2, 3)
-        top = tl.where(p == 10, 3.0, 7.0)
-        ratio = tl.where(p == 10, 7.0 / 3.0, 1.0)
-    else:
-        width = BITS
-        top = (1 << BITS) - 1.0
-        ratio = 1.0
+    width, top, ratio, shift = _grid(p, BITS)
     full_top: tl.constexpr = (1 << BITS) - 1.0
     row = page + CODES + (t * H + h) * ROW
     is_new = is_new[:, None, None]
@@ -73,21 +104,18 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0,
         unit = tl.load((row + u * 4).to(tl.pointer_type(tl.int32)), mask=valid & unit_ok, other=0)
     else:
         unit = tl.load(row + u, mask=valid & unit_ok, other=0).to(tl.int32)
-    shift = p * BITS if BITS != 3 else p * 3
     old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
     if PER_CHANNEL:
         sz = (h * D + ch) * 2
-        scale = tl.load((page + SCALE + sz).to(tl.pointer_type(tl.float16)), mask=ch_ok, other=0.0).to(tl.float32)
-        zero = tl.load((page + ZERO + sz).to(tl.pointer_type(tl.float16)), mask=ch_ok, other=0.0).to(tl.float32)
+        scale = _half(page + SCALE + sz, ch_ok, 0.0)
+        zero = _half(page + ZERO + sz, ch_ok, 0.0)
     else:
         sz = (h * BLOCK + t) * 2  # per-token statistics are head-major
-        scale = tl.load((page + SCALE + sz).to(tl.pointer_type(tl.float16)), mask=valid, other=0.0).to(tl.float32)
-        zero = tl.load((page + ZERO + sz).to(tl.pointer_type(tl.float16)), mask=valid, other=0.0).to(tl.float32)
+        scale = _half(page + SCALE + sz, valid, 0.0)
+        zero = _half(page + ZERO + sz, valid, 0.0)
     x_old = old_codes * (scale * ratio) + zero
     if CS >= 0:
-        cs_old = tl.load((page + CS + (h * D + ch) * 2).to(tl.pointer_type(tl.float16)), mask=ch_ok,
-                         other=1.0).to(tl.float32)
-        x_old = x_old * cs_old
+        x_old = x_old * _half(page + CS + (h * D + ch) * 2, ch_ok, 1.0)
     x = tl.where(newm, x_new, tl.where(oldm, x_old, 0.0))
     rows_ok = valid & ch_ok
 
@@ -108,24 +136,18 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0,
     scale_h = tl.maximum(tl.math.div_rn(mx - zero_h.to(tl.float32), full_top + tl.zeros_like(mx)), 1e-6).to(tl.float16)
     if PER_CHANNEL and CS < 0:  # append rule: channels whose new values fit their grid keep it
         has_old = tl.max((valid & (is_new == 0)).to(tl.int32)) > 0
-        q_old = tl.floor(tl.math.div_rn(x_new - zero, scale * ratio + tl.zeros_like(x_new)) + 0.5)
+        q_old = _code_on(x_new, zero, scale * ratio)
         off_grid = tl.max((newm & ((q_old < 0.0) | (q_old > top))).to(tl.int32), 0)[None, :, :]
         keep = (off_grid == 0) & has_old
         zero_h = tl.where(keep, zero.to(tl.float16), zero_h)
         scale_h = tl.where(keep, scale.to(tl.float16), scale_h)
     step = scale_h.to(tl.float32) * ratio
-    codes = tl.floor(tl.math.div_rn(x - zero_h.to(tl.float32), step + tl.zeros_like(x)) + 0.5)
-    codes = tl.minimum(tl.maximum(codes, 0.0), top)
+    codes = tl.minimum(tl.maximum(_code_on(x, zero_h.to(tl.float32), step), 0.0), top)
     if PER_CHANNEL and CS < 0:
         codes = tl.where(keep & oldm, old_codes, codes)
     codes = tl.where(rows_ok, codes, 0.0).to(tl.int64)
     packed = tl.sum(codes << shift.to(tl.int64), 2)  # [ROWS, UC]
-    urow = page + CODES + (t2 * H + h) * ROW
-    if BITS == 3:
-        tl.store((urow + u2 * 4).to(tl.pointer_type(tl.int32)), packed.to(tl.uint32).to(tl.int32, bitcast=True),
-                 mask=u2 * VALS < D)
-    else:
-        tl.store(urow + u2, packed.to(tl.uint8), mask=u2 * VALS < D)
+    _store_units(page + CODES + (t2 * H + h) * ROW, u2, packed, u2 * VALS < D, BITS)
     if PER_CHANNEL:  # statistics [1, UC, PER]
         tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h, mask=ch_ok)
         tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), zero_h, mask=ch_ok)
@@ -145,28 +167,14 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, u0, D: tl.constexpr, H
     p = tl.arange(0, PER)[None, :]
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D)
-    if BITS == 3:
-        top = tl.where(p == 10, 3.0, 7.0)
-        ratio = tl.where(p == 10, 7.0 / 3.0, 1.0)
-        shift = p * 3
-    else:
-        top = (1 << BITS) - 1.0
-        ratio = 1.0
-        shift = p * BITS
+    _, top, ratio, shift = _grid(p, BITS)
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
     sz = (h * D + ch) * 2
-    scale = tl.load((page + SCALE + sz).to(tl.pointer_type(tl.float16)), mask=ch_ok, other=1.0).to(tl.float32)
-    zero = tl.load((page + ZERO + sz).to(tl.pointer_type(tl.float16)), mask=ch_ok, other=0.0).to(tl.float32)
-    q = tl.floor(tl.math.div_rn(x - zero, scale * ratio + tl.zeros_like(x)) + 0.5)
+    q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0) * ratio)
     fits = tl.min(tl.where(ch_ok, (q >= 0.0) & (q <= top), 1).to(tl.int32))  # 1 if every value fits
     packed = tl.sum(tl.where(ch_ok, q, 0.0).to(tl.int64) << shift.to(tl.int64), 1)  # [UC]
-    row = page + CODES + (off * H + h) * ROW
     u1 = u0 + tl.arange(0, UC)
-    if BITS == 3:
-        tl.store((row + u1 * 4).to(tl.pointer_type(tl.int32)), packed.to(tl.uint32).to(tl.int32, bitcast=True),
-                 mask=(u1 * VALS < D) & (u1 * 0 + fits == 1))
-    else:
-        tl.store(row + u1, packed.to(tl.uint8), mask=(u1 * VALS < D) & (u1 * 0 + fits == 1))
+    _store_units(page + CODES + (off * H + h) * ROW, u1, packed, (u1 * VALS < D) & (u1 * 0 + fits == 1), BITS)
     return fits
 
 
