@@ -62,7 +62,10 @@ class UncompressedCodec:
     def nbytes(self) -> int:
         return self.block_size * self.num_heads * self.head_size * self.dtype.itemsize
 
-    def encode(self, x: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, num_valid: torch.Tensor, stored: torch.Tensor | None = None,
+               num_stored: torch.Tensor | None = None) -> torch.Tensor:
+        """Same contract as ``MinMaxCodec.encode``; values are kept as they are, so an append
+        needs nothing from the stored bytes."""
         mask = _valid_mask(num_valid, self.block_size)[:, :, None, None]
         y = torch.where(mask, x, 0).to(self.dtype)
         return y.contiguous().view(torch.uint8).reshape(x.shape[0], self.nbytes)
@@ -144,35 +147,37 @@ class MinMaxCodec:
         ratio = full_levels / self.levels(x.device)  # narrow 3-bit slots: coarser step
         keep = None
         if stored is not None and self.axis == "channel" and not self.channel_scaling:
-            keep, old_codes = self._grid_kept(stored, num_stored, x, mask, ratio)
+            earlier = torch.arange(B, device=x.device)[None, :, None, None] < num_stored[:, None, None, None]
+            keep = self._grid_kept(stored, x, mask & ~earlier, ratio) & (num_stored > 0)[:, None, None, None]
             zero = torch.where(keep, self._stats_from_page(stored, "zero"), zero)
             scale = torch.where(keep, self._stats_from_page(stored, "scale"), scale)
         codes = self._codes(x, zero, scale * ratio)
         if keep is not None:
-            earlier = torch.arange(B, device=x.device)[None, :, None, None] < num_stored[:, None, None, None]
-            codes = torch.where(keep & earlier, old_codes, codes)
+            codes = torch.where(keep & earlier, self._page_codes(stored), codes)
         codes = torch.where(mask, codes, 0)
         layout.write(pages, "codes", pack(codes, self.bits))
         layout.write(pages, "scale", self._stats_to_page(scale))
         layout.write(pages, "zero", self._stats_to_page(zero))
         return pages
 
+    @staticmethod
+    def _codes_unclamped(x: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        return torch.floor((x - zero) / step + 0.5)  # round half up, as the kernels do
+
     def _codes(self, x: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        codes = torch.floor((x - zero) / step + 0.5).clamp_(min=0)  # round half up, as the kernels do
+        codes = self._codes_unclamped(x, zero, step).clamp_(min=0)
         return torch.minimum(codes, self.levels(x.device)).to(torch.int32)
 
-    def _grid_kept(self, stored: torch.Tensor, num_stored: torch.Tensor, x: torch.Tensor, mask: torch.Tensor,
-                   ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Which channels keep their stored grid ([N, 1, H, D] bool), and the stored codes."""
+    def _grid_kept(self, stored: torch.Tensor, x: torch.Tensor, new: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+        """[N, 1, H, D] bool: every ``new`` value of the channel rounds onto its stored grid."""
+        q = self._codes_unclamped(x, self._stats_from_page(stored, "zero"), self._stats_from_page(stored, "scale") * ratio)
+        return torch.where(new, (q >= 0) & (q <= self.levels(x.device)), True).all(dim=1, keepdim=True)
+
+    def _page_codes(self, pages: torch.Tensor) -> torch.Tensor:
+        """[N, B, H, D] int32 codes of pages."""
         B, H, D = self.block_size, self.num_heads, self.head_size
-        zero = self._stats_from_page(stored, "zero")
-        step = self._stats_from_page(stored, "scale") * ratio
-        new = mask & (torch.arange(B, device=x.device)[None, :, None, None] >= num_stored[:, None, None, None])
-        q = torch.floor((x - zero) / step + 0.5)
-        fits = torch.where(new, (q >= 0) & (q <= self.levels(x.device)), True).all(dim=1, keepdim=True)
-        keep = fits & (num_stored > 0)[:, None, None, None]
-        packed = self._layout.view(stored, "codes", torch.uint8, (B, H, packed_row_bytes(D, self.bits)))
-        return keep, unpack(packed, self.bits, D)
+        return unpack(self._layout.view(pages, "codes", torch.uint8, (B, H, packed_row_bytes(D, self.bits))),
+                      self.bits, D)
 
     def _stats_to_page(self, stat: torch.Tensor) -> torch.Tensor:
         """Statistics as stored: per channel [H, D]; per token head-major [H, B], so that one head's
@@ -188,11 +193,9 @@ class MinMaxCodec:
         return self._layout.view(pages, name, _SCALE_DTYPE, (H, B, 1)).transpose(1, 2).float()
 
     def decode(self, pages: torch.Tensor) -> torch.Tensor:
-        N = pages.shape[0]
-        B, H, D = self.block_size, self.num_heads, self.head_size
+        H, D = self.num_heads, self.head_size
         layout = self._layout
-        packed = layout.view(pages, "codes", torch.uint8, (B, H, packed_row_bytes(D, self.bits)))
-        codes = unpack(packed, self.bits, D).float()
+        codes = self._page_codes(pages).float()
         scale = self._stats_from_page(pages, "scale")
         zero = self._stats_from_page(pages, "zero")
         step = scale * (float((1 << self.bits) - 1) / self.levels(pages.device))

@@ -91,16 +91,10 @@ class KVPageFormat:
         k_stored = v_stored = None
         if stored is not None:
             k_stored, v_stored = stored[:, :self.k.nbytes], stored[:, self.k.nbytes:self.codes_bytes]
-        pages[:, :self.k.nbytes] = self._encode(self.k, k, num_valid, k_stored, num_stored)
+        pages[:, :self.k.nbytes] = self.k.encode(k, num_valid, k_stored, num_stored)
         if self.v is not None:
-            pages[:, self.k.nbytes:self.codes_bytes] = self._encode(self.v, v, num_valid, v_stored, num_stored)
+            pages[:, self.k.nbytes:self.codes_bytes] = self.v.encode(v, num_valid, v_stored, num_stored)
         return pages
-
-    @staticmethod
-    def _encode(codec, x, num_valid, stored, num_stored) -> torch.Tensor:
-        if stored is None or not isinstance(codec, MinMaxCodec):
-            return codec.encode(x, num_valid)
-        return codec.encode(x, num_valid, stored, num_stored)
 
     def decode(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """pages [N, page_bytes] -> k, v float32 [N, B, H, D] (v None for K-only pages)."""
