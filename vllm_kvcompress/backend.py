@@ -240,7 +240,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         if nd:
             # A CUDA graph keeps the launch for every later batch of this size: size splits for any context.
             longest = self._max_model_len if torch.cuda.is_current_stream_capturing() else max(md.seq_lens[:nd])
-            decode_args = (q[:nd].contiguous(), pages, fmt, md.block_table[:nd], md.seq_lens_device[:nd], self.scale,
+            decode_args = (q[:nd], pages, fmt, md.block_table[:nd], md.seq_lens_device[:nd], self.scale,
                            longest)
             if slim is not None:
                 self._decode_kernel(*decode_args, slim, out=out[:nd])
