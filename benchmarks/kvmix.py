@@ -128,13 +128,8 @@ def table(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Perplexity of each choice of high-bit layers, without and with the recent window."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups = summary(result)
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = report.figure(1, (6, 3.6))
     width = 0.8 / len(groups)
     for g, group in enumerate(groups):
         rpc = 0 if group["rpc"] == "off" else int(group["rpc"].split()[0])
@@ -152,6 +147,4 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(range(3), ["profiled", "random (same bits)", "uniform 2-bit"])
     ax.set(ylabel="perplexity (essays)", title=f"KVmix high-bit layers, {result['model']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    report.save_figure(fig, path)

@@ -249,15 +249,10 @@ def table(result: dict) -> str:
 
 
 def plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in result["rows"] if "error" not in r]
     contexts = result["sizes"]["contexts"]
     lengths = [n for n, _ in result["sizes"]["needle"]]
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, (ax1, ax2, ax3) = report.figure(3, (13, 3.8))
     for r in rows:
         ax1.plot(contexts, [r[f"ppl_{c}"] for c in contexts], marker="o", label=r["setting"])
         got = [n for n in lengths if f"needle_{n}" in r]
@@ -274,7 +269,4 @@ def plot(result: dict, path) -> None:
     ax3.set_xticks(lengths, [str(n) for n in lengths])
     ax3.minorticks_off()
     ax1.legend(fontsize=7)
-    fig.suptitle(f"{result['model']} ({result['dtype']}), {result['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result['device']}")

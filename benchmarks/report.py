@@ -67,3 +67,23 @@ def device() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()}, vLLM {vllm.__version__}"
     return f"{os.cpu_count()}-core {platform.machine()} CPU, vLLM {vllm.__version__}"
+
+
+def figure(ncols: int, figsize: tuple[float, float]):
+    """A headless matplotlib figure with ``ncols`` axes side by side: (fig, axes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=figsize)
+
+
+def save_figure(fig, path: Path, title: str | None = None) -> None:
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

@@ -126,12 +126,7 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """TTFT and TPOT (median, p99) against the request rate, one line per setting."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = report.figure(2, (10, 3.6))
     for setting in dict.fromkeys(r["setting"] for r in rows):
         got = [r for r in rows if r["setting"] == setting and "p50_ttft_ms" in r]
         for ax, metric in zip(axes, METRICS):
@@ -142,7 +137,4 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for ax, metric in zip(axes, METRICS):
         ax.set(xlabel="request rate (/s)", ylabel=f"{metric.upper()} (ms)", title=metric.upper(), yscale="log")
     axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    report.save_figure(fig, path, title)

@@ -63,13 +63,8 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     """Output tokens/s and KV capacity per setting, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [settings.label(r["setting"]) for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax1, ax2) = report.figure(2, (10, 3.6))
     ax1.bar(names, [r.get("output_tokens_per_s", 0) for r in rows], color="tab:blue")
     ax1.set(ylabel="output tokens/s", title="throughput (vllm bench throughput)")
     ax2.bar(names, [r.get("kv_tokens", 0) for r in rows], color="tab:green")
@@ -80,7 +75,4 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         for i, r in enumerate(rows):
             if key not in r:
                 ax.text(i, 0, "failed", ha="center", va="bottom", fontsize=7, rotation=90)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    report.save_figure(fig, path, title)
