@@ -12,23 +12,36 @@ from the package's code.
 import torch
 
 
+def _levels(d: int, bits: int) -> torch.Tensor:
+    """[d] highest code per channel: 2**bits - 1, or 3 on the narrow 3-bit slots."""
+    levels = torch.full((d,), float((1 << bits) - 1))
+    if bits == 3:
+        levels[torch.arange(d) % 11 == 10] = 3.0
+    return levels
+
+
+def _grid(values: torch.Tensor, dim: int, bits: int, levels: torch.Tensor):
+    """zero and step of the min-max grid of ``values`` along ``dim``."""
+    top = float((1 << bits) - 1)
+    mn, mx = values.amin(dim, keepdim=True), values.amax(dim, keepdim=True)
+    zero = mn.half().float()
+    return zero, ((mx - zero) / top).clamp_min(1e-6).half().float() * (top / levels)
+
+
+def _quant(values: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    return torch.minimum(torch.floor((values - zero) / step + 0.5).clamp(min=0), levels)
+
+
 def fake_quant(x: torch.Tensor, bits: int, axis: str, block: int) -> torch.Tensor:
     """x: [seq, H, D] -> quantize-dequantize, block by block along seq."""
     if bits == 16:
         return x
-    top = float((1 << bits) - 1)
-    levels = torch.full((x.shape[-1],), top)
-    if bits == 3:
-        levels[torch.arange(x.shape[-1]) % 11 == 10] = 3.0
+    levels = _levels(x.shape[-1], bits)
     out = torch.empty_like(x, dtype=torch.float32)
     for start in range(0, x.shape[0], block):
         blk = x[start:start + block].float()
-        dims = 0 if axis == "channel" else -1
-        mn, mx = blk.amin(dims, keepdim=True), blk.amax(dims, keepdim=True)
-        zero = mn.half().float()
-        step = ((mx - zero) / top).clamp_min(1e-6).half().float() * (top / levels)
-        codes = torch.minimum(torch.floor((blk - zero) / step + 0.5).clamp(min=0), levels)
-        out[start:start + block] = codes * step + zero
+        zero, step = _grid(blk, 0 if axis == "channel" else -1, bits, levels)
+        out[start:start + block] = _quant(blk, zero, step, levels) * step + zero
     return out
 
 
@@ -38,34 +51,21 @@ def appended_channel_quant(pieces: list[torch.Tensor], bits: int) -> tuple[torch
     that grid and its earlier codes; otherwise the channel's decoded earlier values and the new ones
     are quantized afresh. Returns the dequantized block and how many (piece, channel) appends kept
     their grid and how many re-encoded."""
-    top = float((1 << bits) - 1)
-    levels = torch.full((pieces[0].shape[-1],), top)
-    if bits == 3:
-        levels[torch.arange(pieces[0].shape[-1]) % 11 == 10] = 3.0
-    ratio = top / levels
-
-    def grid(values):
-        zero = values.amin(0, keepdim=True).half().float()
-        scale = ((values.amax(0, keepdim=True) - zero) / top).clamp_min(1e-6).half().float()
-        return zero, scale * ratio
-
-    def quant(values, zero, step):
-        return torch.minimum(torch.floor((values - zero) / step + 0.5).clamp(min=0), levels)
-
+    levels = _levels(pieces[0].shape[-1], bits)
     codes, zero, step = None, None, None
     kept = reencoded = 0
     for piece in pieces:
         piece = piece.float()
         if codes is None:
-            zero, step = grid(piece)
-            codes = quant(piece, zero, step)
+            zero, step = _grid(piece, 0, bits, levels)
+            codes = _quant(piece, zero, step, levels)
             continue
         q = torch.floor((piece - zero) / step + 0.5)
         fits = ((q >= 0) & (q <= levels)).all(0, keepdim=True)
         values = torch.cat([codes * step + zero, piece])
-        fresh_zero, fresh_step = grid(values)
+        fresh_zero, fresh_step = _grid(values, 0, bits, levels)
         new_zero, new_step = torch.where(fits, zero, fresh_zero), torch.where(fits, step, fresh_step)
-        codes = torch.where(fits, torch.cat([codes, q]), quant(values, new_zero, new_step))
+        codes = torch.where(fits, torch.cat([codes, q]), _quant(values, new_zero, new_step, levels))
         zero, step = new_zero, new_step
         kept += int(fits.sum())
         reencoded += int((~fits).sum())
