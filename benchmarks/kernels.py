@@ -103,7 +103,7 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     distribution. The pages are restored before every timed write and the restore's time is
     subtracted, so every write meets the same page state (a token that fits its channels' grids
     writes one row; one that widens a channel re-encodes that chunk of channels)."""
-    from vllm_kvcompress.triton_kernels import write as write_kernel
+    from vllm_kvcompress.triton_kernels.write import CHUNK_CHANNELS, write_tokens
 
     fmt = _format(bits, hkv, d, block)
     fills = [1 + s * (block - 2) // max(1, num_seqs - 1) for s in range(num_seqs)]
@@ -111,17 +111,13 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     gen = torch.Generator(device="cuda").manual_seed(0)
     earlier = torch.cat([s * block + torch.arange(n, device="cuda") for s, n in enumerate(fills)])
     k0, v0 = (torch.randn(len(earlier), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-    write_kernel.write_tokens(cache, fmt, k0, v0, earlier)
+    write_tokens(cache, fmt, k0, v0, earlier)
     saved = cache.clone()
     slots = torch.tensor([s * block + n for s, n in enumerate(fills)], device="cuda")
     k, v = (torch.randn(num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-    default_chunk = write_kernel.CHUNK_CHANNELS
-    write_kernel.CHUNK_CHANNELS = chunk_channels or default_chunk
-    try:
-        restore = _time_ms(lambda: cache.copy_(saved))
-        ms = _time_ms(lambda: (cache.copy_(saved), write_kernel.write_tokens(cache, fmt, k, v, slots))) - restore
-    finally:
-        write_kernel.CHUNK_CHANNELS = default_chunk
+    chunk = chunk_channels or CHUNK_CHANNELS
+    restore = _time_ms(lambda: cache.copy_(saved))
+    ms = _time_ms(lambda: (cache.copy_(saved), write_tokens(cache, fmt, k, v, slots, chunk))) - restore
     nbytes = 2 * num_seqs * fmt.page_bytes
     label = f"write k{bits}v{bits}" + (f" chunk {chunk_channels}" if chunk_channels else "")
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}

@@ -228,11 +228,11 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
 
 
 def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVPageFormat,
-                  lay: TensorLayout, per_channel: bool) -> None:
+                  lay: TensorLayout, per_channel: bool, chunk_channels: int) -> None:
     vals, units, per = _geometry(lay.bits, fmt.k.head_size)
     # a chunk of channels where statistics are per channel (channels are independent); the whole
     # row where they are per token or need the ZipCache channel scales
-    chunk = min(units, max(1, CHUNK_CHANNELS // vals)) if per_channel and lay.channel_scale < 0 else units
+    chunk = min(units, max(1, chunk_channels // vals)) if per_channel and lay.channel_scale < 0 else units
     n = slot_mapping.shape[0]
     _write_kernel[(n, fmt.k.num_heads, triton.cdiv(units, chunk))](
         src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
@@ -243,11 +243,13 @@ def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Te
 
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Same contract as ``paged_torch.write_tokens``; key/value [N, H, D] (row-strided views allowed)."""
+                 slot_mapping: torch.Tensor, chunk_channels: int = CHUNK_CHANNELS) -> None:
+    """Same contract as ``paged_torch.write_tokens``; key/value [N, H, D] (row-strided views allowed).
+    ``chunk_channels``: channels per program where statistics are per channel (for benchmarks)."""
     if slot_mapping.shape[0] == 0:
         return
     lay = page_layout(fmt)
-    _write_tensor(cache, key, slot_mapping, fmt, lay.k, fmt.k.bits != 16 and fmt.k.axis == "channel")
+    _write_tensor(cache, key, slot_mapping, fmt, lay.k, fmt.k.bits != 16 and fmt.k.axis == "channel", chunk_channels)
     if lay.v is not None:
-        _write_tensor(cache, value, slot_mapping, fmt, lay.v, fmt.v.bits != 16 and fmt.v.axis == "channel")
+        _write_tensor(cache, value, slot_mapping, fmt, lay.v, fmt.v.bits != 16 and fmt.v.axis == "channel",
+                      chunk_channels)
