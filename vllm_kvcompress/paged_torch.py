@@ -34,13 +34,13 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     blocks, offsets = slots // B, slots % B
     touched, which = torch.unique(blocks, return_inverse=True)
     filled = torch.zeros_like(touched).scatter_reduce(0, which, offsets + 1, reduce="amax")
-    stored = torch.full_like(touched, B).scatter_reduce(0, which, offsets, reduce="amin")
+    num_stored = torch.full_like(touched, B).scatter_reduce(0, which, offsets, reduce="amin")
     old = cache[touched]
     k, v = fmt.decode(old)
     k[which, offsets] = key.float()
     if v is not None:
         v[which, offsets] = value.float()
-    pages = fmt.encode(k, v, filled, old, stored)
+    pages = fmt.encode(k, v, filled, old, num_stored)
     if fmt.recent is not None:
         pages[:, fmt.codes_bytes:] = old[:, fmt.codes_bytes:]
         newest = offsets >= filled[which] - fmt.window_cap  # the page's last tokens: one per ring slot
