@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--sweep", action="store_true",
-                    help="also try kernel variants (dequantization, tile, warps, programs per SM) at 4/4 bits")
+                    help="also try kernel variants (tile, pipeline stages, warps, programs per SM) at 4/4 and 8/8 bits")
     ap.add_argument("--write-chunks", nargs="*", type=int, default=[], metavar="CHANNELS",
                     help="also time the 4/4 write with these chunks of channels per program")
     ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
@@ -152,8 +152,8 @@ def main() -> None:
         for bits in (8, 4, 2, 3):
             rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx) | {"shape": name})
         if args.sweep:
-            for bits, variant in ((4, {"tile": 128}), (4, {"num_warps": 8}),
-                                  (4, {"programs_per_sm": 8}), (8, {"num_warps": 8}), (8, {"tile": 32})):
+            for bits, variant in ((4, {"tile": 64}), (4, {"num_stages": 3}), (4, {"num_stages": 7}),
+                                  (4, {"num_warps": 8}), (4, {"programs_per_sm": 8}), (8, {"num_stages": 3})):
                 rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx, **variant) | {"shape": name})
         for bits in (4, 8, 2):
             rows.append(bench_write(bits, args.batch, hkv, d) | {"shape": name})

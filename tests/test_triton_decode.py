@@ -46,17 +46,18 @@ def _fill(fmt, seq_lens, spare_blocks, seed):
 
 @pytest.mark.parametrize("layer_format", FORMATS, ids=lambda f: f.describe().replace("/", "_").replace(" ", "-"))
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_equals_reference_small(layer_format, num_splits):
-    B, H, HQ, D = 16, 2, 4, 64
+@pytest.mark.parametrize("block,tile", [(16, None), (32, 16)], ids=["tile=page", "2-tiles-per-page"])
+def test_decode_equals_reference_small(layer_format, num_splits, block, tile):
+    B, H, HQ, D = block, 2, 4, 64
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(layer_format, dtype, B, H, D)
-    seq_lens = [1, 17, 40, 16]
+    seq_lens = [1, 17, 40, 16, 70]
     cache, table = _fill(fmt, seq_lens, 3, seed=num_splits)
     q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(5)).to(dtype)
     ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, D ** -0.5)
     got = paged_decode(q.to(DEVICE), cache.to(DEVICE), fmt, table.to(DEVICE),
                        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), D ** -0.5, max(seq_lens),
-                       num_splits=num_splits)
+                       num_splits=num_splits, tile=tile)
     # fp16 tensor-core products of (q * scale) with integer codes: ~1e-3 relative
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
 

@@ -24,14 +24,10 @@ from .layout import page_layout
 
 @triton.jit
 def _gathered_codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr):
-    """Codes [T, D] of packed rows as float16 (see ``_as_fp16``), one load per channel (8 and 3 bits)."""
+    """Codes [T, D] of 8- or 3-bit rows as float16 (see ``_as_fp16``), one load per channel."""
     d = tl.arange(0, D)[None, :]
     if BITS == 8:
         c = tl.load(row_ptr + d)
-    elif BITS == 4:
-        c = (tl.load(row_ptr + d // 2).to(tl.int32) >> ((d % 2) * 4)) & 15
-    elif BITS == 2:
-        c = (tl.load(row_ptr + d // 4).to(tl.int32) >> ((d % 4) * 2)) & 3
     else:  # 3 bits: ten 3-bit codes + one 2-bit code per little-endian 32-bit word
         w = tl.load((row_ptr + (d // 11) * 4).to(tl.pointer_type(tl.int32)))
         c = (w >> ((d % 11) * 3)) & tl.where(d % 11 == 10, 3, 7)
@@ -60,6 +56,28 @@ def _accumulate_plane(acc, alpha, ps, pz, packed, K: tl.constexpr, BITS: tl.cons
 
 
 @triton.jit
+def _rows(pair):
+    """The two rows of a [2, N] tensor as [N] tensors."""
+    a, b = tl.split(tl.permute(pair, (1, 0)))
+    return a, b
+
+
+@triton.jit
+def _split_planes(x, P: tl.constexpr):
+    """Channels ``j * P + k`` of x [..., D] as plane k, k < P (planes past P repeat plane 0)."""
+    if P == 1:
+        return x, x, x, x
+    elif P == 2:
+        x0, x1 = tl.split(tl.reshape(x, x.shape[:-1] + [x.shape[-1] // 2, 2]))
+        return x0, x1, x0, x0
+    else:
+        even, odd = tl.split(tl.reshape(x, x.shape[:-1] + [x.shape[-1] // 4, 2, 2]))
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+        return x0, x1, x2, x3
+
+
+@triton.jit
 def _f32(ptr):
     return tl.load(ptr).to(tl.float32)
 
@@ -79,8 +97,14 @@ def _decode_kernel(
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
     per plane, so packed bytes go to the tensor cores without being interleaved.
 
-    ``half_ptr`` is the cache seen as float16 (K's scales and zeros are read through it, so that
-    the compiler knows their alignment and vectorizes the loads).
+    One loop over the split's tiles (a page is BLOCK // TILE tiles). Every load of a tile is wide
+    enough (at least 32 bits a thread) for the compiler to pipeline it through shared memory: K's
+    scales and zeros of all channels in one [2, D] load, V's of the tile's tokens in one [2, TILE]
+    load, next to the codes. Narrower loads (a [D // KP] plane of scales) are not pipelined, and
+    every iteration would wait for them.
+
+    ``half_ptr`` is the cache seen as float16 (scales and zeros are read through it, so that the
+    compiler knows their alignment and vectorizes the loads).
 
     Program ``(seq * H + h, split)``: the KV heads of one request are neighbours in launch
     order, so the pages they share (rows of all heads lie side by side) are read from memory
@@ -89,116 +113,88 @@ def _decode_kernel(
     seq = tl.program_id(0) // H
     split = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
+    TPP: tl.constexpr = BLOCK // TILE
     L = tl.load(seq_lens_ptr + seq)
-    b_start = split * blocks_per_split
-    b_end = tl.minimum(b_start + blocks_per_split, tl.cdiv(L, BLOCK))
+    t_start = split * blocks_per_split * TPP
+    t_end = tl.minimum(t_start + blocks_per_split * TPP, tl.cdiv(L, TILE))
 
     g = tl.arange(0, GP)
     heads = h * G + g
     q_row = q_ptr + (seq * H * G + heads[:, None]) * D
     gmask = (g < G)[:, None]
-    DK: tl.constexpr = D // KP
     DV: tl.constexpr = D // VP
-    dk = tl.arange(0, DK)[None, :]
     dv = tl.arange(0, DV)[None, :]
     d = tl.arange(0, D)[None, :]
     q = tl.load(q_row + d, mask=gmask, other=0.0)
-    q0 = tl.load(q_row + dk * KP, mask=gmask, other=0.0).to(tl.float32)
-    if KP > 1:
-        q1 = tl.load(q_row + dk * KP + 1, mask=gmask, other=0.0).to(tl.float32)
-    if KP > 2:
-        q2 = tl.load(q_row + dk * KP + 2, mask=gmask, other=0.0).to(tl.float32)
-        q3 = tl.load(q_row + dk * KP + 3, mask=gmask, other=0.0).to(tl.float32)
+    qf = q.to(tl.float32)
+    if K_BITS == 3:
+        qf = qf * tl.where(d % 11 == 10, 7.0 / 3.0, 1.0)  # the 2-bit 11th code of each word
+    stat = tl.arange(0, 2)[:, None]  # row 0: scale, row 1: zero
 
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc0 = tl.zeros([GP, DV], tl.float32)
-    if VP > 1:
-        acc1 = tl.zeros([GP, DV], tl.float32)
-    if VP > 2:
-        acc2 = tl.zeros([GP, DV], tl.float32)
-        acc3 = tl.zeros([GP, DV], tl.float32)
-    for b in range(b_start, b_end):
-        block_id = tl.load(block_table_ptr + seq * bt_stride + b).to(tl.int64)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    for t in range(t_start, t_end):
+        block_id = tl.load(block_table_ptr + seq * bt_stride + t // TPP).to(tl.int64)
         page = cache_ptr + block_id * page_bytes
         half = half_ptr + block_id * page_halves
-        if K_BITS != 16:  # per-channel scale and zero, read per plane
-            kstat = half + h * D + dk * KP
-            ks0 = _f32(kstat + K_SCALE // 2)
-            if K_BITS == 3:
-                ks0 = ks0 * tl.where(dk % 11 == 10, 7.0 / 3.0, 1.0)
-            kz0 = _f32(kstat + K_ZERO // 2)
-            qs0 = (q0 * ks0).to(tl.float16)
-            bias = tl.sum(q0 * kz0, 1)
-            bias -= 1024.0 * tl.sum(qs0.to(tl.float32), 1)  # codes enter the dots as 1024 + code
-            if KP > 1:
-                qs1 = (q1 * _f32(kstat + 1 + K_SCALE // 2)).to(tl.float16)
-                bias += tl.sum(q1 * _f32(kstat + 1 + K_ZERO // 2), 1)
-                bias -= 1024.0 * tl.sum(qs1.to(tl.float32), 1)
-            if KP > 2:
-                qs2 = (q2 * _f32(kstat + 2 + K_SCALE // 2)).to(tl.float16)
-                qs3 = (q3 * _f32(kstat + 3 + K_SCALE // 2)).to(tl.float16)
-                bias += tl.sum(q2 * _f32(kstat + 2 + K_ZERO // 2), 1) + tl.sum(q3 * _f32(kstat + 3 + K_ZERO // 2), 1)
-                bias -= 1024.0 * (tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1))
-        if V_CS >= 0:  # ZipCache channel scales, per plane
-            vcs = half + V_CS // 2 + h * D + dv * VP
-            cs0 = _f32(vcs)
-            if VP > 1:
-                cs1 = _f32(vcs + 1)
-            if VP > 2:
-                cs2 = _f32(vcs + 2)
-                cs3 = _f32(vcs + 3)
+        tok = (t % TPP) * TILE + tl.arange(0, TILE)
+        valid = (t // TPP) * BLOCK + tok < L
+        k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
+        if K_BITS == 16:
+            s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d)))
         else:
-            cs0 = 1.0
-            cs1 = 1.0
-            cs2 = 1.0
-            cs3 = 1.0
-        for t0 in range(0, BLOCK, TILE):
-            tok = t0 + tl.arange(0, TILE)
-            valid = b * BLOCK + tok < L
-            k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
-            if K_BITS == 16:
-                s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d)))
-            elif KP == 1:  # 8 bits, or 3 bits gathered
-                s = tl.dot(qs0, tl.trans(_gathered_codes(k_row, D, K_BITS))) + bias[:, None]
+            # scale and zero of every channel in one contiguous load, wide enough to be pipelined
+            kstat = tl.load(half + h * D + K_SCALE // 2 + stat * ((K_ZERO - K_SCALE) // 2) + d).to(tl.float32)
+            ks, kz = _rows(kstat)
+            qs = (qf * ks[None, :]).to(tl.float16)
+            bias = tl.sum(q.to(tl.float32) * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
+            if KP == 1:  # 8 bits, or 3 bits gathered
+                s = tl.dot(qs, tl.trans(_gathered_codes(k_row, D, K_BITS)))
             else:
-                kb = tl.load(k_row + dk)
+                kb = tl.load(k_row + tl.arange(0, D // KP)[None, :])
+                qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
                 s = tl.dot(qs0, tl.trans(_plane(kb, 0, K_BITS)))
                 s += tl.dot(qs1, tl.trans(_plane(kb, 1, K_BITS)))
                 if KP > 2:
                     s += tl.dot(qs2, tl.trans(_plane(kb, 2, K_BITS)))
                     s += tl.dot(qs3, tl.trans(_plane(kb, 3, K_BITS)))
-                s += bias[:, None]
-            s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)[:, None]
-            p = tl.exp(s - m_new[:, None])
-            l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
-            m = m_new
-            v_row = page + V_CODES + (tok[:, None] * H + h) * V_ROW
-            if V_BITS == 16:
-                acc0 = acc0 * alpha + tl.dot(p.to(dtype), tl.load(v_row.to(tl.pointer_type(dtype)) + d))
+            s += bias[:, None]
+        s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)[:, None]
+        p = tl.exp(s - m_new[:, None])
+        l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
+        m = m_new
+        v_row = page + V_CODES + (tok[:, None] * H + h) * V_ROW
+        if V_BITS == 16:
+            acc0 = acc0 * alpha + tl.dot(p.to(dtype), tl.load(v_row.to(tl.pointer_type(dtype)) + d))
+        else:
+            vstat = tl.load(half + h * BLOCK + V_SCALE // 2 + stat * ((V_ZERO - V_SCALE) // 2) + tok[None, :])
+            vs, vz = _rows(vstat.to(tl.float32))
+            ps = (p * vs[None, :]).to(tl.float16)
+            pz = tl.sum(p * vz[None, :], 1)[:, None]
+            pm = 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]  # codes enter the dot as 1024 + code
+            if V_CS >= 0:  # ZipCache channel scales
+                c0, c1, c2, c3 = _split_planes(_f32(half + V_CS // 2 + h * D + d), VP)
             else:
-                # through the byte pointer: with their alignment known, the compiler pipelines these
-                # loads too and needs 196 registers instead of 122 (a third of the occupancy)
-                vs = tl.load((page + V_SCALE + (h * BLOCK + tok) * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
-                vz = tl.load((page + V_ZERO + (h * BLOCK + tok) * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)
-                ps = (p * vs[None, :]).to(tl.float16)
-                pz = tl.sum(p * vz[None, :], 1)[:, None]
-                pm = 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]  # codes enter the dot as 1024 + code
-                if VP == 1:  # 8 bits, or 3 bits gathered
-                    pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS)) - pm
-                    if V_BITS == 3:
-                        pv = pv * tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0)
-                    acc0 = acc0 * alpha + (pv + pz) * cs0
-                else:
-                    vb = tl.load(v_row + dv)
-                    pz -= pm
-                    acc0 = _accumulate_plane(acc0, alpha, ps, pz, vb, 0, V_BITS, cs0)
-                    acc1 = _accumulate_plane(acc1, alpha, ps, pz, vb, 1, V_BITS, cs1)
-                    if VP > 2:
-                        acc2 = _accumulate_plane(acc2, alpha, ps, pz, vb, 2, V_BITS, cs2)
-                        acc3 = _accumulate_plane(acc3, alpha, ps, pz, vb, 3, V_BITS, cs3)
+                c0, c1, c2, c3 = 1.0, 1.0, 1.0, 1.0
+            if VP == 1:  # 8 bits, or 3 bits gathered
+                pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS)) - pm
+                if V_BITS == 3:
+                    pv = pv * tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0)
+                acc0 = acc0 * alpha + (pv + pz) * c0
+            else:
+                vb = tl.load(v_row + dv)
+                pz -= pm
+                acc0 = _accumulate_plane(acc0, alpha, ps, pz, vb, 0, V_BITS, c0)
+                acc1 = _accumulate_plane(acc1, alpha, ps, pz, vb, 1, V_BITS, c1)
+                if VP > 2:
+                    acc2 = _accumulate_plane(acc2, alpha, ps, pz, vb, 2, V_BITS, c2)
+                    acc3 = _accumulate_plane(acc3, alpha, ps, pz, vb, 3, V_BITS, c3)
 
     if NUM_SPLITS == 1:
         dst = out_ptr + (seq * H * G + heads[:, None]) * D + dv * VP
@@ -252,10 +248,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
 def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int | None = None) -> dict:
     """The decode kernel's compile-time constants for a page format and query heads per KV head."""
     lay = page_layout(fmt)
-    d = lay.head_size
     return dict(
-        H=lay.num_kv_heads, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BLOCK=lay.block_size,
-        TILE=tile or min(lay.block_size, 64 if d <= 128 else 32), NUM_SPLITS=num_splits,
+        H=lay.num_kv_heads, G=group, GP=max(16, triton.next_power_of_2(group)), D=lay.head_size,
+        BLOCK=lay.block_size, TILE=tile or default_tuning(fmt)["tile"], NUM_SPLITS=num_splits,
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
@@ -263,16 +258,30 @@ def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int |
     )
 
 
+def default_tuning(fmt: KVPageFormat) -> dict:
+    """Tokens per tile and pipeline stages. Pages are read through an indirection (the block
+    table), so the compiler prefetches a tile (num_stages - 1) // 2 tiles ahead: 5 stages keep the
+    next tile's loads in flight while this one is computed. 3-bit codes are gathered one 32-bit
+    word per channel, too large to stage in shared memory, so they are not pipelined."""
+    lay = page_layout(fmt)
+    bits = {lay.k.bits, lay.v.bits}
+    if 3 in bits:
+        return {"tile": min(lay.block_size, 32), "num_stages": 1}
+    tile = 128 if lay.head_size <= 128 else 32
+    return {"tile": min(lay.block_size, tile), "num_stages": 5}
+
+
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
                  out: torch.Tensor | None = None, tile: int | None = None, num_warps: int = 4,
-                 programs_per_sm: int = 2) -> torch.Tensor:
+                 num_stages: int | None = None, programs_per_sm: int = 2) -> torch.Tensor:
     """Attention of one new token per request (``query`` [N, Hq, D]) over its pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
     ``block_table`` [N, max_blocks] and ``seq_lens`` [N] (context length,
     the new token included) are int32 on the same device.
     """
+    num_stages = num_stages or default_tuning(fmt)["num_stages"]
     query = query.contiguous()  # a prefill batch's queries may arrive as a view into the fused QKV output
     n, hq, d = query.shape
     h = fmt.k.num_heads
@@ -288,7 +297,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     _decode_kernel[(n * h, num_splits)](
         query, cache, cache.view(torch.float16), block_table, seq_lens, out, part,
         sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split,
-        **kernel_constants(fmt, hq // h, num_splits, tile), num_warps=num_warps,
+        **kernel_constants(fmt, hq // h, num_splits, tile), num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](part, out, HQ=hq, D=d, NUM_SPLITS=num_splits)
