@@ -82,12 +82,14 @@ def _f32(ptr):
     return tl.load(ptr).to(tl.float32)
 
 
-@triton.jit
+# Values that change from step to step are not specialized on (divisibility by 16, equality to 1):
+# each specialization would be compiled in the middle of serving.
+@triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
 def _decode_kernel(
     q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_ptr,
-    sm_scale, bt_stride, page_bytes, page_halves, blocks_per_split,
+    sm_scale, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
@@ -196,7 +198,7 @@ def _decode_kernel(
                     acc2 = _accumulate_plane(acc2, alpha, ps, pz, vb, 2, V_BITS, c2)
                     acc3 = _accumulate_plane(acc3, alpha, ps, pz, vb, 3, V_BITS, c3)
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         dst = out_ptr + (seq * H * G + heads[:, None]) * D + dv * VP
         tl.store(dst, (acc0 / l[:, None]).to(dtype), mask=gmask)
         if VP > 1:
@@ -205,7 +207,7 @@ def _decode_kernel(
             tl.store(dst + 2, (acc2 / l[:, None]).to(dtype), mask=gmask)
             tl.store(dst + 3, (acc3 / l[:, None]).to(dtype), mask=gmask)
     else:
-        base = part_ptr + ((seq * H * G + heads[:, None]) * NUM_SPLITS + split) * (D + 2)
+        base = part_ptr + ((seq * H * G + heads[:, None]) * num_splits + split) * (D + 2)
         tl.store(base + dv * VP, acc0, mask=gmask)
         if VP > 1:
             tl.store(base + dv * VP + 1, acc1, mask=gmask)
@@ -216,15 +218,20 @@ def _decode_kernel(
         tl.store(base + D + 1 + tl.zeros([GP, 1], tl.int32), l[:, None], mask=gmask)
 
 
-@triton.jit
-def _merge_splits_kernel(part_ptr, out_ptr, HQ: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+MAX_SPLITS = 64
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_ptr, out_ptr, num_splits, HQ: tl.constexpr, D: tl.constexpr,
+                         MAX_SPLITS: tl.constexpr):
     row = tl.program_id(0) * HQ + tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
+    s = tl.arange(0, MAX_SPLITS)
     d = tl.arange(0, D)
-    base = part_ptr + (row * NUM_SPLITS + s) * (D + 2)
-    m = tl.load(base + D)
-    l = tl.load(base + D + 1)
-    acc = tl.load(base[:, None] + d[None, :])
+    used = s < num_splits
+    base = part_ptr + (row * num_splits + s) * (D + 2)
+    m = tl.load(base + D, mask=used, other=float("-inf"))
+    l = tl.load(base + D + 1, mask=used, other=0.0)
+    acc = tl.load(base[:, None] + d[None, :], mask=used[:, None], other=0.0)
     w = tl.exp(m - tl.max(m, 0))
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
@@ -242,7 +249,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = max(1, -(-programs_per_sm * sms // (num_seqs * num_kv_heads)))
     max_blocks = max(1, -(-max_seq_len // block_size))
-    return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), 64)
+    return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), MAX_SPLITS)
 
 
 def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int | None = None) -> dict:
@@ -250,7 +257,7 @@ def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int |
     lay = page_layout(fmt)
     return dict(
         H=lay.num_kv_heads, G=group, GP=max(16, triton.next_power_of_2(group)), D=lay.head_size,
-        BLOCK=lay.block_size, TILE=tile or default_tuning(fmt)["tile"], NUM_SPLITS=num_splits,
+        BLOCK=lay.block_size, TILE=tile or default_tuning(fmt)["tile"], SPLIT=num_splits > 1,
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
@@ -296,9 +303,9 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
     _decode_kernel[(n * h, num_splits)](
         query, cache, cache.view(torch.float16), block_table, seq_lens, out, part,
-        sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split,
+        sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split, num_splits,
         **kernel_constants(fmt, hq // h, num_splits, tile), num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(n, hq)](part, out, HQ=hq, D=d, NUM_SPLITS=num_splits)
+        _merge_splits_kernel[(n, hq)](part, out, num_splits, HQ=hq, D=d, MAX_SPLITS=MAX_SPLITS)
     return out
