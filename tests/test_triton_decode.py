@@ -79,11 +79,16 @@ def test_decode_equals_reference_gpu(head_size, block_size, bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_mixed_batch_as_token_rows_equals_reference(bits):
+@pytest.mark.parametrize("grouped", [False, True], ids=["row-per-program", "rows-grouped"])
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_mixed_batch_as_token_rows_equals_reference(bits, grouped, num_splits):
     """Decodes and prefill chunks (one with history) in one kernel call, one row per query token,
-    against the reference's causal attention per request. The queries are a view into a fused QKV
-    output, as the engine hands them over in eager mode."""
+    against the reference's causal attention per request; grouped, one program takes up to 8
+    tokens of a chunk (2 query heads per KV head fill 16 rows) with their own context lengths, and
+    with 4 splits a group's shorter rows have no position in its later splits. The queries are a
+    view into a fused QKV output, as the engine hands them over in eager mode."""
     from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels.decode import rows_per_program
     B, H, HQ, D = 16, 2, 4, 64
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), dtype, B, H, D)
@@ -96,8 +101,21 @@ def test_mixed_batch_as_token_rows_equals_reference(bits):
     qkv = torch.randn(qsl[-1], (HQ + 2 * H) * D, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE)
     q = qkv[:, :HQ * D].view(qsl[-1], HQ, D)
     ref = paged_torch.attend(q.float().cpu(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
+    per_group = rows_per_program(HQ // H) if grouped else 1
     rows = token_rows(torch.tensor(qsl, device=DEVICE), torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE),
-                      qsl[-1], max(seq_lens))
+                      qsl[-1], max(seq_lens), per_group)
     assert rows.seq_lens.tolist() == [21, 1] + list(range(16, 41)) + list(range(1, 10))
-    got = paged_decode(q, cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len)
+    if grouped:
+        assert per_group == 8
+        assert rows.group_rows.tolist() == [1, 1] + [8, *[0] * 7] * 3 + [1] + [8, *[0] * 7, 1]
+    got = paged_decode(q, cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len,
+                       num_splits=num_splits, group_rows=rows.group_rows if grouped else None)
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    if grouped and num_splits is None:  # a row marked as taken is left to its group's program: shrink one group
+        short = rows.group_rows.clone()
+        short[2] = 7
+        out = torch.full_like(q, float("nan")).contiguous()
+        paged_decode(q, cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len,
+                     num_splits=num_splits, out=out, group_rows=short)
+        computed = ~out.float().isnan().any(-1).any(-1).cpu()
+        assert computed.tolist() == [i != 2 + 7 for i in range(qsl[-1])]

@@ -86,16 +86,22 @@ def _f32(ptr):
 # each specialization would be compiled in the middle of serving.
 @triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
 def _decode_kernel(
-    q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, out_ptr, part_ptr,
+    q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, out_ptr, part_ptr,
     sm_scale, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
     V_ZERO: tl.constexpr, V_CS: tl.constexpr,
 ):
-    """KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
+    """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one
+    token of a prefill chunk) for KV head h. With ROWS > 1 it also takes the next rows of the same
+    request: ``group_rows[row]`` of them (0 where an earlier row's program took this one), as more
+    rows of the tensor-core products, so a chunk of prompt tokens reads each page once. Rows are
+    ``(token r, query head g)`` pairs, ``m = r * G + g``; each row has its own context length.
+
+    KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
     per plane, so packed bytes go to the tensor cores without being interleaved.
 
@@ -108,22 +114,29 @@ def _decode_kernel(
     ``half_ptr`` is the cache seen as float16 (scales and zeros are read through it, so that the
     compiler knows their alignment and vectorizes the loads).
 
-    Program ``(seq * H + h, split)``: the KV heads of one request are neighbours in launch
-    order, so the pages they share (rows of all heads lie side by side) are read from memory
-    once and from L2 by the others."""
+    The KV heads of one request are neighbours in launch order, so the pages they share (rows of
+    all heads lie side by side) are read from memory once and from L2 by the others."""
     h = tl.program_id(0) % H
-    seq = tl.program_id(0) // H
+    row0 = tl.program_id(0) // H
     split = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
     TPP: tl.constexpr = BLOCK // TILE
-    L = tl.load(seq_lens_ptr + seq)
+
+    mi = tl.arange(0, GP)
+    r = mi // G
+    if ROWS == 1:
+        rows_used = r < 1
+        L = tl.load(seq_lens_ptr + row0)
+    else:
+        rows_used = r < tl.load(group_rows_ptr + row0)
+        L_row = tl.load(seq_lens_ptr + row0 + r, mask=rows_used, other=0)
+        L = tl.max(L_row, 0)  # 0 for a program whose rows another one took: no tiles
     t_start = split * blocks_per_split * TPP
     t_end = tl.minimum(t_start + blocks_per_split * TPP, tl.cdiv(L, TILE))
 
-    g = tl.arange(0, GP)
-    heads = h * G + g
-    q_row = q_ptr + (seq * H * G + heads[:, None]) * D
-    gmask = (g < G)[:, None]
+    q_index = ((row0 + r) * H + h) * G + mi % G  # row of the query / output as [tokens * heads]
+    q_row = q_ptr + q_index[:, None] * D
+    gmask = rows_used[:, None]
     DV: tl.constexpr = D // VP
     dv = tl.arange(0, DV)[None, :]
     d = tl.arange(0, D)[None, :]
@@ -140,11 +153,14 @@ def _decode_kernel(
     acc2 = acc0
     acc3 = acc0
     for t in range(t_start, t_end):
-        block_id = tl.load(block_table_ptr + seq * bt_stride + t // TPP).to(tl.int64)
+        block_id = tl.load(block_table_ptr + row0 * bt_stride + t // TPP).to(tl.int64)
         page = cache_ptr + block_id * page_bytes
         half = half_ptr + block_id * page_halves
         tok = (t % TPP) * TILE + tl.arange(0, TILE)
-        valid = (t // TPP) * BLOCK + tok < L
+        if ROWS == 1:
+            valid = ((t // TPP) * BLOCK + tok)[None, :] < L
+        else:
+            valid = ((t // TPP) * BLOCK + tok)[None, :] < L_row[:, None]
         k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
         if K_BITS == 16:
             s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d)))
@@ -165,10 +181,13 @@ def _decode_kernel(
                     s += tl.dot(qs2, tl.trans(_plane(kb, 2, K_BITS)))
                     s += tl.dot(qs3, tl.trans(_plane(kb, 3, K_BITS)))
             s += bias[:, None]
-        s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+        s = tl.where(valid, s * sm_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)[:, None]
-        p = tl.exp(s - m_new[:, None])
+        m_ref = m_new
+        if ROWS > 1:  # a row with no valid position yet (a shorter row of a chunk, in a later split)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_ref)[:, None]
+        p = tl.exp(s - m_ref[:, None])
         l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
         m = m_new
         v_row = page + V_CODES + (tok[:, None] * H + h) * V_ROW
@@ -199,7 +218,7 @@ def _decode_kernel(
                     acc3 = _accumulate_plane(acc3, alpha, ps, pz, vb, 3, V_BITS, c3)
 
     if not SPLIT:
-        dst = out_ptr + (seq * H * G + heads[:, None]) * D + dv * VP
+        dst = out_ptr + q_index[:, None] * D + dv * VP
         tl.store(dst, (acc0 / l[:, None]).to(dtype), mask=gmask)
         if VP > 1:
             tl.store(dst + 1, (acc1 / l[:, None]).to(dtype), mask=gmask)
@@ -207,7 +226,7 @@ def _decode_kernel(
             tl.store(dst + 2, (acc2 / l[:, None]).to(dtype), mask=gmask)
             tl.store(dst + 3, (acc3 / l[:, None]).to(dtype), mask=gmask)
     else:
-        base = part_ptr + ((seq * H * G + heads[:, None]) * num_splits + split) * (D + 2)
+        base = part_ptr + (q_index[:, None] * num_splits + split) * (D + 2)
         tl.store(base + dv * VP, acc0, mask=gmask)
         if VP > 1:
             tl.store(base + dv * VP + 1, acc1, mask=gmask)
@@ -252,12 +271,25 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), MAX_SPLITS)
 
 
-def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int | None = None) -> dict:
-    """The decode kernel's compile-time constants for a page format and query heads per KV head."""
+def _padded_rows(group: int) -> int:
+    """Rows of the kernel's tensor-core products: the query heads of a KV head, at least 16."""
+    return max(16, triton.next_power_of_2(group))
+
+
+def rows_per_program(group: int) -> int:
+    """Query tokens of one request that a program can take at once, with ``group`` query heads per
+    KV head: as many as fill the rows that one token's heads leave as padding (16 for MHA)."""
+    return max(1, _padded_rows(group) // group)
+
+
+def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int | None = None,
+                     rows: int = 1) -> dict:
+    """The decode kernel's compile-time constants for a page format, query heads per KV head and
+    query tokens per program."""
     lay = page_layout(fmt)
     return dict(
-        H=lay.num_kv_heads, G=group, GP=max(16, triton.next_power_of_2(group)), D=lay.head_size,
-        BLOCK=lay.block_size, TILE=tile or default_tuning(fmt)["tile"], SPLIT=num_splits > 1,
+        H=lay.num_kv_heads, G=group, GP=_padded_rows(group), D=lay.head_size,
+        BLOCK=lay.block_size, TILE=tile or default_tuning(fmt)["tile"], SPLIT=num_splits > 1, ROWS=rows,
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
@@ -281,12 +313,14 @@ def default_tuning(fmt: KVPageFormat) -> dict:
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
                  out: torch.Tensor | None = None, tile: int | None = None, num_warps: int = 4,
-                 num_stages: int | None = None, programs_per_sm: int = 2) -> torch.Tensor:
-    """Attention of one new token per request (``query`` [N, Hq, D]) over its pages.
+                 num_stages: int | None = None, programs_per_sm: int = 2,
+                 group_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
     ``block_table`` [N, max_blocks] and ``seq_lens`` [N] (context length,
-    the new token included) are int32 on the same device.
+    the new token included) are int32 on the same device. ``group_rows`` [N] int32 (from
+    ``token_rows`` with ``rows_per_program``): rows taken together by the program of each row.
     """
     num_stages = num_stages or default_tuning(fmt)["num_stages"]
     query = query.contiguous()  # a prefill batch's queries may arrive as a view into the fused QKV output
@@ -302,9 +336,11 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     if num_splits > 1:
         part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
     _decode_kernel[(n * h, num_splits)](
-        query, cache, cache.view(torch.float16), block_table, seq_lens, out, part,
+        query, cache, cache.view(torch.float16), block_table, seq_lens,
+        seq_lens if group_rows is None else group_rows, out, part,
         sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split, num_splits,
-        **kernel_constants(fmt, hq // h, num_splits, tile), num_warps=num_warps, num_stages=num_stages,
+        **kernel_constants(fmt, hq // h, num_splits, tile, 1 if group_rows is None else rows_per_program(hq // h)),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](part, out, num_splits, HQ=hq, D=d, MAX_SPLITS=MAX_SPLITS)

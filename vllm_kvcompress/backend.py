@@ -116,6 +116,11 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)  # decodes first, so they go to the decode kernel as one batch
+        self._rows_per_group = 1  # prompt tokens one decode-kernel program takes together
+        if self.device.type == "cuda":
+            from .triton_kernels.decode import rows_per_program
+            mc, pc = vllm_config.model_config, vllm_config.parallel_config
+            self._rows_per_group = rows_per_program(mc.get_num_attention_heads(pc) // mc.get_num_kv_heads(pc))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVCompressMetadata:
@@ -131,7 +136,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         rows = None
         if self.device.type == "cuda" and num_decodes < n:
             rows = token_rows(cam.query_start_loc[: n + 1], cam.seq_lens[:n], cam.block_table_tensor[:n],
-                              query_start_loc[n], max(seq_lens[:n].tolist()))
+                              query_start_loc[n], max(seq_lens[:n].tolist()), self._rows_per_group)
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -234,7 +239,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             rows = md.token_rows  # a mixed batch: one decode row per query token
             r = rows.seq_lens.shape[0]
             self._decode_kernel(q[:r], pages, fmt, rows.block_table, rows.seq_lens, self.scale, rows.max_seq_len,
-                                out=out[:r])
+                                out=out[:r], group_rows=rows.group_rows)
             return output
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
