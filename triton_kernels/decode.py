@@ -89,15 +89,15 @@ def _decode_kernel(
     q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, out_ptr, part_ptr,
     sm_scale, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr,
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
     V_ZERO: tl.constexpr, V_CS: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one
-    token of a prefill chunk) for KV head h. With ROWS > 1 it also takes the next rows of the same
-    request: ``group_rows[row]`` of them (0 where an earlier row's program took this one), as more
+    token of a prefill chunk) for KV head h. GROUPED, it takes ``group_rows[row]`` rows of the same
+    request from this one on (0 where an earlier row's program took this one; at most GP // G), as more
     rows of the tensor-core products, so a chunk of prompt tokens reads each page once. Rows are
     ``(token r, query head g)`` pairs, ``m = r * G + g``; each row has its own context length.
 
@@ -124,7 +124,7 @@ def _decode_kernel(
 
     mi = tl.arange(0, GP)
     r = mi // G
-    if ROWS == 1:
+    if not GROUPED:
         rows_used = r < 1
         L = tl.load(seq_lens_ptr + row0)
     else:
@@ -157,7 +157,7 @@ def _decode_kernel(
         page = cache_ptr + block_id * page_bytes
         half = half_ptr + block_id * page_halves
         tok = (t % TPP) * TILE + tl.arange(0, TILE)
-        if ROWS == 1:
+        if not GROUPED:
             valid = ((t // TPP) * BLOCK + tok)[None, :] < L
         else:
             valid = ((t // TPP) * BLOCK + tok)[None, :] < L_row[:, None]
@@ -184,7 +184,7 @@ def _decode_kernel(
         s = tl.where(valid, s * sm_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_ref = m_new
-        if ROWS > 1:  # a row with no valid position yet (a shorter row of a chunk, in a later split)
+        if GROUPED:  # a row with no valid position yet (a shorter row of a chunk, in a later split)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_ref)[:, None]
         p = tl.exp(s - m_ref[:, None])
@@ -282,14 +282,13 @@ def rows_per_program(group: int) -> int:
     return max(1, _padded_rows(group) // group)
 
 
-def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int | None = None,
-                     rows: int = 1) -> dict:
-    """The decode kernel's compile-time constants for a page format, query heads per KV head and
-    query tokens per program."""
+def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int, grouped: bool) -> dict:
+    """The decode kernel's compile-time constants for a page format, query heads per KV head, and
+    whether programs take groups of query tokens."""
     lay = page_layout(fmt)
     return dict(
         H=lay.num_kv_heads, G=group, GP=_padded_rows(group), D=lay.head_size,
-        BLOCK=lay.block_size, TILE=tile or default_tuning(fmt)["tile"], SPLIT=num_splits > 1, ROWS=rows,
+        BLOCK=lay.block_size, TILE=tile, SPLIT=num_splits > 1, GROUPED=grouped,
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
@@ -322,7 +321,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     the new token included) are int32 on the same device. ``group_rows`` [N] int32 (from
     ``token_rows`` with ``rows_per_program``): rows taken together by the program of each row.
     """
-    num_stages = num_stages or default_tuning(fmt)["num_stages"]
+    tuning = default_tuning(fmt)
     query = query.contiguous()  # a prefill batch's queries may arrive as a view into the fused QKV output
     n, hq, d = query.shape
     h = fmt.k.num_heads
@@ -339,8 +338,8 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         query, cache, cache.view(torch.float16), block_table, seq_lens,
         seq_lens if group_rows is None else group_rows, out, part,
         sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split, num_splits,
-        **kernel_constants(fmt, hq // h, num_splits, tile, 1 if group_rows is None else rows_per_program(hq // h)),
-        num_warps=num_warps, num_stages=num_stages,
+        **kernel_constants(fmt, hq // h, num_splits, tile or tuning["tile"], group_rows is not None),
+        num_warps=num_warps, num_stages=num_stages or tuning["num_stages"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](part, out, num_splits, HQ=hq, D=d, MAX_SPLITS=MAX_SPLITS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
@@ -37,6 +38,7 @@ def _tensor_layout(codec, base: int) -> TensorLayout:
                         base + off["channel_scale"][0] if codec.channel_scaling else -1)
 
 
+@functools.cache
 def page_layout(fmt: KVPageFormat) -> PageLayout:
     v = None if fmt.v is None else _tensor_layout(fmt.v, fmt.k.nbytes)
     return PageLayout(_tensor_layout(fmt.k, 0), v, fmt.page_bytes,
