@@ -6,6 +6,8 @@
 #   SHAPE=llama2-7b TOKENIZER=dir DATA=sharegpt.json SETTINGS="auto fp8 quant-k4v4" bash benchmarks/gpu_e2e.sh
 # TOKENIZER: a folder with a tokenizer and its config.json (benchmarks/dummy_models.py);
 # DATA: ShareGPT as valid JSON (python -m benchmarks.sharegpt OUT --sample 2000).
+# PROFILE=N: also record N engine steps after the first PROFILE_DELAY (default 300) with the torch
+# profiler and print where the GPU time went (benchmarks/trace_summary.py); tokens/s then suffer.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
@@ -13,11 +15,17 @@ source "$REPO/benchmarks/gpu_common.sh"
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
 for setting in $SETTINGS; do
   kv_flags "$setting"
+  prof=()
+  if [ -n "${PROFILE:-}" ]; then
+    rm -rf "$OUT/trace-$SHAPE-$name"
+    prof=(--profile --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$OUT/trace-$SHAPE-$name\", \"torch_profiler_with_stack\": false, \"delay_iterations\": ${PROFILE_DELAY:-300}, \"max_iterations\": $PROFILE}")
+  fi
   start=$(date +%s)
   timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
     --load-format dummy --dtype bfloat16 --max-model-len 2048 --kv-cache-memory-bytes 8589934592 \
     --dataset-name sharegpt --dataset-path "$DATA" --num-prompts "${NUM_PROMPTS:-1000}" --seed 0 \
-    "${kv[@]}" --output-json "$OUT/$SHAPE-$name.json" > "$OUT/$SHAPE-$name.log" 2>&1
+    "${kv[@]}" "${prof[@]}" --output-json "$OUT/$SHAPE-$name.json" > "$OUT/$SHAPE-$name.log" 2>&1
   echo "== $SHAPE $name rc=$? $(( $(date +%s) - start ))s: $(grep -hoE 'KV cache size: [0-9,]+ tokens|Throughput: .*' "$OUT/$SHAPE-$name.log" | tr '\n' ' ')"
   grep -E "Error|error:" "$OUT/$SHAPE-$name.log" | grep -v -i "warn" | tail -3
+  [ -z "${PROFILE:-}" ] || python "$REPO/benchmarks/trace_summary.py" "$OUT/trace-$SHAPE-$name" --top 15
 done

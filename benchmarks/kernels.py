@@ -97,7 +97,8 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
     return {"kernel": "vLLM FlashAttention bf16", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
-def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, chunk_channels: int | None = None) -> dict:
+def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, chunk_channels: int | None = None,
+                num_warps: int | None = None) -> dict:
     """One decode step's cache write: each request appends a token to its last page, which holds
     1 to block-1 earlier tokens (spread evenly over the batch, as in a serving batch) from the same
     distribution. The pages are restored before every timed write and the restore's time is
@@ -117,9 +118,10 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     k, v = (torch.randn(num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     chunk = chunk_channels or CHUNK_CHANNELS
     restore = _time_ms(lambda: cache.copy_(saved))
-    ms = _time_ms(lambda: (cache.copy_(saved), write_tokens(cache, fmt, k, v, slots, chunk))) - restore
+    ms = _time_ms(lambda: (cache.copy_(saved), write_tokens(cache, fmt, k, v, slots, chunk, num_warps))) - restore
     nbytes = 2 * num_seqs * fmt.page_bytes
-    label = f"write k{bits}v{bits}" + (f" chunk {chunk_channels}" if chunk_channels else "")
+    label = (f"write k{bits}v{bits}" + (f" chunk {chunk_channels}" if chunk_channels else "")
+             + (f" warps {num_warps}" if num_warps else ""))
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
@@ -132,6 +134,8 @@ def main() -> None:
                     help="also try kernel variants (tile, pipeline stages, warps, programs per SM) at 4/4 and 8/8 bits")
     ap.add_argument("--write-chunks", nargs="*", type=int, default=[], metavar="CHANNELS",
                     help="also time the 4/4 write with these chunks of channels per program")
+    ap.add_argument("--write-warps", nargs="*", type=int, default=[], metavar="WARPS",
+                    help="also time the 4/4 write with these warps per program")
     ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
     ap.add_argument("--profile", nargs=3, type=int, metavar=("BITS", "HQ", "HKV"),
                     help="only launch that decode a few times (for a profiler such as ncu)")
@@ -159,6 +163,8 @@ def main() -> None:
             rows.append(bench_write(bits, args.batch, hkv, d) | {"shape": name})
         for chunk in args.write_chunks:
             rows.append(bench_write(4, args.batch, hkv, d, chunk_channels=chunk) | {"shape": name})
+        for warps in args.write_warps:
+            rows.append(bench_write(4, args.batch, hkv, d, num_warps=warps) | {"shape": name})
         for r in rows:
             if r["shape"] == name and r["kernel"].startswith("ours"):
                 r["speedup_vs_bf16"] = base["ms"] / r["ms"]

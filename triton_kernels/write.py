@@ -228,7 +228,7 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
 
 
 def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVPageFormat,
-                  lay: TensorLayout, per_channel: bool, chunk_channels: int) -> None:
+                  lay: TensorLayout, per_channel: bool, chunk_channels: int, num_warps: int | None) -> None:
     vals, units, per = _geometry(lay.bits, fmt.k.head_size)
     # a chunk of channels where statistics are per channel (channels are independent); the whole
     # row where they are per token or need the ZipCache channel scales
@@ -238,18 +238,19 @@ def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Te
         src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
         H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, BITS=lay.bits, VALS=vals, UNITS=units, PER=per,
         UC=chunk, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale,
-        PER_CHANNEL=per_channel, num_warps=4 if lay.bits != 16 else 1,
+        PER_CHANNEL=per_channel, num_warps=num_warps or (4 if lay.bits != 16 else 1),
     )
 
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor, chunk_channels: int = CHUNK_CHANNELS) -> None:
+                 slot_mapping: torch.Tensor, chunk_channels: int = CHUNK_CHANNELS, num_warps: int | None = None) -> None:
     """Same contract as ``paged_torch.write_tokens``; key/value [N, H, D] (row-strided views allowed).
-    ``chunk_channels``: channels per program where statistics are per channel (for benchmarks)."""
+    ``chunk_channels``, ``num_warps``: channels per program where statistics are per channel, and
+    warps per program (for benchmarks)."""
     if slot_mapping.shape[0] == 0:
         return
     lay = page_layout(fmt)
-    _write_tensor(cache, key, slot_mapping, fmt, lay.k, fmt.k.bits != 16 and fmt.k.axis == "channel", chunk_channels)
+    _write_tensor(cache, key, slot_mapping, fmt, lay.k, fmt.k.bits != 16 and fmt.k.axis == "channel", chunk_channels, num_warps)
     if lay.v is not None:
         _write_tensor(cache, value, slot_mapping, fmt, lay.v, fmt.v.bits != 16 and fmt.v.axis == "channel",
-                      chunk_channels)
+                      chunk_channels, num_warps)
