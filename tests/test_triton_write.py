@@ -48,34 +48,42 @@ def test_write_matches_reference_bytes(layer_format):
         torch.testing.assert_close(vo[used], vr[used], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits", [4, 3])
-def test_decode_appends_match_reference_bytes(bits):
-    """Decoding into well-filled 128-token blocks, where most new tokens fit their channels' stored
-    grids and some widen one: twenty steps of two requests, identical pages after each step, and
-    both outcomes occur (a step either leaves every earlier code and the statistics in place or
-    rewrites some of them)."""
+@pytest.mark.parametrize("bits,fills,chunk_channels", [(4, (90, 100), 32), (3, (90, 100), 32), (4, (2, 5), 8),
+                                                       (2, (3, 1), 8)])
+def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels):
+    """Decoding into 128-token blocks: twenty steps of two requests, identical pages after each step.
+    Well filled, most new tokens fit their channels' stored grids and some widen one, and both
+    outcomes occur (a step either leaves every earlier code and the statistics in place or rewrites
+    some of them). Nearly empty, with small chunks, a token widens more channels than one chunk
+    re-encodes."""
     B, H, D = 128, 2, 64
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.float32, B, H, D)
     gen = torch.Generator().manual_seed(bits)
     ref = torch.zeros(4, fmt.page_bytes, dtype=torch.uint8)
-    prefill = torch.cat([torch.arange(B, B + 90), torch.arange(3 * B, 3 * B + 100)])
-    paged_torch.write_tokens(ref, fmt, torch.randn(190, H, D, generator=gen), torch.randn(190, H, D, generator=gen),
-                             prefill)
+    prefill = torch.cat([torch.arange(B, B + fills[0]), torch.arange(3 * B, 3 * B + fills[1])])
+    paged_torch.write_tokens(ref, fmt, torch.randn(len(prefill), H, D, generator=gen),
+                             torch.randn(len(prefill), H, D, generator=gen), prefill)
     ours = ref.clone().to(DEVICE)
     row_bytes = fmt.k._layout.offsets["codes"][1] // B  # one token's K codes, all heads
     k_stats = slice(fmt.k._layout.offsets["scale"][0], fmt.k.nbytes)
-    earlier_kept = earlier_rewritten = 0
+    k_scale = slice(fmt.k._layout.offsets["scale"][0], fmt.k._layout.offsets["scale"][0] + H * D * 2)
+    earlier_kept = earlier_rewritten = most_widened = 0
     for step in range(20):
-        slots = torch.tensor([B + 90 + step, 3 * B + 100 + step])
+        slots = torch.tensor([B + fills[0] + step, 3 * B + fills[1] + step])
         k, v = torch.randn(2, H, D, generator=gen), torch.randn(2, H, D, generator=gen)
         before = ref.clone()
         paged_torch.write_tokens(ref, fmt, k, v, slots)
-        write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+        write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), chunk_channels=chunk_channels)
         assert torch.equal(ours.cpu(), ref), f"step {step}"
-        for blk, n in ((1, 90 + step), (3, 100 + step)):
+        for blk, n in ((1, fills[0] + step), (3, fills[1] + step)):
             earlier = slice(0, n * row_bytes)
             same = (torch.equal(before[blk, earlier], ref[blk, earlier])
                     and torch.equal(before[blk, k_stats], ref[blk, k_stats]))
             earlier_kept += same
             earlier_rewritten += not same
-    assert earlier_kept > 0 and earlier_rewritten > 0
+            widened = before[blk, k_scale].view(torch.float16).view(H, D) != ref[blk, k_scale].view(torch.float16).view(H, D)
+            most_widened = max(most_widened, int(widened.sum(1).max()))
+    if min(fills) > 32:
+        assert earlier_kept > 0 and earlier_rewritten > 0
+    else:
+        assert most_widened > chunk_channels

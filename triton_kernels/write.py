@@ -2,19 +2,21 @@
 
 Writes the bytes ``paged_torch.write_tokens`` writes (divisions and square roots
 are IEEE-rounded, ``div_rn`` / ``sqrt_rn``, so they match the torch reference),
-with as little work as the format allows. Programs per (token, KV head,
-chunk of channels), one launch for K and one for V:
+with as little work as the format allows. Programs per (token, KV head), one
+launch for K and one for V:
 
 - statistics per token (V, KIVI), or 16-bit rows: the token's program encodes its
   own row. Earlier rows keep their codes: re-encoding them would give the same
   bytes, as their statistics don't change.
 - statistics per channel over the block (K, KIVI), under the format's append rule
   (``MinMaxCodec.encode``): the programs of the block's last new token handle the
-  block, one program per chunk of channels (channels are independent). A single
-  token appended to stored ones (decoding) is first coded on the stored grids; if
-  every value of the chunk fits, that row is all that is written. Otherwise the
-  program reads the earlier tokens back from the page, adds the new ones,
-  recomputes the statistics of the channels that no longer fit and writes the chunk.
+  block, a chunk of channels at a time (channels are independent). A single token
+  appended to stored ones (decoding) is first coded on the stored grids and the
+  storage units whose values all fit are written; only the units where a value
+  left its grid are re-encoded (the earlier tokens read back from the page, the
+  statistics of the channels that no longer fit recomputed), gathered a chunk at
+  a time. So a program's work follows the number of widened channels, and a
+  prefill's tokens other than each block's last cost one slot load.
 - ZipCache channel scales (V): the block's last new token re-encodes the whole
   block, as every row's statistics depend on the block-wide channel scales.
 
@@ -33,7 +35,7 @@ from vllm_kvcompress.formats import KVPageFormat
 
 from .layout import TensorLayout, page_layout
 
-CHUNK_CHANNELS = 4  # channels a program covers where statistics are per channel (H200: 4 beat 2, 8, 16, 32)
+CHUNK_CHANNELS = 32  # channels re-encoded together where statistics are per channel
 
 
 @triton.jit
@@ -75,21 +77,21 @@ def _store_units(row, u, packed, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0,
+def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units_ok,
                  H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr,
                  PER: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr,
                  ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """Encode rows ``t`` (block offsets, [ROWS]) of units ``u0 .. u0 + UC`` of one head's tensor.
-    Row r takes its values from source row ``j[r]`` where ``is_new[r]``, else from the page;
-    statistics cover the rows where ``valid[r]``."""
+    """Encode rows ``t`` (block offsets, [ROWS]) of storage units ``units`` ([UC], those where
+    ``units_ok``) of one head's tensor. Row r takes its values from source row ``j[r]`` where
+    ``is_new[r]``, else from the page; statistics cover the rows where ``valid[r]``."""
     t2 = t[:, None]
-    u2 = u0 + tl.arange(0, UC)[None, :]
+    u2 = units[None, :]
+    unit_ok = units_ok[None, :, None] & (u2[:, :, None] * VALS < D)
     t = t[:, None, None]
     u = u2[:, :, None]
     p = tl.arange(0, PER)[None, None, :]
     ch = u * VALS + p
-    ch_ok = (p < VALS) & (ch < D)
-    unit_ok = u * VALS < D
+    ch_ok = (p < VALS) & (ch < D) & unit_ok
     width, top, ratio, shift = _grid(p, BITS)
     full_top: tl.constexpr = (1 << BITS) - 1.0
     row = page + CODES + (t * H + h) * ROW
@@ -147,7 +149,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0,
         codes = tl.where(keep & oldm, old_codes, codes)
     codes = tl.where(rows_ok, codes, 0.0).to(tl.int64)
     packed = tl.sum(codes << shift.to(tl.int64), 2)  # [ROWS, UC]
-    _store_units(page + CODES + (t2 * H + h) * ROW, u2, packed, u2 * VALS < D, BITS)
+    _store_units(page + CODES + (t2 * H + h) * ROW, u2, packed, (u2 * VALS < D) & units_ok[None, :], BITS)
     if PER_CHANNEL:  # statistics [1, UC, PER]
         tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h, mask=ch_ok)
         tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), zero_h, mask=ch_ok)
@@ -157,13 +159,13 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0,
 
 
 @triton.jit
-def _append_on_grid(src_ptr, src_stride, i, off, page, h, u0, D: tl.constexpr, H: tl.constexpr,
-                    BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr, PER: tl.constexpr, CODES: tl.constexpr,
+def _append_on_grid(src_ptr, src_stride, i, off, page, h, D: tl.constexpr, H: tl.constexpr, BITS: tl.constexpr,
+                    VALS: tl.constexpr, UNITS: tl.constexpr, PER: tl.constexpr, CODES: tl.constexpr,
                     ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr):
     """Decoding's common case under per-channel statistics: token ``i`` goes to block offset ``off``
-    on its channels' stored grids, units ``u0 .. u0 + UC`` only. Returns whether every value fit its
-    grid; if one did not, nothing is written and the caller re-encodes."""
-    u = u0 + tl.arange(0, UC)[:, None]
+    on its channels' stored grids. Writes the storage units whose every value fits its grid and
+    returns, per unit ([UNITS]), 1 where one did not (the caller re-encodes those), else 0."""
+    u = tl.arange(0, UNITS)[:, None]
     p = tl.arange(0, PER)[None, :]
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D)
@@ -171,11 +173,11 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, u0, D: tl.constexpr, H
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
     sz = (h * D + ch) * 2
     q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0) * ratio)
-    fits = tl.min(tl.where(ch_ok, (q >= 0.0) & (q <= top), 1).to(tl.int32))  # 1 if every value fits
-    packed = tl.sum(tl.where(ch_ok, q, 0.0).to(tl.int64) << shift.to(tl.int64), 1)  # [UC]
-    u1 = u0 + tl.arange(0, UC)
-    _store_units(page + CODES + (off * H + h) * ROW, u1, packed, (u1 * VALS < D) & (u1 * 0 + fits == 1), BITS)
-    return fits
+    misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1)  # [UNITS]
+    packed = tl.sum(tl.where(ch_ok, q, 0.0).to(tl.int64) << shift.to(tl.int64), 1)
+    u1 = tl.arange(0, UNITS)
+    _store_units(page + CODES + (off * H + h) * ROW, u1, packed, (u1 * VALS < D) & (misfit == 0), BITS)
+    return misfit
 
 
 @triton.jit
@@ -183,40 +185,51 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
                   SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """Program (token i, head h, chunk of UC units) for one tensor (K or V) of the page."""
+    """Program (token i, head h) for one tensor (K or V) of the page."""
     i = tl.program_id(0)
     h = tl.program_id(1)
-    u0 = tl.program_id(2) * UC
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if slot >= 0:
         blk = slot // BLOCK
         off = slot % BLOCK
         page = cache_ptr + blk * page_bytes
+        all_units = tl.arange(0, UNITS)
         if BITS == 16:  # the model's own values
             d = tl.arange(0, D)
             dst = (page + CODES + (off * H + h) * ROW).to(src_ptr.dtype) + d
             tl.store(dst, tl.load(src_ptr + i * src_stride + h * D + d))
         elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
             nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
-            last = (nxt < 0) | (nxt // BLOCK != blk)
-            done = (off < 0).to(tl.int32)  # 0; 1 once a single appended token fit the stored grids
-            if PER_CHANNEL and CS < 0:
-                prev = tl.load(slot_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
-                if last & (off > 0) & (prev != slot - 1):
-                    done = _append_on_grid(src_ptr, src_stride, i, off, page, h, u0, D, H, BITS, VALS, UC, PER,
-                                           CODES, ROW, SCALE, ZERO)
-            if last & (done == 0):
+            if (nxt < 0) | (nxt // BLOCK != blk):
                 t = tl.arange(0, BLOCK)
-                j = i - (off - t)
-                in_batch = (j >= 0) & (t <= off)
-                is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
-                valid = t <= off
-                _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, u0, H, D, BLOCK, BITS, VALS, UC, PER,
-                             CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
-        elif u0 == 0:  # statistics per token: only its own row changes
+                prev = tl.load(slot_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
+                if (off > 0) & (prev != slot - 1) & (CS < 0):  # (CS < 0 here: statistics per channel)
+                    # one token appended to stored ones: only units where a value left its grid are
+                    # re-encoded, UC at a time (gathered by rank among them)
+                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, D, H, BITS, VALS, UNITS, PER,
+                                             CODES, ROW, SCALE, ZERO)
+                    count = tl.sum(misfit)
+                    rank = tl.cumsum(misfit, 0) - misfit
+                    for first in range(0, count, UC):
+                        want = first + tl.arange(0, UC)
+                        units = tl.sum(tl.where((rank[None, :] == want[:, None]) & (misfit[None, :] == 1),
+                                                all_units[None, :], 0), 1)
+                        _encode_rows(src_ptr, src_stride, t, i + t * 0, t == off, t <= off, page, h, units,
+                                     want < count, H, D, BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS,
+                                     PER_CHANNEL)
+                else:
+                    j = i - (off - t)
+                    in_batch = (j >= 0) & (t <= off)
+                    is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
+                    for first in range(0, UNITS, UC):  # channels are independent where statistics are per channel
+                        units = first + tl.arange(0, UC)
+                        _encode_rows(src_ptr, src_stride, t, j, is_new, t <= off, page, h, units, units < UNITS, H, D,
+                                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
+        else:  # statistics per token: only its own row changes
             one = tl.arange(0, 1)
-            _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, 0, H, D, BLOCK, BITS, VALS,
-                         UNITS, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
+            _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, all_units,
+                         all_units < UNITS, H, D, BLOCK, BITS, VALS, UNITS, PER, CODES, ROW, SCALE, ZERO, CS,
+                         PER_CHANNEL)
 
 
 def _geometry(bits: int, d: int) -> tuple[int, int, int]:
@@ -230,11 +243,11 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
 def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVPageFormat,
                   lay: TensorLayout, per_channel: bool, chunk_channels: int, num_warps: int | None) -> None:
     vals, units, per = _geometry(lay.bits, fmt.k.head_size)
-    # a chunk of channels where statistics are per channel (channels are independent); the whole
-    # row where they are per token or need the ZipCache channel scales
-    chunk = min(units, max(1, chunk_channels // vals)) if per_channel and lay.channel_scale < 0 else units
+    # units re-encoded together where statistics are per channel (channels are independent); the
+    # whole row where they are per token or need the ZipCache channel scales
+    chunk = min(units, triton.next_power_of_2(max(1, chunk_channels // vals))) if per_channel and lay.channel_scale < 0 else units
     n = slot_mapping.shape[0]
-    _write_kernel[(n, fmt.k.num_heads, triton.cdiv(units, chunk))](
+    _write_kernel[(n, fmt.k.num_heads)](
         src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
         H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, BITS=lay.bits, VALS=vals, UNITS=units, PER=per,
         UC=chunk, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale,
