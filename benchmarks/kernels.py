@@ -98,13 +98,13 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
 
 
 def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, chunk_channels: int | None = None,
-                num_warps: int | None = None) -> dict:
+                spread: int | None = None, num_warps: int | None = None) -> dict:
     """One decode step's cache write: each request appends a token to its last page, which holds
     1 to block-1 earlier tokens (spread evenly over the batch, as in a serving batch) from the same
     distribution. The pages are restored before every timed write and the restore's time is
     subtracted, so every write meets the same page state (a token that fits its channels' grids
     writes one row; one that widens a channel re-encodes that chunk of channels)."""
-    from vllm_kvcompress.triton_kernels.write import CHUNK_CHANNELS, write_tokens
+    from vllm_kvcompress.triton_kernels.write import CHUNK_CHANNELS, SPREAD, write_tokens
 
     fmt = _format(bits, hkv, d, block)
     fills = [1 + s * (block - 2) // max(1, num_seqs - 1) for s in range(num_seqs)]
@@ -118,11 +118,28 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     k, v = (torch.randn(num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     chunk = chunk_channels or CHUNK_CHANNELS
     restore = _time_ms(lambda: cache.copy_(saved))
-    ms = _time_ms(lambda: (cache.copy_(saved), write_tokens(cache, fmt, k, v, slots, chunk, num_warps))) - restore
+    ms = _time_ms(lambda: (cache.copy_(saved), write_tokens(cache, fmt, k, v, slots, chunk, spread or SPREAD, num_warps))) - restore
     nbytes = 2 * num_seqs * fmt.page_bytes
     label = (f"write k{bits}v{bits}" + (f" chunk {chunk_channels}" if chunk_channels else "")
-             + (f" warps {num_warps}" if num_warps else ""))
+             + (f" spread {spread}" if spread else "") + (f" warps {num_warps}" if num_warps else ""))
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+
+
+def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int = 128) -> dict:
+    """A prefill chunk's cache write: ``num_blocks`` whole blocks of new tokens (one long prompt's
+    chunk), each block encoded by its last token's programs."""
+    from vllm_kvcompress.triton_kernels.write import write_tokens
+
+    fmt = _format(bits, hkv, d, block)
+    n = num_blocks * block
+    cache = torch.zeros(num_blocks, fmt.page_bytes, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k, v = (torch.randn(n, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.arange(n, device="cuda")
+    ms = _time_ms(lambda: write_tokens(cache, fmt, k, v, slots))
+    nbytes = num_blocks * fmt.page_bytes + 2 * k.numel() * k.element_size()
+    return {"kernel": f"write k{bits}v{bits} prefill {n} tokens", "block": block, "ms": ms, "bytes": nbytes,
+            "GB/s": nbytes / ms / 1e6}
 
 
 def main() -> None:
@@ -134,6 +151,8 @@ def main() -> None:
                     help="also try kernel variants (tile, pipeline stages, warps, programs per SM) at 4/4 and 8/8 bits")
     ap.add_argument("--write-chunks", nargs="*", type=int, default=[], metavar="CHANNELS",
                     help="also time the 4/4 write with these chunks of channels per program")
+    ap.add_argument("--write-spreads", nargs="*", type=int, default=[], metavar="PROGRAMS",
+                    help="also time the 4/4 write with a block's chunks dealt out over these many programs")
     ap.add_argument("--write-warps", nargs="*", type=int, default=[], metavar="WARPS",
                     help="also time the 4/4 write with these warps per program")
     ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
@@ -161,8 +180,11 @@ def main() -> None:
                 rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx, **variant) | {"shape": name})
         for bits in (4, 8, 2):
             rows.append(bench_write(bits, args.batch, hkv, d) | {"shape": name})
+        rows.append(bench_write_prefill(4, 16, hkv, d) | {"shape": name})
         for chunk in args.write_chunks:
             rows.append(bench_write(4, args.batch, hkv, d, chunk_channels=chunk) | {"shape": name})
+        for spread in args.write_spreads:
+            rows.append(bench_write(4, args.batch, hkv, d, spread=spread) | {"shape": name})
         for warps in args.write_warps:
             rows.append(bench_write(4, args.batch, hkv, d, num_warps=warps) | {"shape": name})
         for r in rows:

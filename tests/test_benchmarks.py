@@ -243,3 +243,26 @@ def test_kvmix_small(gqa, tmp_path):
     (summary,) = kvmix.summary(result)
     assert summary["reference"] == rows["reference"]["ppl"] and summary["random_n"] == 1
     assert 0 < (folder / "kvmix.png").stat().st_size < 150_000
+
+
+def test_trace_summary_sums_gpu_kernels_by_name_and_group(tmp_path):
+    """A profiler trace with two kernels of ours, a GEMM, a CPU op and a 20 us gap: the summary sums
+    each kernel's durations, leaves the CPU op out and measures the span across the gap."""
+    import gzip
+
+    from benchmarks import trace_summary
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "_write_kernel", "ts": 0.0, "dur": 10.0},
+        {"ph": "X", "cat": "kernel", "name": "_decode_kernel", "ts": 10.0, "dur": 30.0},
+        {"ph": "X", "cat": "kernel", "name": "_write_kernel", "ts": 60.0, "dur": 15.0},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_192x144", "ts": 75.0, "dur": 25.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 500.0},
+    ]
+    trace = tmp_path / "rank0.pt.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    (kernels,) = [trace_summary._events(t) for t in trace_summary._traces(tmp_path)]
+    s = trace_summary.summarize(kernels)
+    assert s["busy_us"] == 80.0 and s["span_us"] == 100.0
+    assert s["kernels"]["_write_kernel"] == [25.0, 2]
+    assert s["groups"] == {"cache write (ours)": 25.0, "decode attention (ours)": 30.0, "matmul": 25.0}

@@ -35,7 +35,12 @@ from vllm_kvcompress.formats import KVPageFormat
 
 from .layout import TensorLayout, page_layout
 
-CHUNK_CHANNELS = 32  # channels re-encoded together where statistics are per channel
+# where statistics are per channel: channels re-encoded together (the shape of the earlier
+# one-program-per-chunk kernel, 72 registers at 4/4 bits on sm_90 against 146 for 8 channels), and
+# programs a block's chunks are dealt out to (so the program of a token that widened many channels,
+# or of a prefill block, does not run 32 chunks one after the other)
+CHUNK_CHANNELS = 4
+SPREAD = 4
 
 
 @triton.jit
@@ -70,7 +75,7 @@ def _half(byte_ptr, mask, other):
 def _store_units(row, u, packed, mask, BITS: tl.constexpr):
     """Packed storage units ``u`` of a code row: bytes, or 32-bit words for 3 bits."""
     if BITS == 3:
-        tl.store((row + u * 4).to(tl.pointer_type(tl.int32)), packed.to(tl.uint32).to(tl.int32, bitcast=True),
+        tl.store((row + u * 4).to(tl.pointer_type(tl.int32)), packed.to(tl.int32, bitcast=True),
                  mask=mask)
     else:
         tl.store(row + u, packed.to(tl.uint8), mask=mask)
@@ -147,8 +152,8 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     codes = tl.minimum(tl.maximum(_code_on(x, zero_h.to(tl.float32), step), 0.0), top)
     if PER_CHANNEL and CS < 0:
         codes = tl.where(keep & oldm, old_codes, codes)
-    codes = tl.where(rows_ok, codes, 0.0).to(tl.int64)
-    packed = tl.sum(codes << shift.to(tl.int64), 2)  # [ROWS, UC]
+    codes = tl.where(rows_ok, codes, 0.0).to(tl.uint32)
+    packed = tl.sum(codes << shift.to(tl.uint32), 2)  # [ROWS, UC]; disjoint bits, below 2^32
     _store_units(page + CODES + (t2 * H + h) * ROW, u2, packed, (u2 * VALS < D) & units_ok[None, :], BITS)
     if PER_CHANNEL:  # statistics [1, UC, PER]
         tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h, mask=ch_ok)
@@ -159,12 +164,15 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
 
 
 @triton.jit
-def _append_on_grid(src_ptr, src_stride, i, off, page, h, D: tl.constexpr, H: tl.constexpr, BITS: tl.constexpr,
-                    VALS: tl.constexpr, UNITS: tl.constexpr, PER: tl.constexpr, CODES: tl.constexpr,
-                    ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr):
+def _append_on_grid(src_ptr, src_stride, i, off, page, h, share, D: tl.constexpr, H: tl.constexpr, BITS: tl.constexpr,
+                    VALS: tl.constexpr, UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr,
+                    SPREAD: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr,
+                    ZERO: tl.constexpr):
     """Decoding's common case under per-channel statistics: token ``i`` goes to block offset ``off``
-    on its channels' stored grids. Writes the storage units whose every value fits its grid and
-    returns, per unit ([UNITS]), 1 where one did not (the caller re-encodes those), else 0."""
+    on its channels' stored grids, for the units this program's share owns (chunk ``u // UC`` goes
+    to share ``chunk % SPREAD``; a share reads and writes only its own channels, so shares don't
+    race). Writes the owned units whose every value fits its grid and returns, per unit
+    ([UNITS]), 1 where an owned unit's value did not (the caller re-encodes those), else 0."""
     u = tl.arange(0, UNITS)[:, None]
     p = tl.arange(0, PER)[None, :]
     ch = u * VALS + p
@@ -173,10 +181,11 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, D: tl.constexpr, H: tl
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
     sz = (h * D + ch) * 2
     q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0) * ratio)
-    misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1)  # [UNITS]
-    packed = tl.sum(tl.where(ch_ok, q, 0.0).to(tl.int64) << shift.to(tl.int64), 1)
+    owned = (tl.arange(0, UNITS) // UC) % SPREAD == share
+    misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1) * owned  # [UNITS]
+    packed = tl.sum(tl.where(ch_ok & (misfit[:, None] == 0), q, 0.0).to(tl.uint32) << shift.to(tl.uint32), 1)
     u1 = tl.arange(0, UNITS)
-    _store_units(page + CODES + (off * H + h) * ROW, u1, packed, (u1 * VALS < D) & (misfit == 0), BITS)
+    _store_units(page + CODES + (off * H + h) * ROW, u1, packed, (u1 * VALS < D) & owned & (misfit == 0), BITS)
     return misfit
 
 
@@ -184,10 +193,14 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, D: tl.constexpr, H: tl
 def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stride,
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
-                  SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """Program (token i, head h) for one tensor (K or V) of the page."""
+                  SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                  SPREAD: tl.constexpr):
+    """Program (token i, head h, share s) for one tensor (K or V) of the page. Where statistics are
+    per channel, the block's chunks of units are dealt out over the grid's third axis (share s takes
+    every SPREAD-th chunk), so a block's re-encoding runs in that many programs at once."""
     i = tl.program_id(0)
     h = tl.program_id(1)
+    share = tl.program_id(2)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if slot >= 0:
         blk = slot // BLOCK
@@ -204,10 +217,10 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                 t = tl.arange(0, BLOCK)
                 prev = tl.load(slot_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
                 if (off > 0) & (prev != slot - 1) & (CS < 0):  # (CS < 0 here: statistics per channel)
-                    # one token appended to stored ones: only units where a value left its grid are
-                    # re-encoded, UC at a time (gathered by rank among them)
-                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, D, H, BITS, VALS, UNITS, PER,
-                                             CODES, ROW, SCALE, ZERO)
+                    # one token appended to stored ones: only the share's units where a value left
+                    # its grid are re-encoded, UC at a time (gathered by rank among them)
+                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, share, D, H, BITS, VALS, UNITS, PER,
+                                             UC, SPREAD, CODES, ROW, SCALE, ZERO)
                     count = tl.sum(misfit)
                     rank = tl.cumsum(misfit, 0) - misfit
                     for first in range(0, count, UC):
@@ -221,7 +234,7 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                     j = i - (off - t)
                     in_batch = (j >= 0) & (t <= off)
                     is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
-                    for first in range(0, UNITS, UC):  # channels are independent where statistics are per channel
+                    for first in range(share * UC, UNITS, SPREAD * UC):  # channels are independent
                         units = first + tl.arange(0, UC)
                         _encode_rows(src_ptr, src_stride, t, j, is_new, t <= off, page, h, units, units < UNITS, H, D,
                                      BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
@@ -241,29 +254,33 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
 
 
 def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVPageFormat,
-                  lay: TensorLayout, per_channel: bool, chunk_channels: int, num_warps: int | None) -> None:
+                  lay: TensorLayout, per_channel: bool, chunk_channels: int, spread: int, num_warps: int | None) -> None:
     vals, units, per = _geometry(lay.bits, fmt.k.head_size)
-    # units re-encoded together where statistics are per channel (channels are independent); the
-    # whole row where they are per token or need the ZipCache channel scales
-    chunk = min(units, triton.next_power_of_2(max(1, chunk_channels // vals))) if per_channel and lay.channel_scale < 0 else units
+    chunk, share = units, 1  # where statistics are per token or need the ZipCache channel scales: whole rows
+    if per_channel and lay.channel_scale < 0:  # channels are independent: chunks of them, dealt out
+        chunk = min(units, triton.next_power_of_2(max(1, chunk_channels // vals)))
+        share = min(spread, units // chunk)
     n = slot_mapping.shape[0]
-    _write_kernel[(n, fmt.k.num_heads)](
+    _write_kernel[(n, fmt.k.num_heads, share)](
         src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
         H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, BITS=lay.bits, VALS=vals, UNITS=units, PER=per,
         UC=chunk, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale,
-        PER_CHANNEL=per_channel, num_warps=num_warps or (4 if lay.bits != 16 else 1),
+        PER_CHANNEL=per_channel, SPREAD=share, num_warps=num_warps or (4 if lay.bits != 16 else 1),
     )
 
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor, chunk_channels: int = CHUNK_CHANNELS, num_warps: int | None = None) -> None:
+                 slot_mapping: torch.Tensor, chunk_channels: int = CHUNK_CHANNELS, spread: int = SPREAD,
+                 num_warps: int | None = None) -> None:
     """Same contract as ``paged_torch.write_tokens``; key/value [N, H, D] (row-strided views allowed).
-    ``chunk_channels``, ``num_warps``: channels per program where statistics are per channel, and
-    warps per program (for benchmarks)."""
+    Where statistics are per channel: ``chunk_channels`` channels are re-encoded together, and a
+    block's chunks are dealt out over ``spread`` programs; ``num_warps`` per program (the three are
+    for benchmarks)."""
     if slot_mapping.shape[0] == 0:
         return
     lay = page_layout(fmt)
-    _write_tensor(cache, key, slot_mapping, fmt, lay.k, fmt.k.bits != 16 and fmt.k.axis == "channel", chunk_channels, num_warps)
+    k_per_channel = fmt.k.bits != 16 and fmt.k.axis == "channel"
+    _write_tensor(cache, key, slot_mapping, fmt, lay.k, k_per_channel, chunk_channels, spread, num_warps)
     if lay.v is not None:
-        _write_tensor(cache, value, slot_mapping, fmt, lay.v, fmt.v.bits != 16 and fmt.v.axis == "channel",
-                      chunk_channels, num_warps)
+        v_per_channel = fmt.v.bits != 16 and fmt.v.axis == "channel"
+        _write_tensor(cache, value, slot_mapping, fmt, lay.v, v_per_channel, chunk_channels, spread, num_warps)
