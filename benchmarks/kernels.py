@@ -104,7 +104,7 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     distribution. The pages are restored before every timed write and the restore's time is
     subtracted, so every write meets the same page state (a token that fits its channels' grids
     writes one row; one that widens a channel re-encodes that chunk of channels)."""
-    from vllm_kvcompress.triton_kernels.write import CHUNK_CHANNELS, SPREAD, write_tokens
+    from vllm_kvcompress.triton_kernels.write import write_tokens
 
     fmt = _format(bits, hkv, d, block)
     fills = [1 + s * (block - 2) // max(1, num_seqs - 1) for s in range(num_seqs)]
@@ -116,9 +116,10 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     saved = cache.clone()
     slots = torch.tensor([s * block + n for s, n in enumerate(fills)], device="cuda")
     k, v = (torch.randn(num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-    chunk = chunk_channels or CHUNK_CHANNELS
+    tuning = {key: val for key, val in (("chunk_channels", chunk_channels), ("spread", spread), ("num_warps", num_warps))
+              if val}
     restore = _time_ms(lambda: cache.copy_(saved))
-    ms = _time_ms(lambda: (cache.copy_(saved), write_tokens(cache, fmt, k, v, slots, chunk, spread or SPREAD, num_warps))) - restore
+    ms = _time_ms(lambda: (cache.copy_(saved), write_tokens(cache, fmt, k, v, slots, **tuning))) - restore
     nbytes = 2 * num_seqs * fmt.page_bytes
     label = (f"write k{bits}v{bits}" + (f" chunk {chunk_channels}" if chunk_channels else "")
              + (f" spread {spread}" if spread else "") + (f" warps {num_warps}" if num_warps else ""))

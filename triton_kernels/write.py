@@ -164,13 +164,12 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
 
 
 @triton.jit
-def _append_on_grid(src_ptr, src_stride, i, off, page, h, share, D: tl.constexpr, H: tl.constexpr, BITS: tl.constexpr,
-                    VALS: tl.constexpr, UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr,
-                    SPREAD: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr,
-                    ZERO: tl.constexpr):
+def _append_on_grid(src_ptr, src_stride, i, off, page, h, share, shares, D: tl.constexpr, H: tl.constexpr,
+                    BITS: tl.constexpr, VALS: tl.constexpr, UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr,
+                    CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr):
     """Decoding's common case under per-channel statistics: token ``i`` goes to block offset ``off``
     on its channels' stored grids, for the units this program's share owns (chunk ``u // UC`` goes
-    to share ``chunk % SPREAD``; a share reads and writes only its own channels, so shares don't
+    to share ``chunk % shares``; a share reads and writes only its own channels, so shares don't
     race). Writes the owned units whose every value fits its grid and returns, per unit
     ([UNITS]), 1 where an owned unit's value did not (the caller re-encodes those), else 0."""
     u = tl.arange(0, UNITS)[:, None]
@@ -181,7 +180,7 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, share, D: tl.constexpr
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
     sz = (h * D + ch) * 2
     q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0) * ratio)
-    owned = (tl.arange(0, UNITS) // UC) % SPREAD == share
+    owned = (tl.arange(0, UNITS) // UC) % shares == share
     misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1) * owned  # [UNITS]
     packed = tl.sum(tl.where(ch_ok & (misfit[:, None] == 0), q, 0.0).to(tl.uint32) << shift.to(tl.uint32), 1)
     u1 = tl.arange(0, UNITS)
@@ -193,14 +192,15 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, share, D: tl.constexpr
 def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stride,
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
-                  SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                  SPREAD: tl.constexpr):
+                  SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """Program (token i, head h, share s) for one tensor (K or V) of the page. Where statistics are
-    per channel, the block's chunks of units are dealt out over the grid's third axis (share s takes
-    every SPREAD-th chunk), so a block's re-encoding runs in that many programs at once."""
+    per channel, the block's chunks of units are dealt out over the grid's third axis (of ``shares``
+    programs, share s takes every shares-th chunk), so a block's re-encoding runs in that many
+    programs at once."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     share = tl.program_id(2)
+    shares = tl.num_programs(2)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if slot >= 0:
         blk = slot // BLOCK
@@ -219,8 +219,8 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                 if (off > 0) & (prev != slot - 1) & (CS < 0):  # (CS < 0 here: statistics per channel)
                     # one token appended to stored ones: only the share's units where a value left
                     # its grid are re-encoded, UC at a time (gathered by rank among them)
-                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, share, D, H, BITS, VALS, UNITS, PER,
-                                             UC, SPREAD, CODES, ROW, SCALE, ZERO)
+                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, share, shares, D, H, BITS, VALS,
+                                             UNITS, PER, UC, CODES, ROW, SCALE, ZERO)
                     count = tl.sum(misfit)
                     rank = tl.cumsum(misfit, 0) - misfit
                     for first in range(0, count, UC):
@@ -234,7 +234,7 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                     j = i - (off - t)
                     in_batch = (j >= 0) & (t <= off)
                     is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
-                    for first in range(share * UC, UNITS, SPREAD * UC):  # channels are independent
+                    for first in range(share * UC, UNITS, shares * UC):  # channels are independent
                         units = first + tl.arange(0, UC)
                         _encode_rows(src_ptr, src_stride, t, j, is_new, t <= off, page, h, units, units < UNITS, H, D,
                                      BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
@@ -256,16 +256,16 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
 def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVPageFormat,
                   lay: TensorLayout, per_channel: bool, chunk_channels: int, spread: int, num_warps: int | None) -> None:
     vals, units, per = _geometry(lay.bits, fmt.k.head_size)
-    chunk, share = units, 1  # where statistics are per token or need the ZipCache channel scales: whole rows
+    chunk, shares = units, 1  # where statistics are per token or need the ZipCache channel scales: whole rows
     if per_channel and lay.channel_scale < 0:  # channels are independent: chunks of them, dealt out
         chunk = min(units, triton.next_power_of_2(max(1, chunk_channels // vals)))
-        share = min(spread, units // chunk)
+        shares = min(spread, units // chunk)
     n = slot_mapping.shape[0]
-    _write_kernel[(n, fmt.k.num_heads, share)](
+    _write_kernel[(n, fmt.k.num_heads, shares)](
         src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
         H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, BITS=lay.bits, VALS=vals, UNITS=units, PER=per,
         UC=chunk, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale,
-        PER_CHANNEL=per_channel, SPREAD=share, num_warps=num_warps or (4 if lay.bits != 16 else 1),
+        PER_CHANNEL=per_channel, num_warps=num_warps or (4 if lay.bits != 16 else 1),
     )
 
 
@@ -279,8 +279,7 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     if slot_mapping.shape[0] == 0:
         return
     lay = page_layout(fmt)
-    k_per_channel = fmt.k.bits != 16 and fmt.k.axis == "channel"
-    _write_tensor(cache, key, slot_mapping, fmt, lay.k, k_per_channel, chunk_channels, spread, num_warps)
-    if lay.v is not None:
-        v_per_channel = fmt.v.bits != 16 and fmt.v.axis == "channel"
-        _write_tensor(cache, value, slot_mapping, fmt, lay.v, v_per_channel, chunk_channels, spread, num_warps)
+    for src, codec, tensor_lay in ((key, fmt.k, lay.k), (value, fmt.v, lay.v)):
+        if tensor_lay is not None:  # None: K-only pages
+            per_channel = codec.bits != 16 and codec.axis == "channel"
+            _write_tensor(cache, src, slot_mapping, fmt, tensor_lay, per_channel, chunk_channels, spread, num_warps)

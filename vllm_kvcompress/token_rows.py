@@ -21,18 +21,21 @@ class TokenRows:
     seq_lens: torch.Tensor     # [T] int32: context length each token sees, itself included
     block_table: torch.Tensor  # [T, max_blocks] int32: its request's row of the block table
     max_seq_len: int
-    group_rows: torch.Tensor   # [T] int32: tokens from this one on (same request) taken together; 0: taken
+    group_rows: torch.Tensor | None  # [T] int32: tokens from this one on (same request) taken together
+                                     # (0: taken by an earlier one); None: one token per program
 
 
 def token_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                num_tokens: int, max_seq_len: int, rows_per_group: int = 1) -> TokenRows:
     """``query_start_loc`` [R+1], ``seq_lens`` [R] and ``block_table`` [R, max_blocks] on the device;
-    a request's tokens are grouped ``rows_per_group`` at a time from its first."""
+    a request's tokens are grouped ``rows_per_group`` at a time from its first (1: not grouped)."""
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     request = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens,
                                       output_size=num_tokens)
     offset = torch.arange(num_tokens, device=q_lens.device) - query_start_loc[request]
     lens = seq_lens[request] - q_lens[request] + offset + 1
-    group = torch.where(offset % rows_per_group == 0,
-                        torch.clamp(q_lens[request] - offset, max=rows_per_group), 0)
-    return TokenRows(lens.to(torch.int32), block_table[request], max_seq_len, group.to(torch.int32))
+    group = None
+    if rows_per_group > 1:
+        group = torch.where(offset % rows_per_group == 0,
+                            torch.clamp(q_lens[request] - offset, max=rows_per_group), 0).to(torch.int32)
+    return TokenRows(lens.to(torch.int32), block_table[request], max_seq_len, group)
