@@ -8,6 +8,7 @@ now that a token which fits its grids writes one row).
 
     python benchmarks/kernels.py --out results/kernels.json [--sweep] [--scaling] [--write-chunks 8 32]
     ncu ... python benchmarks/kernels.py --profile 4 32 32     # one decode launch per repeat, for a profiler
+    ncu ... python benchmarks/kernels.py --profile-write 4 32  # the decode step's cache write only
 """
 
 from __future__ import annotations
@@ -159,7 +160,13 @@ def main() -> None:
     ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
     ap.add_argument("--profile", nargs=3, type=int, metavar=("BITS", "HQ", "HKV"),
                     help="only launch that decode a few times (for a profiler such as ncu)")
+    ap.add_argument("--profile-write", nargs=2, type=int, metavar=("BITS", "HKV"),
+                    help="only run the decode step's cache write a few times (for a profiler such as ncu)")
     args = ap.parse_args()
+    if args.profile_write:
+        bits, hkv = args.profile_write
+        bench_write(bits, args.batch, hkv, 128)
+        return
     if args.profile:
         from vllm_kvcompress.triton_kernels.decode import paged_decode
         bits, hq, hkv = args.profile

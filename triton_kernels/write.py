@@ -56,7 +56,9 @@ def _grid(p, BITS: tl.constexpr):
         width = BITS + p * 0
         top = (1 << BITS) - 1.0 + p * 0.0
         ratio = 1.0 + p * 0.0
-    return width, top, ratio, p * (3 if BITS == 3 else BITS)
+    # padded positions (11..15 of a 3-bit word) must still shift by less than 32: a wider shift is
+    # undefined on the GPU and poisons the packed word even where the value is masked off
+    return width, top, ratio, (tl.where(p <= 10, p * 3, 0) if BITS == 3 else p * BITS)
 
 
 @triton.jit
@@ -164,15 +166,15 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
 
 
 @triton.jit
-def _append_on_grid(src_ptr, src_stride, i, off, page, h, share, shares, D: tl.constexpr, H: tl.constexpr,
-                    BITS: tl.constexpr, VALS: tl.constexpr, UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr,
-                    CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr):
+def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr, H: tl.constexpr,
+                    BITS: tl.constexpr, VALS: tl.constexpr, PER: tl.constexpr, CODES: tl.constexpr,
+                    ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr):
     """Decoding's common case under per-channel statistics: token ``i`` goes to block offset ``off``
-    on its channels' stored grids, for the units this program's share owns (chunk ``u // UC`` goes
-    to share ``chunk % shares``; a share reads and writes only its own channels, so shares don't
-    race). Writes the owned units whose every value fits its grid and returns, per unit
-    ([UNITS]), 1 where an owned unit's value did not (the caller re-encodes those), else 0."""
-    u = tl.arange(0, UNITS)[:, None]
+    on its channels' stored grids, for storage units ``units`` (the ones this program's share owns;
+    a share reads and writes only its own channels, so shares don't race). Writes the units whose
+    every value fits its grid and returns, per unit, 1 where a value did not (the caller re-encodes
+    those), else 0."""
+    u = units[:, None]
     p = tl.arange(0, PER)[None, :]
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D)
@@ -180,23 +182,22 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, share, shares, D: tl.c
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
     sz = (h * D + ch) * 2
     q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0) * ratio)
-    owned = (tl.arange(0, UNITS) // UC) % shares == share
-    misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1) * owned  # [UNITS]
+    misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1)
     packed = tl.sum(tl.where(ch_ok & (misfit[:, None] == 0), q, 0.0).to(tl.uint32) << shift.to(tl.uint32), 1)
-    u1 = tl.arange(0, UNITS)
-    _store_units(page + CODES + (off * H + h) * ROW, u1, packed, (u1 * VALS < D) & owned & (misfit == 0), BITS)
+    _store_units(page + CODES + (off * H + h) * ROW, units, packed, (units * VALS < D) & (misfit == 0), BITS)
     return misfit
 
 
 @triton.jit
 def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stride,
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
-                  UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
-                  SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+                  UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, OWN: tl.constexpr,
+                  CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr,
+                  PER_CHANNEL: tl.constexpr):
     """Program (token i, head h, share s) for one tensor (K or V) of the page. Where statistics are
-    per channel, the block's chunks of units are dealt out over the grid's third axis (of ``shares``
-    programs, share s takes every shares-th chunk), so a block's re-encoding runs in that many
-    programs at once."""
+    per channel, the block's chunks of UC units are dealt out over the grid's third axis (of
+    ``shares`` programs, share s takes every shares-th chunk, OWN units in all), so a block's
+    re-encoding runs in that many programs at once."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     share = tl.program_id(2)
@@ -219,14 +220,16 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                 if (off > 0) & (prev != slot - 1) & (CS < 0):  # (CS < 0 here: statistics per channel)
                     # one token appended to stored ones: only the share's units where a value left
                     # its grid are re-encoded, UC at a time (gathered by rank among them)
-                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, share, shares, D, H, BITS, VALS,
-                                             UNITS, PER, UC, CODES, ROW, SCALE, ZERO)
+                    k = tl.arange(0, OWN)
+                    own_units = (k // UC) * (shares * UC) + share * UC + k % UC
+                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, own_units, D, H, BITS, VALS, PER,
+                                             CODES, ROW, SCALE, ZERO)
                     count = tl.sum(misfit)
                     rank = tl.cumsum(misfit, 0) - misfit
                     for first in range(0, count, UC):
                         want = first + tl.arange(0, UC)
                         units = tl.sum(tl.where((rank[None, :] == want[:, None]) & (misfit[None, :] == 1),
-                                                all_units[None, :], 0), 1)
+                                                own_units[None, :], 0), 1)
                         _encode_rows(src_ptr, src_stride, t, i + t * 0, t == off, t <= off, page, h, units,
                                      want < count, H, D, BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS,
                                      PER_CHANNEL)
@@ -264,8 +267,11 @@ def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Te
     _write_kernel[(n, fmt.k.num_heads, shares)](
         src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
         H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, BITS=lay.bits, VALS=vals, UNITS=units, PER=per,
-        UC=chunk, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale,
+        UC=chunk, OWN=units // shares, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale,
         PER_CHANNEL=per_channel, num_warps=num_warps or (4 if lay.bits != 16 else 1),
+        # unfused: a*b+c as one FMA rounds once where the reference rounds twice (the narrow 3-bit
+        # slots' steps carry more bits than a float holds next to their codes)
+        enable_fp_fusion=False,
     )
 
 
@@ -276,6 +282,8 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     Where statistics are per channel: ``chunk_channels`` channels are re-encoded together, and a
     block's chunks are dealt out over ``spread`` programs; ``num_warps`` per program (the three are
     for benchmarks)."""
+    if spread < 1 or spread & (spread - 1):
+        raise ValueError(f"spread={spread}: a block's chunks are dealt out over a power of two of programs")
     if slot_mapping.shape[0] == 0:
         return
     lay = page_layout(fmt)
