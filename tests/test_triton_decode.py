@@ -119,3 +119,39 @@ def test_mixed_batch_as_token_rows_equals_reference(bits, grouped, num_splits):
                      num_splits=1, out=out, group_rows=short)
         computed = ~out.float().isnan().any(-1).any(-1).cpu()
         assert computed.tolist() == [i != 2 + 7 for i in range(qsl[-1])]
+
+
+def test_warm_up_compiles_every_variant_a_step_launches():
+    """After ``warm_up``, decode steps of any shape (split or not, grouped prompt rows or not, block
+    tables of another width) compile nothing: vLLM's JIT monitor would log each compile as a
+    latency spike in the middle of serving. The format (5 KV heads, K8/V2, 32-token pages) is used
+    by no other test, so no earlier test compiled its variants. On the CPU (interpreter, nothing is
+    compiled) this checks that warm_up runs and leaves the pages as they were."""
+    import triton
+
+    from vllm_kvcompress.triton_kernels.decode import warm_up
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=8, v_bits=2), dtype, 32, 5, 64)
+    seq_lens = [30, 31, 300]  # rows 0 and 1: one request's prompt tokens
+    cache, table = _fill(fmt, seq_lens, 2, seed=11)
+    table[0] = table[1]
+    cache, table = cache.to(DEVICE), torch.nn.functional.pad(table, (0, 16 - table.shape[1])).to(DEVICE)
+    q = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    compiled = []
+    previous = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    try:
+        before = cache.clone()
+        warm_up(cache, fmt, 10, dtype)
+        assert torch.equal(cache, before)
+        if DEVICE == "cuda":
+            assert compiled.count("_decode_kernel") == 4 and "_merge_splits_kernel" in compiled, compiled
+        compiled.clear()
+        for num_splits in (None, 1, 4):
+            for group_rows in (None, torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)):
+                paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=num_splits,
+                             group_rows=group_rows)
+        assert compiled == []
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous

@@ -82,9 +82,9 @@ def _f32(ptr):
     return tl.load(ptr).to(tl.float32)
 
 
-# Values that change from step to step are not specialized on (divisibility by 16, equality to 1):
-# each specialization would be compiled in the middle of serving.
-@triton.jit(do_not_specialize=["blocks_per_split", "num_splits"])
+# Values that change from step to step, or that ``warm_up`` cannot know, are not specialized on
+# (divisibility by 16, equality to 1): each specialization would be compiled in the middle of serving.
+@triton.jit(do_not_specialize=["bt_stride", "blocks_per_split", "num_splits"])
 def _decode_kernel(
     q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, out_ptr, part_ptr,
     sm_scale, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
@@ -344,3 +344,18 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](part, out, num_splits, HQ=hq, D=d, MAX_SPLITS=MAX_SPLITS)
     return out
+
+
+def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype) -> None:
+    """Compile every decode-kernel variant a serving step may launch for this page format: split
+    or not, grouped prompt rows or not. vLLM's own warm-up (a large prefill, then decode-only CUDA
+    graphs) reaches only some of them, and each compile in the middle of serving (about half a
+    second) stalls every request of that step. Launches one row over page 0; outputs are discarded."""
+    dev = cache.device
+    query = torch.zeros(1, num_query_heads, fmt.k.head_size, dtype=query_dtype, device=dev)
+    block_table = torch.zeros(1, 2, dtype=torch.int32, device=dev)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
+    for num_splits in (1, 2):
+        for group_rows in (None, seq_lens):
+            paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
+                         group_rows=group_rows)

@@ -188,7 +188,8 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr
     return misfit
 
 
-@triton.jit
+# a step's token count is not specialized on (1, multiples of 16): no compile in the middle of serving
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stride,
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, OWN: tl.constexpr,

@@ -174,6 +174,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._max_model_len = vllm_config.model_config.max_model_len
         self._format: KVPageFormat | None = None
         self._decode_kernel = None  # Triton decode on CUDA where the format has one
+        self._warm_up = None  # compiles that kernel's variants, once, outside CUDA-graph capture
         self._write = paged_torch.write_tokens
 
     def _select_kernels(self, fmt: KVPageFormat, layer, device: torch.device) -> None:
@@ -190,8 +191,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return
         from .triton_kernels.layout import kernel_supports
         if kernel_supports(fmt) is None and self.sliding_window is None:  # the decode kernel reads whole contexts
-            from .triton_kernels.decode import paged_decode
+            from .triton_kernels.decode import paged_decode, warm_up
             self._decode_kernel = paged_decode
+            self._warm_up = warm_up
 
     def _page_format(self, layer, kv_cache: torch.Tensor) -> KVPageFormat:
         if self._format is None:
@@ -234,6 +236,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         v_new = value[:t].reshape(t, self.num_kv_heads, self.head_size)
         out = output[:t].view(t, self.num_heads, self.head_size)
         pages = self._pages(kv_cache, fmt)
+        if self._warm_up is not None and not torch.cuda.is_current_stream_capturing():
+            self._warm_up(pages, fmt, self.num_heads, q.dtype)
+            self._warm_up = None
         slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load
         if slim is None and self._decode_kernel is not None and md.token_rows is not None:
             rows = md.token_rows  # a mixed batch: one decode row per query token
