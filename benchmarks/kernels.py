@@ -99,13 +99,17 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
 
 
 def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, chunk_channels: int | None = None,
-                spread: int | None = None, num_warps: int | None = None) -> dict:
+                spread: int | None = None, num_warps: int | None = None, cuda: bool = False) -> dict:
     """One decode step's cache write: each request appends a token to its last page, which holds
     1 to block-1 earlier tokens (spread evenly over the batch, as in a serving batch) from the same
     distribution. The pages are restored before every timed write and the restore's time is
     subtracted, so every write meets the same page state (a token that fits its channels' grids
-    writes one row; one that widens a channel re-encodes that chunk of channels)."""
-    from vllm_kvcompress.triton_kernels.write import write_tokens
+    writes one row; one that widens a channel re-encodes that chunk of channels). ``cuda``: the
+    CUDA kernel (csrc/) instead of the Triton one."""
+    if cuda:
+        from vllm_kvcompress.cuda_write import write_tokens
+    else:
+        from vllm_kvcompress.triton_kernels.write import write_tokens
 
     fmt = _format(bits, hkv, d, block)
     fills = [1 + s * (block - 2) // max(1, num_seqs - 1) for s in range(num_seqs)]
@@ -122,8 +126,9 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     restore = _time_ms(lambda: cache.copy_(saved))
     ms = _time_ms(lambda: (cache.copy_(saved), write_tokens(cache, fmt, k, v, slots, **tuning))) - restore
     nbytes = 2 * num_seqs * fmt.page_bytes
-    label = (f"write k{bits}v{bits}" + (f" chunk {chunk_channels}" if chunk_channels else "")
-             + (f" spread {spread}" if spread else "") + (f" warps {num_warps}" if num_warps else ""))
+    label = (f"write k{bits}v{bits}" + (" CUDA" if cuda else "")
+             + (f" chunk {chunk_channels}" if chunk_channels else "") + (f" spread {spread}" if spread else "")
+             + (f" warps {num_warps}" if num_warps else ""))
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
@@ -157,6 +162,8 @@ def main() -> None:
                     help="also time the 4/4 write with a block's chunks dealt out over these many programs")
     ap.add_argument("--write-warps", nargs="*", type=int, default=[], metavar="WARPS",
                     help="also time the 4/4 write with these warps per program")
+    ap.add_argument("--write-cuda", action="store_true",
+                    help="also time the CUDA write kernel (csrc/; needs nvcc, see docs/gpu.md)")
     ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
     ap.add_argument("--profile", nargs=3, type=int, metavar=("BITS", "HQ", "HKV"),
                     help="only launch that decode a few times (for a profiler such as ncu)")
@@ -189,6 +196,9 @@ def main() -> None:
         for bits in (4, 8, 2):
             rows.append(bench_write(bits, args.batch, hkv, d) | {"shape": name})
         rows.append(bench_write_prefill(4, 16, hkv, d) | {"shape": name})
+        if args.write_cuda:
+            for bits in (4, 8, 2):
+                rows.append(bench_write(bits, args.batch, hkv, d, cuda=True) | {"shape": name})
         for chunk in args.write_chunks:
             rows.append(bench_write(4, args.batch, hkv, d, chunk_channels=chunk) | {"shape": name})
         for spread in args.write_spreads:

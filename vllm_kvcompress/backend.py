@@ -178,10 +178,21 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._write = paged_torch.write_tokens
 
     def _select_kernels(self, fmt: KVPageFormat, layer, device: torch.device) -> None:
-        """Triton kernels on CUDA; KVCOMPRESS_KERNELS=torch keeps the torch reference (for checking)."""
+        """Triton kernels on CUDA; KVCOMPRESS_KERNELS=torch keeps the torch reference (for checking),
+        KVCOMPRESS_WRITE=cuda writes with the CUDA kernel instead of the Triton one."""
+        write = os.environ.get("KVCOMPRESS_WRITE", "triton")
+        if write not in ("triton", "cuda"):
+            raise ValueError(f"KVCOMPRESS_WRITE={write!r}: allowed are 'triton' (default) and 'cuda'")
         if device.type != "cuda" or os.environ.get("KVCOMPRESS_KERNELS") == "torch":
+            if write == "cuda":
+                raise ValueError(f"KVCOMPRESS_WRITE=cuda: the cache is on {device.type}, the CUDA write kernel "
+                                 "needs a CUDA device (and KVCOMPRESS_KERNELS unset)")
             return
-        if fmt.recent is None:  # the write kernel has no 16-bit recent ring yet
+        if write == "cuda":
+            from . import cuda_write
+            cuda_write.require(fmt)
+            self._write = cuda_write.write_tokens
+        elif fmt.recent is None:  # the Triton write kernel has no 16-bit recent ring yet
             from .triton_kernels.write import write_tokens
             self._write = write_tokens
         if fmt.v is None:

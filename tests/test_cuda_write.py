@@ -1,0 +1,88 @@
+"""The CUDA cache-write kernel (csrc/) writes the same bytes as the torch reference. The kernel
+tests need a GPU and nvcc; what the kernel covers, and the startup error where it cannot be used,
+are checked everywhere."""
+
+import pytest
+import torch
+
+from vllm_kvcompress import cuda_write, paged_torch
+from vllm_kvcompress.config import LayerFormat
+from vllm_kvcompress.formats import KVPageFormat
+
+COVERED = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
+           LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"), LayerFormat(k_bits=2, k_only=True)]
+needs_gpu_and_nvcc = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_write.nvcc_available()),
+                                        reason="needs a CUDA GPU and nvcc")
+
+
+def _format(layer_format, dtype=torch.float32, block=16, heads=2, head_size=64):
+    return KVPageFormat.from_layer_format(layer_format, dtype, block, heads, head_size)
+
+
+@pytest.mark.parametrize("layer_format", COVERED, ids=lambda f: f.describe())
+def test_covers_two_four_and_eight_bit_pages(layer_format):
+    assert cuda_write.supports(_format(layer_format)) is None
+
+
+@pytest.mark.parametrize("layer_format,why", [
+    (LayerFormat(k_bits=3, v_bits=4), "K at 3 bits"),
+    (LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True), "ZipCache"),
+    (LayerFormat(k_bits=16, v_bits=4), "K kept at 16 bits"),
+    (LayerFormat(k_bits=4, v_bits=4, rpc_tokens=8, rpc_fraction=0.1), "recent 16-bit window"),
+])
+def test_names_what_it_cannot_write(layer_format, why):
+    fmt = _format(layer_format)
+    assert why in cuda_write.supports(fmt)
+    with pytest.raises(ValueError, match=f"KVCOMPRESS_WRITE=cuda.*{why}"):
+        cuda_write.require(fmt)
+
+
+@pytest.mark.skipif(cuda_write.nvcc_available(), reason="nvcc is installed here")
+def test_without_nvcc_the_request_is_refused_at_startup():
+    with pytest.raises(ValueError, match="KVCOMPRESS_WRITE=cuda.*no nvcc"):
+        cuda_write.require(_format(LayerFormat(k_bits=4, v_bits=4)))
+
+
+@needs_gpu_and_nvcc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layer_format", COVERED, ids=lambda f: f.describe())
+def test_prefill_and_decode_match_reference_bytes(layer_format, dtype):
+    """A prefill batch (a full block, a partial block, one across two blocks, a skipped slot), then
+    decode steps: identical pages after each."""
+    B, H, D = 16, 2, 64
+    fmt = _format(layer_format, dtype, B, H, D)
+    gen = torch.Generator().manual_seed(1)
+    ref = torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)
+    ours = ref.cuda()
+    steps = [torch.cat([torch.arange(3 * B, 4 * B), torch.arange(5 * B, 5 * B + 5), torch.tensor([-1]),
+                        torch.arange(B + 7, 2 * B + 9)])]
+    steps += [torch.tensor([5 * B + 5 + s, 2 * B + 9 + s]) for s in range(8)]
+    for slots in steps:
+        k = (torch.randn(len(slots), H, D, generator=gen) * 2 + 0.5).to(dtype)
+        v = (torch.randn(len(slots), H, D, generator=gen) - 0.3).to(dtype)
+        paged_torch.write_tokens(ref, fmt, k, v, slots)
+        cuda_write.write_tokens(ours, fmt, k.cuda(), v.cuda(), slots.cuda())
+        assert torch.equal(ours.cpu(), ref)
+
+
+@needs_gpu_and_nvcc
+@pytest.mark.parametrize("bits,fills,head_size", [(4, (90, 100), 128), (2, (3, 1), 64), (8, (60, 100), 128)])
+def test_decode_appends_match_reference_bytes(bits, fills, head_size):
+    """Decoding into 128-token blocks, K and V as strided views of one fused tensor: identical
+    pages after each of twenty steps, whether a step keeps every earlier code or re-encodes
+    widened channels."""
+    B, H = 128, 4
+    fmt = _format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, B, H, head_size)
+    gen = torch.Generator().manual_seed(bits)
+    ref = torch.zeros(4, fmt.page_bytes, dtype=torch.uint8)
+    prefill = torch.cat([torch.arange(B, B + fills[0]), torch.arange(3 * B, 3 * B + fills[1])])
+    paged_torch.write_tokens(ref, fmt, torch.randn(len(prefill), H, head_size, generator=gen).bfloat16(),
+                             torch.randn(len(prefill), H, head_size, generator=gen).bfloat16(), prefill)
+    ours = ref.cuda()
+    for step in range(20):
+        slots = torch.tensor([B + fills[0] + step, 3 * B + fills[1] + step])
+        fused = torch.randn(2, 3 * H, head_size, generator=gen).bfloat16()  # q, k, v of a fused projection
+        paged_torch.write_tokens(ref, fmt, fused[:, H:2 * H], fused[:, 2 * H:], slots)
+        fused = fused.cuda()
+        cuda_write.write_tokens(ours, fmt, fused[:, H:2 * H], fused[:, 2 * H:], slots.cuda())
+        assert torch.equal(ours.cpu(), ref), f"step {step}"
