@@ -46,23 +46,25 @@ def test_without_nvcc_the_request_is_refused_at_startup():
 @needs_gpu_and_nvcc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layer_format", COVERED, ids=lambda f: f.describe())
-def test_prefill_and_decode_match_reference_bytes(layer_format, dtype):
+def test_prefill_and_decode_match_reference(layer_format, dtype):
     """A prefill batch (a full block, a partial block, one across two blocks, a skipped slot), then
-    decode steps: identical pages after each."""
+    decode steps: the pages hold the reference's values after each. Values, not bytes: for rows past
+    a block's last token, which nothing reads, the reference also writes per-token statistics."""
     B, H, D = 16, 2, 64
     fmt = _format(layer_format, dtype, B, H, D)
     gen = torch.Generator().manual_seed(1)
     ref = torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)
     ours = ref.cuda()
     steps = [torch.cat([torch.arange(3 * B, 4 * B), torch.arange(5 * B, 5 * B + 5), torch.tensor([-1]),
-                        torch.arange(B + 7, 2 * B + 9)])]
-    steps += [torch.tensor([5 * B + 5 + s, 2 * B + 9 + s]) for s in range(8)]
+                        torch.arange(B, 2 * B + 9)])]
+    steps += [torch.tensor([5 * B + 5 + s, 2 * B + 9 + s]) for s in range(6)]
     for slots in steps:
         k = (torch.randn(len(slots), H, D, generator=gen) * 2 + 0.5).to(dtype)
         v = (torch.randn(len(slots), H, D, generator=gen) - 0.3).to(dtype)
         paged_torch.write_tokens(ref, fmt, k, v, slots)
         cuda_write.write_tokens(ours, fmt, k.cuda(), v.cuda(), slots.cuda())
-        assert torch.equal(ours.cpu(), ref)
+        for got, want in zip(fmt.decode(ours.cpu()), fmt.decode(ref)):
+            assert (got is None and want is None) or torch.equal(got, want)
 
 
 @needs_gpu_and_nvcc
