@@ -23,15 +23,15 @@ from .layout import page_layout
 
 
 @triton.jit
-def _gathered_codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr):
+def _gathered_codes(row_ptr, D: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Codes [T, D] of 8- or 3-bit rows as float16 (see ``_as_fp16``), one load per channel."""
     d = tl.arange(0, D)[None, :]
     if BITS == 8:
-        c = tl.load(row_ptr + d)
+        c, _, _, _ = _unpacked_planes(tl.load(row_ptr + d), 8, ASM)
+        return c
     else:  # 3 bits: ten 3-bit codes + one 2-bit code per little-endian 32-bit word
         w = tl.load((row_ptr + (d // 11) * 4).to(tl.pointer_type(tl.int32)))
-        c = (w >> ((d % 11) * 3)) & tl.where(d % 11 == 10, 3, 7)
-    return _as_fp16(c)
+        return _as_fp16((w >> ((d % 11) * 3)) & tl.where(d % 11 == 10, 3, 7))
 
 
 @triton.jit
@@ -42,17 +42,62 @@ def _as_fp16(codes):
     return ((codes.to(tl.int32) | 0x6400).to(tl.int16)).to(tl.float16, bitcast=True)
 
 
-@triton.jit
-def _plane(packed, K: tl.constexpr, BITS: tl.constexpr):
-    """Field K of each byte: the codes of channels byte * (8 // BITS) + K."""
-    return _as_fp16((packed >> (K * BITS)) & ((1 << BITS) - 1))
+def _unpack_asm(bits: int) -> str:
+    """PTX for ``_unpacked_planes`` on the GPU, four packed bytes ($IN) at a time. Two PRMTs spread
+    bytes 0, 1 and 2, 3 into the low bytes of 16-bit halves; then one LOP3 per plane and pair of
+    codes computes ``(halves & field mask) | 0x64006400``: two float16 values at once. An 8-bit code
+    is a whole byte, so the PRMTs put 0x64 above it directly."""
+    if bits == 8:
+        return "{ prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342; }"
+    planes = 8 // bits
+    body = [f"prmt.b32 lo, ${2 * planes}, 0, 0x4140; prmt.b32 hi, ${2 * planes}, 0, 0x4342;"]
+    for k in range(planes):
+        field = ((1 << bits) - 1) << (k * bits)
+        mask = f"0x{field | field << 16:08X}"
+        body.append(f"lop3.b32 ${2 * k}, lo, {mask}, 0x64006400, 0xEA; "
+                    f"lop3.b32 ${2 * k + 1}, hi, {mask}, 0x64006400, 0xEA;")
+    return "{ .reg .b32 lo, hi; " + " ".join(body) + " }"
+
+
+_UNPACK_2 = tl.constexpr(_unpack_asm(2))
+_UNPACK_4 = tl.constexpr(_unpack_asm(4))
+_UNPACK_8 = tl.constexpr(_unpack_asm(8))
 
 
 @triton.jit
-def _accumulate_plane(acc, alpha, ps, pz, packed, K: tl.constexpr, BITS: tl.constexpr, channel_scale):
-    """Rescaled running output of plane K plus this tile's share: (p*s) . codes + p . zero, times
-    the ZipCache channel scale (1.0 without)."""
-    return acc * alpha + (tl.dot(ps, _plane(packed, K, BITS)) + pz) * channel_scale
+def _unpacked_planes(packed, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Planes k < 8 // BITS of packed bytes (planes past that repeat plane 0), as float16
+    ``1024 + 2**(k * BITS) * code``: each field is masked where it lies, not shifted down, so a
+    plane costs one AND and one OR per code, and with ASM (PTX, on the GPU) one LOP3 per two codes.
+    Callers divide plane k's share by ``2**(k * BITS)``."""
+    if ASM:
+        if BITS == 8:
+            c = tl.inline_asm_elementwise(_UNPACK_8, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+            return c, c, c, c
+        elif BITS == 4:
+            c0, c1 = tl.inline_asm_elementwise(_UNPACK_4, "=r,=r,=r,=r,r", [packed],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            return c0, c1, c0, c0
+        else:
+            return tl.inline_asm_elementwise(_UNPACK_2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+                                             dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                             is_pure=True, pack=4)
+    elif BITS == 8:
+        c = _as_fp16(packed)
+        return c, c, c, c
+    elif BITS == 4:
+        c0 = _as_fp16(packed & 0x0F)
+        return c0, _as_fp16(packed & 0xF0), c0, c0
+    else:
+        return _as_fp16(packed & 0x03), _as_fp16(packed & 0x0C), _as_fp16(packed & 0x30), _as_fp16(packed & 0xC0)
+
+
+@triton.jit
+def _accumulate_plane(acc, alpha, ps, pm, pz, codes, K: tl.constexpr, BITS: tl.constexpr, channel_scale):
+    """Rescaled running output of plane K plus this tile's share, ``(p*s) . codes + p . zero``
+    times the ZipCache channel scale (1.0 without). ``codes`` are ``1024 + 2**(K*BITS) * code``
+    (see ``_unpacked_planes``); ``pm`` is 1024 times the sum of ``p*s``."""
+    return acc * alpha + ((tl.dot(ps, codes) - pm) * (1.0 / (1 << (K * BITS))) + pz) * channel_scale
 
 
 @triton.jit
@@ -93,7 +138,7 @@ def _decode_kernel(
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
-    V_ZERO: tl.constexpr, V_CS: tl.constexpr,
+    V_ZERO: tl.constexpr, V_CS: tl.constexpr, ASM: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one
     token of a prefill chunk) for KV head h. GROUPED, it takes ``group_rows[row]`` rows of the same
@@ -141,9 +186,16 @@ def _decode_kernel(
     dv = tl.arange(0, DV)[None, :]
     d = tl.arange(0, D)[None, :]
     q = tl.load(q_row + d, mask=gmask, other=0.0)
-    qf = q.to(tl.float32)
+    # logits in base-2 units: the softmax scale and log2(e) are folded into the query, so that
+    # neither costs a multiply per position
+    q_scale = sm_scale * 1.4426950408889634
+    qf = q.to(tl.float32) * q_scale
     if K_BITS == 3:
-        qf = qf * tl.where(d % 11 == 10, 7.0 / 3.0, 1.0)  # the 2-bit 11th code of each word
+        qc = qf * tl.where(d % 11 == 10, 7.0 / 3.0, 1.0)  # the 2-bit 11th code of each word
+    elif KP > 1:
+        qc = qf / (1 << (K_BITS * (d % KP))).to(tl.float32)  # plane k's codes come scaled by 2**(k*bits)
+    else:
+        qc = qf
     stat = tl.arange(0, 2)[:, None]  # row 0: scale, row 1: zero
 
     m = tl.full([GP], float("-inf"), tl.float32)
@@ -163,31 +215,31 @@ def _decode_kernel(
             valid = ((t // TPP) * BLOCK + tok)[None, :] < L_row[:, None]
         k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
         if K_BITS == 16:
-            s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d)))
+            s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d))) * q_scale
         else:
             # scale and zero of every channel in one contiguous load, wide enough to be pipelined
             kstat = tl.load(half + h * D + K_SCALE // 2 + stat * ((K_ZERO - K_SCALE) // 2) + d).to(tl.float32)
             ks, kz = _rows(kstat)
-            qs = (qf * ks[None, :]).to(tl.float16)
-            bias = tl.sum(q.to(tl.float32) * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
+            qs = (qc * ks[None, :]).to(tl.float16)
+            bias = tl.sum(qf * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
             if KP == 1:  # 8 bits, or 3 bits gathered
-                s = tl.dot(qs, tl.trans(_gathered_codes(k_row, D, K_BITS)))
+                s = tl.dot(qs, tl.trans(_gathered_codes(k_row, D, K_BITS, ASM)))
             else:
-                kb = tl.load(k_row + tl.arange(0, D // KP)[None, :])
+                k0, k1, k2, k3 = _unpacked_planes(tl.load(k_row + tl.arange(0, D // KP)[None, :]), K_BITS, ASM)
                 qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
-                s = tl.dot(qs0, tl.trans(_plane(kb, 0, K_BITS)))
-                s += tl.dot(qs1, tl.trans(_plane(kb, 1, K_BITS)))
+                s = tl.dot(qs0, tl.trans(k0))
+                s += tl.dot(qs1, tl.trans(k1))
                 if KP > 2:
-                    s += tl.dot(qs2, tl.trans(_plane(kb, 2, K_BITS)))
-                    s += tl.dot(qs3, tl.trans(_plane(kb, 3, K_BITS)))
+                    s += tl.dot(qs2, tl.trans(k2))
+                    s += tl.dot(qs3, tl.trans(k3))
             s += bias[:, None]
-        s = tl.where(valid, s * sm_scale, float("-inf"))
+        s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_ref = m_new
         if GROUPED:  # a row with no valid position yet (a shorter row of a chunk, in a later split)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_ref)[:, None]
-        p = tl.exp(s - m_ref[:, None])
+        alpha = tl.exp2(m - m_ref)[:, None]
+        p = tl.exp2(s - m_ref[:, None])
         l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
         m = m_new
         v_row = page + V_CODES + (tok[:, None] * H + h) * V_ROW
@@ -204,18 +256,17 @@ def _decode_kernel(
             else:
                 c0, c1, c2, c3 = 1.0, 1.0, 1.0, 1.0
             if VP == 1:  # 8 bits, or 3 bits gathered
-                pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS)) - pm
+                pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS, ASM)) - pm
                 if V_BITS == 3:
                     pv = pv * tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0)
                 acc0 = acc0 * alpha + (pv + pz) * c0
             else:
-                vb = tl.load(v_row + dv)
-                pz -= pm
-                acc0 = _accumulate_plane(acc0, alpha, ps, pz, vb, 0, V_BITS, c0)
-                acc1 = _accumulate_plane(acc1, alpha, ps, pz, vb, 1, V_BITS, c1)
+                v0, v1, v2, v3 = _unpacked_planes(tl.load(v_row + dv), V_BITS, ASM)
+                acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, v0, 0, V_BITS, c0)
+                acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1, V_BITS, c1)
                 if VP > 2:
-                    acc2 = _accumulate_plane(acc2, alpha, ps, pz, vb, 2, V_BITS, c2)
-                    acc3 = _accumulate_plane(acc3, alpha, ps, pz, vb, 3, V_BITS, c3)
+                    acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 2, V_BITS, c2)
+                    acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 3, V_BITS, c3)
 
     if not SPLIT:
         dst = out_ptr + q_index[:, None] * D + dv * VP
@@ -251,7 +302,7 @@ def _merge_splits_kernel(part_ptr, out_ptr, num_splits, HQ: tl.constexpr, D: tl.
     m = tl.load(base + D, mask=used, other=float("-inf"))
     l = tl.load(base + D + 1, mask=used, other=0.0)
     acc = tl.load(base[:, None] + d[None, :], mask=used[:, None], other=0.0)
-    w = tl.exp(m - tl.max(m, 0))
+    w = tl.exp2(m - tl.max(m, 0))  # maxima in base-2 units
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
 
@@ -282,9 +333,11 @@ def rows_per_program(group: int) -> int:
     return max(1, _padded_rows(group) // group)
 
 
-def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int, grouped: bool) -> dict:
-    """The decode kernel's compile-time constants for a page format, query heads per KV head, and
-    whether programs take groups of query tokens."""
+def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int, grouped: bool,
+                     asm_unpack: bool) -> dict:
+    """The decode kernel's compile-time constants for a page format, query heads per KV head,
+    whether programs take groups of query tokens, and whether codes are unpacked with PTX (on an
+    NVIDIA GPU; Triton's interpreter runs no PTX)."""
     lay = page_layout(fmt)
     return dict(
         H=lay.num_kv_heads, G=group, GP=_padded_rows(group), D=lay.head_size,
@@ -292,7 +345,7 @@ def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int, 
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
-        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale,
+        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale, ASM=asm_unpack,
     )
 
 
@@ -338,7 +391,8 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         query, cache, cache.view(torch.float16), block_table, seq_lens,
         seq_lens if group_rows is None else group_rows, out, part,
         sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split, num_splits,
-        **kernel_constants(fmt, hq // h, num_splits, tile or tuning["tile"], group_rows is not None),
+        **kernel_constants(fmt, hq // h, num_splits, tile or tuning["tile"], group_rows is not None,
+                           query.is_cuda and torch.version.hip is None),
         num_warps=num_warps, num_stages=num_stages or tuning["num_stages"],
     )
     if num_splits > 1:
