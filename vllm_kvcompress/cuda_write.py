@@ -4,8 +4,8 @@
 Same contract and bytes as ``paged_torch.write_tokens``. It covers 2-, 4- and 8-bit K and V with
 statistics per channel (append rule) or per token; ``supports`` says why not for the rest (3 bits,
 ZipCache channel scales, 16-bit tensors, the KVmix recent window), which the Triton kernel writes.
-The backend uses it only when asked (``KVCOMPRESS_WRITE=cuda``) until it has been timed against
-the Triton kernel on a GPU (``docs/gpu.md``).
+The backend uses it only when asked (``KVCOMPRESS_WRITE=cuda``): on an H200 it is slower than the
+Triton kernel (``docs/gpu.md``).
 """
 
 from __future__ import annotations
