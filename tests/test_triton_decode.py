@@ -155,3 +155,50 @@ def test_warm_up_compiles_every_variant_a_step_launches():
         assert compiled == []
     finally:
         triton.knobs.runtime.jit_post_compile_hook = previous
+
+
+def _run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
+    """Emulates the two PTX instructions of the decode kernel's unpacking (prmt.b32 in its default
+    mode, lop3.b32) on 32-bit registers; ``$N`` operands come from ``inputs`` or are outputs."""
+    import re
+    regs = dict(inputs)
+
+    def val(x):
+        return int(x, 16) if x.startswith("0x") else int(x) if x.isdigit() else regs[x]
+
+    for ins in (i.strip() for i in asm.strip("{} ").split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "prmt.b32":
+            a, b, sel = (val(x) for x in src)
+            pool = (b << 32) | a  # bytes 0-3 from a, 4-7 from b
+            regs[d] = sum(((pool >> (8 * ((sel >> 4 * i) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "lop3.b32":
+            a, b, c, lut = (val(x) for x in src)
+            regs[d] = sum(((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i
+                          for i in range(32))
+        else:
+            raise AssertionError(f"unexpected instruction {ins!r}")
+    assert all(re.fullmatch(r"\$\d+|lo|hi", r) for r in regs)
+    return regs
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_ptx_unpacking_equals_masked_fields(bits):
+    """The PTX the GPU runs gives, for each of four packed bytes and each plane k, the float16 bits
+    ``0x6400 | (byte & field k)``: 1024 + 2**(k*bits) * code, what the plain path computes. Element i
+    of the four lands in half i % 2 of register i // 2 of its plane."""
+    from vllm_kvcompress.triton_kernels.decode import _unpack_asm
+    planes = 1 if bits == 8 else 8 // bits
+    gen = torch.Generator().manual_seed(bits)
+    words = torch.randint(0, 2**32, (64,), generator=gen, dtype=torch.int64).tolist() + [0, 0xFFFFFFFF]
+    for word in words:
+        out = _run_ptx(_unpack_asm(bits), {f"${2 * planes}": word})
+        packed = [(word >> 8 * i) & 0xFF for i in range(4)]
+        for k in range(planes):
+            field = ((1 << bits) - 1) << (k * bits)
+            halves = [0x6400 | (b & field) for b in packed]
+            assert out[f"${2 * k}"] == halves[0] | halves[1] << 16
+            assert out[f"${2 * k + 1}"] == halves[2] | halves[3] << 16
