@@ -93,11 +93,12 @@ def _unpacked_planes(packed, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _accumulate_plane(acc, alpha, ps, pm, pz, codes, K: tl.constexpr, BITS: tl.constexpr, channel_scale):
-    """Rescaled running output of plane K plus this tile's share, ``(p*s) . codes + p . zero``
-    times the ZipCache channel scale (1.0 without). ``codes`` are ``1024 + 2**(K*BITS) * code``
-    (see ``_unpacked_planes``); ``pm`` is 1024 times the sum of ``p*s``."""
-    return acc * alpha + ((tl.dot(ps, codes) - pm) * (1.0 / (1 << (K * BITS))) + pz) * channel_scale
+def _accumulate_plane(acc, alpha, ps, pm, pz, codes, unit, channel_scale):
+    """Rescaled running output of a plane plus this tile's share, ``(p*s) . codes + p . zero``
+    times the ZipCache channel scale (1.0 without). ``codes`` are ``1024 + code / unit`` (see
+    ``_unpacked_planes``: ``unit`` is ``2**-(k*bits)`` for plane k; per channel for 3 bits, whose
+    narrow slots' codes count 7/3 as much); ``pm`` is 1024 times the sum of ``p*s``."""
+    return acc * alpha + ((tl.dot(ps, codes) - pm) * unit + pz) * channel_scale
 
 
 @triton.jit
@@ -256,17 +257,15 @@ def _decode_kernel(
             else:
                 c0, c1, c2, c3 = 1.0, 1.0, 1.0, 1.0
             if VP == 1:  # 8 bits, or 3 bits gathered
-                pv = tl.dot(ps, _gathered_codes(v_row, D, V_BITS, ASM)) - pm
-                if V_BITS == 3:
-                    pv = pv * tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0)
-                acc0 = acc0 * alpha + (pv + pz) * c0
+                unit = tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0) if V_BITS == 3 else 1.0
+                acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, _gathered_codes(v_row, D, V_BITS, ASM), unit, c0)
             else:
                 v0, v1, v2, v3 = _unpacked_planes(tl.load(v_row + dv), V_BITS, ASM)
-                acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, v0, 0, V_BITS, c0)
-                acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1, V_BITS, c1)
+                acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, v0, 1.0, c0)
+                acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1.0 / (1 << V_BITS), c1)
                 if VP > 2:
-                    acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 2, V_BITS, c2)
-                    acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 3, V_BITS, c3)
+                    acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_BITS), c2)
+                    acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_BITS), c3)
 
     if not SPLIT:
         dst = out_ptr + q_index[:, None] * D + dv * VP
