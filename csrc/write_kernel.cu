@@ -36,6 +36,25 @@ __device__ __forceinline__ float code_on(float x, float zero, float step) {
   return floorf(__fadd_rn(__fdiv_rn(__fsub_rn(x, zero), step), 0.5f));
 }
 
+// The code of x on that grid, clamped to 0..top.
+__device__ __forceinline__ uint8_t clamped_code(float x, float zero, float step, float top) {
+  return uint8_t(fminf(fmaxf(code_on(x, zero, step), 0.f), top));
+}
+
+// (zero, scale) of values spanning lo..hi, both rounded through float16 as stored.
+__device__ __forceinline__ float2 min_max_stats(float lo, float hi, float top) {
+  const float zero = through_half(lo);
+  return make_float2(zero, through_half(fmaxf(__fdiv_rn(__fsub_rn(hi, zero), top), kEps)));
+}
+
+// One storage byte: 8 / BITS consecutive channels' codes, the first in the lowest bits.
+template <int BITS>
+__device__ __forceinline__ uint8_t pack_byte(const uint8_t* codes) {
+  unsigned byte = 0;
+  for (int p = 0; p < 8 / BITS; ++p) byte |= unsigned(codes[p]) << (p * BITS);
+  return uint8_t(byte);
+}
+
 // Block-wide min and max of one value per thread (blockDim.x a multiple of 32, at most 1024).
 __device__ float2 block_min_max(float lo, float hi, float2* scratch) {
   for (int o = 16; o > 0; o >>= 1) {
@@ -65,18 +84,13 @@ __device__ void write_row_per_token(const T* x_row, uint8_t* page, int h, int of
   const bool on = c < D;
   const float x = on ? to_float(x_row[c]) : 0.f;
   const float2 mm = block_min_max(on ? x : INFINITY, on ? x : -INFINITY, scratch);
-  const float zero = through_half(mm.x);
-  const float scale = through_half(fmaxf(__fdiv_rn(__fsub_rn(mm.y, zero), top), kEps));
-  if (on) codes[c] = uint8_t(fminf(fmaxf(code_on(x, zero, scale), 0.f), top));
+  const float2 stats = min_max_stats(mm.x, mm.y, top);  // (zero, scale)
+  if (on) codes[c] = clamped_code(x, stats.x, stats.y, top);
   __syncthreads();
-  if (c < t.row_bytes) {
-    unsigned byte = 0;
-    for (int p = 0; p < vals; ++p) byte |= unsigned(codes[c * vals + p]) << (p * BITS);
-    page[t.codes + (off * H + h) * t.row_bytes + c] = uint8_t(byte);
-  }
+  if (c < t.row_bytes) page[t.codes + (off * H + h) * t.row_bytes + c] = pack_byte<BITS>(codes + c * vals);
   if (c == 0) {
-    store_half(page + t.scale + (h * BLOCK + off) * 2, scale);
-    store_half(page + t.zero + (h * BLOCK + off) * 2, zero);
+    store_half(page + t.scale + (h * BLOCK + off) * 2, stats.y);
+    store_half(page + t.zero + (h * BLOCK + off) * 2, stats.x);
   }
 }
 
@@ -102,10 +116,15 @@ __device__ void write_block_per_channel(const T* src, int64_t src_stride, const 
   for (int r = 0; r <= off; ++r) has_old |= !is_new[r];
   const float zero_old = on ? load_half(page + t.zero + (h * D + c) * 2) : 0.f;
   const float scale_old = on ? load_half(page + t.scale + (h * D + c) * 2) : 1.f;
+  // row r's value of this thread's channel: the new token's, or decoded from its stored code
+  auto new_value = [&](int r) { return to_float(src[(i - (off - r)) * src_stride + h * D + c]); };
+  auto value = [&](int r) {
+    return is_new[r] ? new_value(r) : __fadd_rn(__fmul_rn(float(codes[r * D + c]), scale_old), zero_old);
+  };
   bool fits = has_old;
   for (int r = 0; r <= off && on; ++r) {
     if (!is_new[r]) continue;
-    const float q = code_on(to_float(src[(i - (off - r)) * src_stride + h * D + c]), zero_old, scale_old);
+    const float q = code_on(new_value(r), zero_old, scale_old);
     fits = fits && q >= 0.f && q <= top;
   }
   const bool keep = fits || !on;
@@ -118,40 +137,30 @@ __device__ void write_block_per_channel(const T* src, int64_t src_stride, const 
     for (int r = 0; r <= off; ++r)
       if (!is_new[r]) codes[r * D + c] = (rows[r * row_stride + c / vals] >> ((c % vals) * BITS)) & mask;
   }
-  float zero = zero_old, scale = scale_old;
-  if (!keep) {  // statistics over all rows, then codes on the new grid
+  float2 stats = make_float2(zero_old, scale_old);  // (zero, scale)
+  if (!keep) {  // statistics over all rows, then codes on the new grid (values recomputed, not kept:
+                // a block of them would not fit in shared memory next to the codes)
     float lo = INFINITY, hi = -INFINITY;
     for (int r = 0; r <= off; ++r) {
-      const float x = is_new[r] ? to_float(src[(i - (off - r)) * src_stride + h * D + c])
-                                : __fadd_rn(__fmul_rn(float(codes[r * D + c]), scale_old), zero_old);
+      const float x = value(r);
       lo = fminf(lo, x);
       hi = fmaxf(hi, x);
     }
-    zero = through_half(lo);
-    scale = through_half(fmaxf(__fdiv_rn(__fsub_rn(hi, zero), top), kEps));
-    for (int r = 0; r <= off; ++r) {
-      const float x = is_new[r] ? to_float(src[(i - (off - r)) * src_stride + h * D + c])
-                                : __fadd_rn(__fmul_rn(float(codes[r * D + c]), scale_old), zero_old);
-      codes[r * D + c] = uint8_t(fminf(fmaxf(code_on(x, zero, scale), 0.f), top));
-    }
+    stats = min_max_stats(lo, hi, top);
+    for (int r = 0; r <= off; ++r) codes[r * D + c] = clamped_code(value(r), stats.x, stats.y, top);
   } else if (on) {  // kept: only new rows get codes, on the stored grid
     for (int r = 0; r <= off; ++r)
-      if (is_new[r])
-        codes[r * D + c] = uint8_t(fminf(fmaxf(code_on(to_float(src[(i - (off - r)) * src_stride + h * D + c]),
-                                                       zero, scale), 0.f), top));
+      if (is_new[r]) codes[r * D + c] = clamped_code(new_value(r), stats.x, stats.y, top);
   }
   __syncthreads();
   uint8_t* out_rows = page + t.codes + h * t.row_bytes;
   for (int k = c; k < (off + 1) * t.row_bytes; k += blockDim.x) {
     const int r = k / t.row_bytes, b = k % t.row_bytes;
-    if (!all_rows && !is_new[r]) continue;
-    unsigned byte = 0;
-    for (int p = 0; p < vals; ++p) byte |= unsigned(codes[r * D + b * vals + p]) << (p * BITS);
-    out_rows[r * row_stride + b] = uint8_t(byte);
+    if (all_rows || is_new[r]) out_rows[r * row_stride + b] = pack_byte<BITS>(codes + r * D + b * vals);
   }
   if (on && !keep) {
-    store_half(page + t.scale + (h * D + c) * 2, scale);
-    store_half(page + t.zero + (h * D + c) * 2, zero);
+    store_half(page + t.scale + (h * D + c) * 2, stats.y);
+    store_half(page + t.zero + (h * D + c) * 2, stats.x);
   }
 }
 
