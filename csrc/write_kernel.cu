@@ -74,7 +74,8 @@ struct Tensor {
   int codes, row_bytes, scale, zero;  // byte offsets in a page, bytes of one (token, head) row
 };
 
-// Statistics per token: the token's own row only.
+// Statistics per token: the token's own row only. Its codes are stored unit-major, [H, row bytes, BLOCK]
+// (MinMaxCodec), so a byte of consecutive tokens lies together.
 template <typename T, int BITS>
 __device__ void write_row_per_token(const T* x_row, uint8_t* page, int h, int off, int H, int D, int BLOCK,
                                     Tensor t, uint8_t* codes, float2* scratch) {
@@ -87,7 +88,7 @@ __device__ void write_row_per_token(const T* x_row, uint8_t* page, int h, int of
   const float2 stats = min_max_stats(mm.x, mm.y, top);  // (zero, scale)
   if (on) codes[c] = clamped_code(x, stats.x, stats.y, top);
   __syncthreads();
-  if (c < t.row_bytes) page[t.codes + (off * H + h) * t.row_bytes + c] = pack_byte<BITS>(codes + c * vals);
+  if (c < t.row_bytes) page[t.codes + (h * t.row_bytes + c) * BLOCK + off] = pack_byte<BITS>(codes + c * vals);
   if (c == 0) {
     store_half(page + t.scale + (h * BLOCK + off) * 2, stats.y);
     store_half(page + t.zero + (h * BLOCK + off) * 2, stats.x);

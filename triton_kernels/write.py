@@ -74,13 +74,34 @@ def _half(byte_ptr, mask, other):
 
 
 @triton.jit
-def _store_units(row, u, packed, mask, BITS: tl.constexpr):
-    """Packed storage units ``u`` of a code row: bytes, or 32-bit words for 3 bits."""
-    if BITS == 3:
-        tl.store((row + u * 4).to(tl.pointer_type(tl.int32)), packed.to(tl.int32, bitcast=True),
-                 mask=mask)
+def _unit_ptr(page, CODES: tl.constexpr, t, h, u, H: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+              BITS: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
+    """Address of storage unit ``u`` (a byte, or a 32-bit word for 3 bits) of token ``t``'s code row
+    of head ``h``: rows ``[B, H, units]``, or unit-major ``[H, units, B]`` where statistics are per
+    token (``MinMaxCodec``)."""
+    UB: tl.constexpr = 4 if BITS == 3 else 1
+    if TOKEN_MAJOR:
+        return page + CODES + ((h * (ROW // UB) + u) * BLOCK + t) * UB
     else:
-        tl.store(row + u, packed.to(tl.uint8), mask=mask)
+        return page + CODES + (t * H + h) * ROW + u * UB
+
+
+@triton.jit
+def _load_units(ptr, mask, BITS: tl.constexpr):
+    """Storage units at ``ptr`` (``_unit_ptr``) as int32."""
+    if BITS == 3:
+        return tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    else:
+        return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _store_units(ptr, packed, mask, BITS: tl.constexpr):
+    """Packed storage units at ``ptr`` (``_unit_ptr``)."""
+    if BITS == 3:
+        tl.store(ptr.to(tl.pointer_type(tl.int32)), packed.to(tl.int32, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, packed.to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -101,7 +122,6 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     ch_ok = (p < VALS) & (ch < D) & unit_ok
     width, top, ratio, shift = _grid(p, BITS)
     full_top: tl.constexpr = (1 << BITS) - 1.0
-    row = page + CODES + (t * H + h) * ROW
     is_new = is_new[:, None, None]
     valid = valid[:, None, None]
     newm = is_new & ch_ok
@@ -109,10 +129,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     x_new = tl.load(src_ptr + j[:, None, None] * src_stride + h * D + ch, mask=newm, other=0.0).to(tl.float32)
 
     # earlier tokens, decoded from the page
-    if BITS == 3:
-        unit = tl.load((row + u * 4).to(tl.pointer_type(tl.int32)), mask=valid & unit_ok, other=0)
-    else:
-        unit = tl.load(row + u, mask=valid & unit_ok, other=0).to(tl.int32)
+    unit = _load_units(_unit_ptr(page, CODES, t, h, u, H, ROW, BLOCK, BITS, not PER_CHANNEL), valid & unit_ok, BITS)
     old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
     if PER_CHANNEL:
         sz = (h * D + ch) * 2
@@ -156,7 +173,8 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         codes = tl.where(keep & oldm, old_codes, codes)
     codes = tl.where(rows_ok, codes, 0.0).to(tl.uint32)
     packed = tl.sum(codes << shift.to(tl.uint32), 2)  # [ROWS, UC]; disjoint bits, below 2^32
-    _store_units(page + CODES + (t2 * H + h) * ROW, u2, packed, (u2 * VALS < D) & units_ok[None, :], BITS)
+    _store_units(_unit_ptr(page, CODES, t2, h, u2, H, ROW, BLOCK, BITS, not PER_CHANNEL), packed,
+                 (u2 * VALS < D) & units_ok[None, :], BITS)
     if PER_CHANNEL:  # statistics [1, UC, PER]
         tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h, mask=ch_ok)
         tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), zero_h, mask=ch_ok)
@@ -167,8 +185,8 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
 
 @triton.jit
 def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr, H: tl.constexpr,
-                    BITS: tl.constexpr, VALS: tl.constexpr, PER: tl.constexpr, CODES: tl.constexpr,
-                    ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr):
+                    BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, PER: tl.constexpr,
+                    CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr):
     """Decoding's common case under per-channel statistics: token ``i`` goes to block offset ``off``
     on its channels' stored grids, for storage units ``units`` (the ones this program's share owns;
     a share reads and writes only its own channels, so shares don't race). Writes the units whose
@@ -184,7 +202,8 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr
     q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0) * ratio)
     misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1)
     packed = tl.sum(tl.where(ch_ok & (misfit[:, None] == 0), q, 0.0).to(tl.uint32) << shift.to(tl.uint32), 1)
-    _store_units(page + CODES + (off * H + h) * ROW, units, packed, (units * VALS < D) & (misfit == 0), BITS)
+    _store_units(_unit_ptr(page, CODES, off, h, units, H, ROW, BLOCK, BITS, False), packed,
+                 (units * VALS < D) & (misfit == 0), BITS)
     return misfit
 
 
@@ -223,7 +242,7 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                     # its grid are re-encoded, UC at a time (gathered by rank among them)
                     k = tl.arange(0, OWN)
                     own_units = (k // UC) * (shares * UC) + share * UC + k % UC
-                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, own_units, D, H, BITS, VALS, PER,
+                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, own_units, D, H, BLOCK, BITS, VALS, PER,
                                              CODES, ROW, SCALE, ZERO)
                     count = tl.sum(misfit)
                     rank = tl.cumsum(misfit, 0) - misfit

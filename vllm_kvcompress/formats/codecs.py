@@ -86,6 +86,12 @@ class MinMaxCodec:
     quantizing and multiplies it back after. Scales and zeros are float16.
     With 3 bits, every 11th channel is stored on a 2-bit grid over the same
     range (see ``packing``).
+
+    Codes are packed along channels into storage units (bytes; 32-bit words
+    for 3 bits). With statistics per channel a page stores them row by row
+    ``[B, H, units]``; with statistics per token, unit-major ``[H, units, B]``:
+    a unit's codes of consecutive tokens lie together, which is the order the
+    decode kernel's tensor-core product over tokens (``p . V``) consumes.
     """
 
     bits: int
@@ -155,7 +161,7 @@ class MinMaxCodec:
         if keep is not None:
             codes = torch.where(keep & earlier, self._page_codes(stored), codes)
         codes = torch.where(mask, codes, 0)
-        layout.write(pages, "codes", pack(codes, self.bits))
+        layout.write(pages, "codes", self._codes_to_page(pack(codes, self.bits)))
         layout.write(pages, "scale", self._stats_to_page(scale))
         layout.write(pages, "zero", self._stats_to_page(zero))
         return pages
@@ -173,11 +179,28 @@ class MinMaxCodec:
         q = self._codes_unclamped(x, self._stats_from_page(stored, "zero"), self._stats_from_page(stored, "scale") * ratio)
         return torch.where(new, (q >= 0) & (q <= self.levels(x.device)), True).all(dim=1, keepdim=True)
 
+    def _unit_bytes(self) -> int:
+        return 4 if self.bits == 3 else 1
+
+    def _codes_to_page(self, rows: torch.Tensor) -> torch.Tensor:
+        """Packed rows [N, B, H, R] as stored (see the class docstring)."""
+        if self.axis == "channel":
+            return rows
+        N, B, H, R = rows.shape
+        ub = self._unit_bytes()
+        return rows.reshape(N, B, H, R // ub, ub).permute(0, 2, 3, 1, 4)
+
     def _page_codes(self, pages: torch.Tensor) -> torch.Tensor:
         """[N, B, H, D] int32 codes of pages."""
         B, H, D = self.block_size, self.num_heads, self.head_size
-        return unpack(self._layout.view(pages, "codes", torch.uint8, (B, H, packed_row_bytes(D, self.bits))),
-                      self.bits, D)
+        R = packed_row_bytes(D, self.bits)
+        if self.axis == "channel":
+            rows = self._layout.view(pages, "codes", torch.uint8, (B, H, R))
+        else:
+            ub = self._unit_bytes()
+            units = self._layout.view(pages, "codes", torch.uint8, (H, R // ub, B, ub))
+            rows = units.permute(0, 3, 1, 2, 4).reshape(pages.shape[0], B, H, R)
+        return unpack(rows, self.bits, D)
 
     def _stats_to_page(self, stat: torch.Tensor) -> torch.Tensor:
         """Statistics as stored: per channel [H, D]; per token head-major [H, B], so that one head's
