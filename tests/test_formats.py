@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from reference_quant import fake_quant
+from reference_quant import _grid, _levels, _quant, fake_quant
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 from vllm_kvcompress.formats.packing import pack, packed_row_bytes, three_bit_slot_is_narrow, unpack
@@ -49,6 +49,24 @@ def test_codec_equals_formula(bits, axis):
     for n in range(3):
         ref = fake_quant(x[n, :valid[n]], bits, axis, block=B)
         torch.testing.assert_close(y[n, :valid[n]], ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_token_statistics_codes_are_stored_unit_major(bits):
+    """docs/formats.md: with statistics per token, storage unit u (a byte; a 32-bit word at 3 bits)
+    of token t and head h is unit (h * units + u) * B + t of the codes region, which starts the page."""
+    B, H, D = 16, 3, 64
+    x = torch.randn(1, B, H, D)
+    page = _codec(bits, "token", B=B, H=H, D=D).encode(x, torch.tensor([B]))
+    levels = _levels(D, bits)
+    zero, step = _grid(x[0], 2, bits, levels)
+    rows = pack(_quant(x[0], zero, step, levels).long(), bits)  # [B, H, bytes]
+    ub = 4 if bits == 3 else 1
+    units = rows.shape[-1] // ub
+    t, h, u = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(units), indexing="ij")
+    where = (h * units + u) * B + t
+    stored = page[0, :B * H * units * ub].reshape(-1, ub)[where.reshape(-1)]
+    assert torch.equal(stored, rows.reshape(-1, ub))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -124,12 +124,14 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     full_top: tl.constexpr = (1 << BITS) - 1.0
     is_new = is_new[:, None, None]
     valid = valid[:, None, None]
+    stored = valid & (is_new == 0)
     newm = is_new & ch_ok
-    oldm = valid & (is_new == 0) & ch_ok
+    oldm = stored & ch_ok
     x_new = tl.load(src_ptr + j[:, None, None] * src_stride + h * D + ch, mask=newm, other=0.0).to(tl.float32)
 
-    # earlier tokens, decoded from the page
-    unit = _load_units(_unit_ptr(page, CODES, t, h, u, H, ROW, BLOCK, BITS, not PER_CHANNEL), valid & unit_ok, BITS)
+    # earlier tokens, decoded from the page (a new row's stored bytes are not read: unit-major,
+    # each of its units would be a 32-byte sector of its own)
+    unit = _load_units(_unit_ptr(page, CODES, t, h, u, H, ROW, BLOCK, BITS, not PER_CHANNEL), stored & unit_ok, BITS)
     old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
     if PER_CHANNEL:
         sz = (h * D + ch) * 2
@@ -137,8 +139,8 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         zero = _half(page + ZERO + sz, ch_ok, 0.0)
     else:
         sz = (h * BLOCK + t) * 2  # per-token statistics are head-major
-        scale = _half(page + SCALE + sz, valid, 0.0)
-        zero = _half(page + ZERO + sz, valid, 0.0)
+        scale = _half(page + SCALE + sz, stored, 0.0)
+        zero = _half(page + ZERO + sz, stored, 0.0)
     x_old = old_codes * (scale * ratio) + zero
     if CS >= 0:
         x_old = x_old * _half(page + CS + (h * D + ch) * 2, ch_ok, 1.0)
