@@ -132,8 +132,8 @@ __device__ void write_block_per_channel(const T* src, int64_t src_stride, const 
   // a re-encoded channel rewrites every row, and shares its bytes with kept channels: every row of
   // the head is then unpacked to codes, and repacked once all channels have theirs
   const bool all_rows = __syncthreads_or(!keep);
-  const uint8_t* rows = page + t.codes + h * t.row_bytes;
-  const int row_stride = H * t.row_bytes;
+  const uint8_t* rows = page + t.codes + h * BLOCK * t.row_bytes;  // head-major [H, BLOCK, row bytes]
+  const int row_stride = t.row_bytes;
   if (all_rows && on) {
     for (int r = 0; r <= off; ++r)
       if (!is_new[r]) codes[r * D + c] = (rows[r * row_stride + c / vals] >> ((c % vals) * BITS)) & mask;
@@ -154,7 +154,7 @@ __device__ void write_block_per_channel(const T* src, int64_t src_stride, const 
       if (is_new[r]) codes[r * D + c] = clamped_code(new_value(r), stats.x, stats.y, top);
   }
   __syncthreads();
-  uint8_t* out_rows = page + t.codes + h * t.row_bytes;
+  uint8_t* out_rows = page + t.codes + h * BLOCK * t.row_bytes;
   for (int k = c; k < (off + 1) * t.row_bytes; k += blockDim.x) {
     const int r = k / t.row_bytes, b = k % t.row_bytes;
     if (all_rows || is_new[r]) out_rows[r * row_stride + b] = pack_byte<BITS>(codes + r * D + b * vals);

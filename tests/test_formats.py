@@ -70,6 +70,20 @@ def test_token_statistics_codes_are_stored_unit_major(bits):
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_channel_statistics_codes_are_stored_head_major(bits):
+    """docs/formats.md: with statistics per channel, token t's packed row of head h is row h * B + t
+    of the codes region, which starts the page."""
+    B, H, D = 16, 3, 64
+    x = torch.randn(1, B, H, D)
+    page = _codec(bits, "channel", B=B, H=H, D=D).encode(x, torch.tensor([B]))
+    levels = _levels(D, bits)
+    zero, step = _grid(x[0], 0, bits, levels)
+    rows = pack(_quant(x[0], zero, step, levels).long(), bits)  # [B, H, bytes]
+    stored = page[0, :rows.numel()].reshape(H, B, -1)
+    assert torch.equal(stored, rows.transpose(0, 1))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("axis", ["channel", "token"])
 def test_round_trip_error_within_half_step(bits, axis):
     """|x - x^| <= (max - min) / levels / 2 per element (plus fp16 rounding of scale and zero)."""

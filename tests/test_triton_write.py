@@ -64,7 +64,7 @@ def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels):
     paged_torch.write_tokens(ref, fmt, torch.randn(len(prefill), H, D, generator=gen),
                              torch.randn(len(prefill), H, D, generator=gen), prefill)
     ours = ref.clone().to(DEVICE)
-    row_bytes = fmt.k._layout.offsets["codes"][1] // B  # one token's K codes, all heads
+    k_codes = fmt.k._layout.offsets["codes"][1]  # head-major [H, B, row bytes]
     k_stats = slice(fmt.k._layout.offsets["scale"][0], fmt.k.nbytes)
     k_scale = slice(fmt.k._layout.offsets["scale"][0], fmt.k._layout.offsets["scale"][0] + H * D * 2)
     earlier_kept = earlier_rewritten = most_widened = 0
@@ -76,8 +76,8 @@ def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels):
         write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), chunk_channels=chunk_channels)
         assert torch.equal(ours.cpu(), ref), f"step {step}"
         for blk, n in ((1, fills[0] + step), (3, fills[1] + step)):
-            earlier = slice(0, n * row_bytes)
-            same = (torch.equal(before[blk, earlier], ref[blk, earlier])
+            earlier = slice(0, n * k_codes // (H * B))  # the earlier tokens' rows of each head
+            same = (torch.equal(before[blk, :k_codes].view(H, -1)[:, earlier], ref[blk, :k_codes].view(H, -1)[:, earlier])
                     and torch.equal(before[blk, k_stats], ref[blk, k_stats]))
             earlier_kept += same
             earlier_rewritten += not same

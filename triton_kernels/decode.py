@@ -215,10 +215,11 @@ def _decode_kernel(
             valid = ((t // TPP) * BLOCK + tok)[None, :] < L
         else:
             valid = ((t // TPP) * BLOCK + tok)[None, :] < L_row[:, None]
-        k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
         if K_BITS == 16:
+            k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
             s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d))) * q_scale
         else:
+            k_row = page + K_CODES + (h * BLOCK + tok[:, None]) * K_ROW  # codes head-major [H, BLOCK, row]
             # scale and zero of every channel in one contiguous load, wide enough to be pipelined
             kstat = tl.load(half + h * D + K_SCALE // 2 + stat * ((K_ZERO - K_SCALE) // 2) + d).to(tl.float32)
             ks, kz = _rows(kstat)

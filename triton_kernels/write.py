@@ -77,13 +77,13 @@ def _half(byte_ptr, mask, other):
 def _unit_ptr(page, CODES: tl.constexpr, t, h, u, H: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
               BITS: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
     """Address of storage unit ``u`` (a byte, or a 32-bit word for 3 bits) of token ``t``'s code row
-    of head ``h``: rows ``[B, H, units]``, or unit-major ``[H, units, B]`` where statistics are per
-    token (``MinMaxCodec``)."""
+    of head ``h``: head-major rows ``[H, B, units]``, or unit-major ``[H, units, B]`` where
+    statistics are per token (``MinMaxCodec``)."""
     UB: tl.constexpr = 4 if BITS == 3 else 1
     if TOKEN_MAJOR:
         return page + CODES + ((h * (ROW // UB) + u) * BLOCK + t) * UB
     else:
-        return page + CODES + (t * H + h) * ROW + u * UB
+        return page + CODES + (h * BLOCK + t) * ROW + u * UB
 
 
 @triton.jit

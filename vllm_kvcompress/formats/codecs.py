@@ -88,10 +88,12 @@ class MinMaxCodec:
     range (see ``packing``).
 
     Codes are packed along channels into storage units (bytes; 32-bit words
-    for 3 bits). With statistics per channel a page stores them row by row
-    ``[B, H, units]``; with statistics per token, unit-major ``[H, units, B]``:
-    a unit's codes of consecutive tokens lie together, which is the order the
-    decode kernel's tensor-core product over tokens (``p . V``) consumes.
+    for 3 bits). With statistics per channel a page stores them row by row,
+    head-major ``[H, B, units]``: a head's block of rows lies together, so
+    re-encoding a channel reads and writes one stretch of memory; with
+    statistics per token, unit-major ``[H, units, B]``: a unit's codes of
+    consecutive tokens lie together, which is the order the decode kernel's
+    tensor-core product over tokens (``p . V``) consumes.
     """
 
     bits: int
@@ -185,7 +187,7 @@ class MinMaxCodec:
     def _codes_to_page(self, rows: torch.Tensor) -> torch.Tensor:
         """Packed rows [N, B, H, R] as stored (see the class docstring)."""
         if self.axis == "channel":
-            return rows
+            return rows.transpose(1, 2)
         N, B, H, R = rows.shape
         ub = self._unit_bytes()
         return rows.reshape(N, B, H, R // ub, ub).permute(0, 2, 3, 1, 4)
@@ -195,7 +197,7 @@ class MinMaxCodec:
         B, H, D = self.block_size, self.num_heads, self.head_size
         R = packed_row_bytes(D, self.bits)
         if self.axis == "channel":
-            rows = self._layout.view(pages, "codes", torch.uint8, (B, H, R))
+            rows = self._layout.view(pages, "codes", torch.uint8, (H, B, R)).transpose(1, 2)
         else:
             ub = self._unit_bytes()
             units = self._layout.view(pages, "codes", torch.uint8, (H, R // ub, B, ub))
