@@ -51,36 +51,36 @@ def test_codec_equals_formula(bits, axis):
         torch.testing.assert_close(y[n, :valid[n]], ref, rtol=0, atol=1e-5)
 
 
+def _page_and_reference_rows(bits, axis, B=16, H=3, D=64):
+    """A full page of random values, and its codes packed row by row ([B, H, bytes]) by the
+    reference's formula; the codes region starts the page."""
+    x = torch.randn(1, B, H, D)
+    page = _codec(bits, axis, B=B, H=H, D=D).encode(x, torch.tensor([B]))
+    levels = _levels(D, bits)
+    zero, step = _grid(x[0], 0 if axis == "channel" else 2, bits, levels)
+    return page[0], pack(_quant(x[0], zero, step, levels).long(), bits)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_token_statistics_codes_are_stored_unit_major(bits):
     """docs/formats.md: with statistics per token, storage unit u (a byte; a 32-bit word at 3 bits)
-    of token t and head h is unit (h * units + u) * B + t of the codes region, which starts the page."""
-    B, H, D = 16, 3, 64
-    x = torch.randn(1, B, H, D)
-    page = _codec(bits, "token", B=B, H=H, D=D).encode(x, torch.tensor([B]))
-    levels = _levels(D, bits)
-    zero, step = _grid(x[0], 2, bits, levels)
-    rows = pack(_quant(x[0], zero, step, levels).long(), bits)  # [B, H, bytes]
+    of token t and head h is unit (h * units + u) * B + t of the codes region."""
+    page, rows = _page_and_reference_rows(bits, "token")
+    B, H, R = rows.shape
     ub = 4 if bits == 3 else 1
-    units = rows.shape[-1] // ub
-    t, h, u = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(units), indexing="ij")
-    where = (h * units + u) * B + t
-    stored = page[0, :B * H * units * ub].reshape(-1, ub)[where.reshape(-1)]
+    t, h, u = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(R // ub), indexing="ij")
+    where = (h * (R // ub) + u) * B + t
+    stored = page[:rows.numel()].reshape(-1, ub)[where.reshape(-1)]
     assert torch.equal(stored, rows.reshape(-1, ub))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_channel_statistics_codes_are_stored_head_major(bits):
     """docs/formats.md: with statistics per channel, token t's packed row of head h is row h * B + t
-    of the codes region, which starts the page."""
-    B, H, D = 16, 3, 64
-    x = torch.randn(1, B, H, D)
-    page = _codec(bits, "channel", B=B, H=H, D=D).encode(x, torch.tensor([B]))
-    levels = _levels(D, bits)
-    zero, step = _grid(x[0], 0, bits, levels)
-    rows = pack(_quant(x[0], zero, step, levels).long(), bits)  # [B, H, bytes]
-    stored = page[0, :rows.numel()].reshape(H, B, -1)
-    assert torch.equal(stored, rows.transpose(0, 1))
+    of the codes region."""
+    page, rows = _page_and_reference_rows(bits, "channel")
+    B, H, _ = rows.shape
+    assert torch.equal(page[:rows.numel()].reshape(H, B, -1), rows.transpose(0, 1))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
