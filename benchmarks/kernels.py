@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 
 import torch
 
@@ -25,6 +26,24 @@ SHAPES = [("Llama-2-7B (MHA 32/32)", 32, 32, 128), ("Llama-3-8B (GQA 32/8)", 32,
 def _time_ms(fn, reps: int = 50) -> float:
     import triton.testing
     return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
+
+
+def _time_after_ms(setup, fn, reps: int = 100) -> float:
+    """Median time of ``fn`` alone (CUDA events around it), ``setup`` run before each call. For
+    writes that must meet the same page state every time: timing setup and write together and
+    subtracting setup's own time left a difference that moved by 2x between runs."""
+    for _ in range(10):
+        setup(), fn()
+    times = []
+    for _ in range(reps):
+        setup()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in times)
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
@@ -102,10 +121,10 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
                 spread: int | None = None, num_warps: int | None = None, cuda: bool = False) -> dict:
     """One decode step's cache write: each request appends a token to its last page, which holds
     1 to block-1 earlier tokens (spread evenly over the batch, as in a serving batch) from the same
-    distribution. The pages are restored before every timed write and the restore's time is
-    subtracted, so every write meets the same page state (a token that fits its channels' grids
-    writes one row; one that widens a channel re-encodes that chunk of channels). ``cuda``: the
-    CUDA kernel (csrc/) instead of the Triton one."""
+    distribution. The pages are restored before every write and only the write is timed, so
+    every write meets the same page state: a token that fits its channels' grids writes one row, one
+    that widens a channel re-encodes that chunk of channels (the restored pages may sit in L2).
+    ``cuda``: the CUDA kernel (csrc/) instead of the Triton one."""
     if cuda:
         from vllm_kvcompress.cuda_write import write_tokens
     else:
@@ -123,8 +142,7 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     k, v = (torch.randn(num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     tuning = {key: val for key, val in (("chunk_channels", chunk_channels), ("spread", spread), ("num_warps", num_warps))
               if val}
-    restore = _time_ms(lambda: cache.copy_(saved))
-    ms = _time_ms(lambda: (cache.copy_(saved), write_tokens(cache, fmt, k, v, slots, **tuning))) - restore
+    ms = _time_after_ms(lambda: cache.copy_(saved), lambda: write_tokens(cache, fmt, k, v, slots, **tuning))
     nbytes = 2 * num_seqs * fmt.page_bytes
     label = (f"write k{bits}v{bits}" + (" CUDA" if cuda else "")
              + (f" chunk {chunk_channels}" if chunk_channels else "") + (f" spread {spread}" if spread else "")
