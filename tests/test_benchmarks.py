@@ -266,3 +266,25 @@ def test_trace_summary_sums_gpu_kernels_by_name_and_group(tmp_path):
     assert s["busy_us"] == 80.0 and s["span_us"] == 100.0
     assert s["kernels"]["_write_kernel"] == [25.0, 2]
     assert s["groups"] == {"cache write (ours)": 25.0, "decode attention (ours)": 30.0, "matmul": 25.0}
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_widening_counts_the_units_whose_k_statistics_the_codec_renews(bits):
+    """Appending a block's tokens one at a time through the torch codec: the storage units with a
+    channel whose stored scale or zero changed are the ones ``widening`` counts, token by token."""
+    from benchmarks.widening import widening
+    from vllm_kvcompress.formats import MinMaxCodec
+
+    B, H, D = 16, 2, 16
+    x = torch.randn(1, B, H, D) * torch.linspace(0.5, 3, D)
+    codec = MinMaxCodec(bits, "channel", False, B, H, D)
+    stats = slice(codec._layout.offsets["scale"][0], codec.nbytes)  # scale, then zero: [H, D] each
+    pages = codec.encode(x, torch.tensor([1]))
+    widened = rewritten = 0
+    for n in range(1, B):
+        appended = codec.encode(x, torch.tensor([n + 1]), pages, torch.tensor([n]))
+        before, after = (p[0, stats].view(torch.float16).view(2, H, D) for p in (pages, appended))
+        units = (before != after).any(0).view(H, D * bits // 8, 8 // bits).any(-1).sum().item()
+        widened, rewritten, pages = widened + units, rewritten + units * n, appended
+    assert widened > 0
+    assert widening(x[0], bits, B) == pytest.approx((widened / (H * (B - 1)), rewritten / (H * (B - 1))))
