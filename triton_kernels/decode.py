@@ -19,19 +19,21 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
 
-from .layout import page_layout
+from .layout import code_unit_ptr, page_layout
 
 
 @triton.jit
-def _gathered_codes(unit0, unit_stride, D: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Codes [T, D] of 8- or 3-bit rows as float16 (see ``_as_fp16``), one load per channel: row t's
-    storage unit u (a byte; a 32-bit word for 3 bits) is at ``unit0[t] + u * unit_stride``."""
+def _gathered_codes(page, CODES: tl.constexpr, tok, h, ROW: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+                    BITS: tl.constexpr, TOKEN_MAJOR: tl.constexpr, ASM: tl.constexpr):
+    """Codes [T, D] of tokens ``tok`` ([T, 1]) of 8- or 3-bit rows as float16 (see ``_as_fp16``),
+    one load per channel (``code_unit_ptr`` places them)."""
     d = tl.arange(0, D)[None, :]
     if BITS == 8:
-        c, _, _, _ = _unpacked_planes(tl.load(unit0 + d * unit_stride), 8, ASM)
+        c, _, _, _ = _unpacked_planes(tl.load(code_unit_ptr(page, CODES, tok, h, d, ROW, BLOCK, 8, TOKEN_MAJOR)), 8, ASM)
         return c
     else:  # 3 bits: ten 3-bit codes + one 2-bit code per little-endian 32-bit word
-        w = tl.load((unit0 + (d // 11) * unit_stride).to(tl.pointer_type(tl.int32)))
+        words = code_unit_ptr(page, CODES, tok, h, d // 11, ROW, BLOCK, 3, TOKEN_MAJOR).to(tl.pointer_type(tl.int32))
+        w = tl.load(words)
         return _as_fp16((w >> ((d % 11) * 3)) & tl.where(d % 11 == 10, 3, 7))
 
 
@@ -219,16 +221,18 @@ def _decode_kernel(
             k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
             s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d))) * q_scale
         else:
-            k_row = page + K_CODES + (h * BLOCK + tok[:, None]) * K_ROW  # codes head-major [H, BLOCK, row]
             # scale and zero of every channel in one contiguous load, wide enough to be pipelined
             kstat = tl.load(half + h * D + K_SCALE // 2 + stat * ((K_ZERO - K_SCALE) // 2) + d).to(tl.float32)
             ks, kz = _rows(kstat)
             qs = (qc * ks[None, :]).to(tl.float16)
             bias = tl.sum(qf * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
             if KP == 1:  # 8 bits, or 3 bits gathered
-                s = tl.dot(qs, tl.trans(_gathered_codes(k_row, 4 if K_BITS == 3 else 1, D, K_BITS, ASM)))
+                s = tl.dot(qs, tl.trans(_gathered_codes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, False,
+                                                        ASM)))
             else:
-                k0, k1, k2, k3 = _unpacked_planes(tl.load(k_row + tl.arange(0, D // KP)[None, :]), K_BITS, ASM)
+                kb = tl.load(code_unit_ptr(page, K_CODES, tok[:, None], h, tl.arange(0, D // KP)[None, :], K_ROW, BLOCK,
+                                           K_BITS, False))
+                k0, k1, k2, k3 = _unpacked_planes(kb, K_BITS, ASM)
                 qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
                 s = tl.dot(qs0, tl.trans(k0))
                 s += tl.dot(qs1, tl.trans(k1))
@@ -250,10 +254,6 @@ def _decode_kernel(
             acc0 = acc0 * alpha + tl.dot(p.to(dtype), tl.load(v_row.to(tl.pointer_type(dtype)) + d))
         else:
             vstat = tl.load(half + h * BLOCK + V_SCALE // 2 + stat * ((V_ZERO - V_SCALE) // 2) + tok[None, :])
-            # codes unit-major [H, units, BLOCK] (statistics per token): a unit's tokens lie together,
-            # the order of the product over tokens
-            V_UB: tl.constexpr = 4 if V_BITS == 3 else 1
-            v_units = page + V_CODES + h * V_ROW * BLOCK + tok[:, None] * V_UB
             vs, vz = _rows(vstat.to(tl.float32))
             ps = (p * vs[None, :]).to(tl.float16)
             pz = tl.sum(p * vz[None, :], 1)[:, None]
@@ -264,10 +264,13 @@ def _decode_kernel(
                 c0, c1, c2, c3 = 1.0, 1.0, 1.0, 1.0
             if VP == 1:  # 8 bits, or 3 bits gathered
                 unit = tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0) if V_BITS == 3 else 1.0
-                acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, _gathered_codes(v_units, V_UB * BLOCK, D, V_BITS, ASM),
-                                         unit, c0)
+                codes = _gathered_codes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, True, ASM)
+                acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, codes, unit, c0)
             else:
-                v0, v1, v2, v3 = _unpacked_planes(tl.load(v_units + dv * BLOCK), V_BITS, ASM)
+                # codes unit-major (statistics per token): a unit's tokens lie together, the order of
+                # the product over tokens
+                vb = tl.load(code_unit_ptr(page, V_CODES, tok[:, None], h, dv, V_ROW, BLOCK, V_BITS, True))
+                v0, v1, v2, v3 = _unpacked_planes(vb, V_BITS, ASM)
                 acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, v0, 1.0, c0)
                 acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1.0 / (1 << V_BITS), c1)
                 if VP > 2:

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
 
-from .layout import TensorLayout, page_layout
+from .layout import TensorLayout, code_unit_ptr, page_layout
 
 # where statistics are per channel: channels re-encoded together (the shape of the earlier
 # one-program-per-chunk kernel, 72 registers at 4/4 bits on sm_90 against 146 for 8 channels), and
@@ -74,21 +74,8 @@ def _half(byte_ptr, mask, other):
 
 
 @triton.jit
-def _unit_ptr(page, CODES: tl.constexpr, t, h, u, H: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
-              BITS: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
-    """Address of storage unit ``u`` (a byte, or a 32-bit word for 3 bits) of token ``t``'s code row
-    of head ``h``: head-major rows ``[H, B, units]``, or unit-major ``[H, units, B]`` where
-    statistics are per token (``MinMaxCodec``)."""
-    UB: tl.constexpr = 4 if BITS == 3 else 1
-    if TOKEN_MAJOR:
-        return page + CODES + ((h * (ROW // UB) + u) * BLOCK + t) * UB
-    else:
-        return page + CODES + (h * BLOCK + t) * ROW + u * UB
-
-
-@triton.jit
 def _load_units(ptr, mask, BITS: tl.constexpr):
-    """Storage units at ``ptr`` (``_unit_ptr``) as int32."""
+    """Storage units at ``ptr`` (``code_unit_ptr``) as int32."""
     if BITS == 3:
         return tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
     else:
@@ -97,7 +84,7 @@ def _load_units(ptr, mask, BITS: tl.constexpr):
 
 @triton.jit
 def _store_units(ptr, packed, mask, BITS: tl.constexpr):
-    """Packed storage units at ``ptr`` (``_unit_ptr``)."""
+    """Packed storage units at ``ptr`` (``code_unit_ptr``)."""
     if BITS == 3:
         tl.store(ptr.to(tl.pointer_type(tl.int32)), packed.to(tl.int32, bitcast=True), mask=mask)
     else:
@@ -106,7 +93,7 @@ def _store_units(ptr, packed, mask, BITS: tl.constexpr):
 
 @triton.jit
 def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units_ok,
-                 H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr,
+                 D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr,
                  PER: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr,
                  ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """Encode rows ``t`` (block offsets, [ROWS]) of storage units ``units`` ([UC], those where
@@ -131,7 +118,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
 
     # earlier tokens, decoded from the page (a new row's stored bytes are not read: unit-major,
     # each of its units would be a 32-byte sector of its own)
-    unit = _load_units(_unit_ptr(page, CODES, t, h, u, H, ROW, BLOCK, BITS, not PER_CHANNEL), stored & unit_ok, BITS)
+    unit = _load_units(code_unit_ptr(page, CODES, t, h, u, ROW, BLOCK, BITS, not PER_CHANNEL), stored & unit_ok, BITS)
     old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
     if PER_CHANNEL:
         sz = (h * D + ch) * 2
@@ -175,7 +162,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         codes = tl.where(keep & oldm, old_codes, codes)
     codes = tl.where(rows_ok, codes, 0.0).to(tl.uint32)
     packed = tl.sum(codes << shift.to(tl.uint32), 2)  # [ROWS, UC]; disjoint bits, below 2^32
-    _store_units(_unit_ptr(page, CODES, t2, h, u2, H, ROW, BLOCK, BITS, not PER_CHANNEL), packed,
+    _store_units(code_unit_ptr(page, CODES, t2, h, u2, ROW, BLOCK, BITS, not PER_CHANNEL), packed,
                  (u2 * VALS < D) & units_ok[None, :], BITS)
     if PER_CHANNEL:  # statistics [1, UC, PER]
         tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h, mask=ch_ok)
@@ -186,7 +173,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
 
 
 @triton.jit
-def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr, H: tl.constexpr,
+def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr,
                     BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, PER: tl.constexpr,
                     CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr):
     """Decoding's common case under per-channel statistics: token ``i`` goes to block offset ``off``
@@ -204,7 +191,7 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr
     q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0) * ratio)
     misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1)
     packed = tl.sum(tl.where(ch_ok & (misfit[:, None] == 0), q, 0.0).to(tl.uint32) << shift.to(tl.uint32), 1)
-    _store_units(_unit_ptr(page, CODES, off, h, units, H, ROW, BLOCK, BITS, False), packed,
+    _store_units(code_unit_ptr(page, CODES, off, h, units, ROW, BLOCK, BITS, False), packed,
                  (units * VALS < D) & (misfit == 0), BITS)
     return misfit
 
@@ -244,7 +231,7 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                     # its grid are re-encoded, UC at a time (gathered by rank among them)
                     k = tl.arange(0, OWN)
                     own_units = (k // UC) * (shares * UC) + share * UC + k % UC
-                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, own_units, D, H, BLOCK, BITS, VALS, PER,
+                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, own_units, D, BLOCK, BITS, VALS, PER,
                                              CODES, ROW, SCALE, ZERO)
                     count = tl.sum(misfit)
                     rank = tl.cumsum(misfit, 0) - misfit
@@ -253,7 +240,7 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                         units = tl.sum(tl.where((rank[None, :] == want[:, None]) & (misfit[None, :] == 1),
                                                 own_units[None, :], 0), 1)
                         _encode_rows(src_ptr, src_stride, t, i + t * 0, t == off, t <= off, page, h, units,
-                                     want < count, H, D, BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS,
+                                     want < count, D, BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS,
                                      PER_CHANNEL)
                 else:
                     j = i - (off - t)
@@ -261,12 +248,12 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                     is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
                     for first in range(share * UC, UNITS, shares * UC):  # channels are independent
                         units = first + tl.arange(0, UC)
-                        _encode_rows(src_ptr, src_stride, t, j, is_new, t <= off, page, h, units, units < UNITS, H, D,
+                        _encode_rows(src_ptr, src_stride, t, j, is_new, t <= off, page, h, units, units < UNITS, D,
                                      BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
         else:  # statistics per token: only its own row changes
             one = tl.arange(0, 1)
             _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, all_units,
-                         all_units < UNITS, H, D, BLOCK, BITS, VALS, UNITS, PER, CODES, ROW, SCALE, ZERO, CS,
+                         all_units < UNITS, D, BLOCK, BITS, VALS, UNITS, PER, CODES, ROW, SCALE, ZERO, CS,
                          PER_CHANNEL)
 
 
