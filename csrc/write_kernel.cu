@@ -77,7 +77,7 @@ struct Tensor {
 // Statistics per token: the token's own row only. Its codes are stored unit-major, [H, row bytes, BLOCK]
 // (MinMaxCodec), so a byte of consecutive tokens lies together.
 template <typename T, int BITS>
-__device__ void write_row_per_token(const T* x_row, uint8_t* page, int h, int off, int H, int D, int BLOCK,
+__device__ void write_row_per_token(const T* x_row, uint8_t* page, int h, int off, int D, int BLOCK,
                                     Tensor t, uint8_t* codes, float2* scratch) {
   constexpr float top = float((1 << BITS) - 1);
   constexpr int vals = 8 / BITS;
@@ -101,7 +101,7 @@ __device__ void write_row_per_token(const T* x_row, uint8_t* page, int h, int of
 // statistics and earlier codes; any other channel is re-encoded over all rows.
 template <typename T, int BITS>
 __device__ void write_block_per_channel(const T* src, int64_t src_stride, const int64_t* slots, int i, int64_t blk,
-                                        uint8_t* page, int h, int off, int H, int D, int BLOCK, Tensor t,
+                                        uint8_t* page, int h, int off, int D, int BLOCK, Tensor t,
                                         uint8_t* codes, uint8_t* is_new, float2* scratch) {
   constexpr float top = float((1 << BITS) - 1);
   constexpr int vals = 8 / BITS;
@@ -132,11 +132,10 @@ __device__ void write_block_per_channel(const T* src, int64_t src_stride, const 
   // a re-encoded channel rewrites every row, and shares its bytes with kept channels: every row of
   // the head is then unpacked to codes, and repacked once all channels have theirs
   const bool all_rows = __syncthreads_or(!keep);
-  const uint8_t* rows = page + t.codes + h * BLOCK * t.row_bytes;  // head-major [H, BLOCK, row bytes]
-  const int row_stride = t.row_bytes;
+  uint8_t* rows = page + t.codes + h * BLOCK * t.row_bytes;  // head-major [H, BLOCK, row bytes]
   if (all_rows && on) {
     for (int r = 0; r <= off; ++r)
-      if (!is_new[r]) codes[r * D + c] = (rows[r * row_stride + c / vals] >> ((c % vals) * BITS)) & mask;
+      if (!is_new[r]) codes[r * D + c] = (rows[r * t.row_bytes + c / vals] >> ((c % vals) * BITS)) & mask;
   }
   float2 stats = make_float2(zero_old, scale_old);  // (zero, scale)
   if (!keep) {  // statistics over all rows, then codes on the new grid (values recomputed, not kept:
@@ -154,10 +153,9 @@ __device__ void write_block_per_channel(const T* src, int64_t src_stride, const 
       if (is_new[r]) codes[r * D + c] = clamped_code(new_value(r), stats.x, stats.y, top);
   }
   __syncthreads();
-  uint8_t* out_rows = page + t.codes + h * BLOCK * t.row_bytes;
   for (int k = c; k < (off + 1) * t.row_bytes; k += blockDim.x) {
     const int r = k / t.row_bytes, b = k % t.row_bytes;
-    if (all_rows || is_new[r]) out_rows[r * row_stride + b] = pack_byte<BITS>(codes + r * D + b * vals);
+    if (all_rows || is_new[r]) rows[k] = pack_byte<BITS>(codes + r * D + b * vals);
   }
   if (on && !keep) {
     store_half(page + t.scale + (h * D + c) * 2, stats.y);
@@ -167,7 +165,7 @@ __device__ void write_block_per_channel(const T* src, int64_t src_stride, const 
 
 template <typename T, int BITS, bool PER_CHANNEL>
 __global__ void write_kernel(const T* __restrict__ src, int64_t src_stride, const int64_t* __restrict__ slots,
-                             uint8_t* __restrict__ cache, int num_tokens, int64_t page_bytes, int H, int D, int BLOCK,
+                             uint8_t* __restrict__ cache, int num_tokens, int64_t page_bytes, int D, int BLOCK,
                              Tensor t) {
   extern __shared__ uint8_t smem[];
   __shared__ float2 scratch[32];
@@ -180,10 +178,10 @@ __global__ void write_kernel(const T* __restrict__ src, int64_t src_stride, cons
   if constexpr (PER_CHANNEL) {
     const int64_t next = i + 1 < num_tokens ? slots[i + 1] : -1;
     if (next >= 0 && next / BLOCK == blk) return;  // a later token of this batch writes the block
-    write_block_per_channel<T, BITS>(src, src_stride, slots, i, blk, page, h, off, H, D, BLOCK, t, smem,
+    write_block_per_channel<T, BITS>(src, src_stride, slots, i, blk, page, h, off, D, BLOCK, t, smem,
                                      smem + BLOCK * D, scratch);
   } else {
-    write_row_per_token<T, BITS>(src + i * src_stride + h * D, page, h, off, H, D, BLOCK, t, smem, scratch);
+    write_row_per_token<T, BITS>(src + i * src_stride + h * D, page, h, off, D, BLOCK, t, smem, scratch);
   }
 }
 
@@ -198,7 +196,7 @@ void launch(const torch::Tensor& src, const torch::Tensor& slots, torch::Tensor&
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));
   kernel<<<dim3(n, H), threads, shared, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const T*>(src.data_ptr()), src.stride(0), slots.data_ptr<int64_t>(), cache.data_ptr<uint8_t>(),
-      n, page_bytes, H, D, BLOCK, t);
+      n, page_bytes, D, BLOCK, t);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
