@@ -19,7 +19,8 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
 
-from .layout import code_unit_ptr, page_layout
+from .addressing import code_unit_ptr
+from .layout import page_layout
 
 
 @triton.jit

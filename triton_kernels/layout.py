@@ -1,13 +1,9 @@
-"""Byte offsets of a page's regions, as compile-time constants for the kernels, and the address of
-a code within them."""
+"""Byte offsets of a page's regions, as compile-time constants for the kernels."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-
-import triton
-import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 from vllm_kvcompress.formats.packing import packed_row_bytes
@@ -47,20 +43,6 @@ def page_layout(fmt: KVPageFormat) -> PageLayout:
     v = None if fmt.v is None else _tensor_layout(fmt.v, fmt.k.nbytes)
     return PageLayout(_tensor_layout(fmt.k, 0), v, fmt.page_bytes,
                       fmt.block_size, fmt.k.num_heads, fmt.k.head_size)
-
-
-@triton.jit
-def code_unit_ptr(page, CODES: tl.constexpr, t, h, u, ROW: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                  TOKEN_MAJOR: tl.constexpr):
-    """Address of storage unit ``u`` (a byte, or a 32-bit word for 3 bits) of token ``t``'s codes of
-    head ``h``, in a page's codes region at ``CODES`` of ``ROW`` bytes a row (``MinMaxCodec``):
-    head-major rows ``[H, B, units]`` where statistics are per channel, unit-major ``[H, units, B]``
-    where they are per token (``TOKEN_MAJOR``)."""
-    UB: tl.constexpr = 4 if BITS == 3 else 1
-    if TOKEN_MAJOR:
-        return page + CODES + ((h * (ROW // UB) + u) * BLOCK + t) * UB
-    else:
-        return page + CODES + (h * BLOCK + t) * ROW + u * UB
 
 
 def kernel_supports(fmt: KVPageFormat) -> str | None:

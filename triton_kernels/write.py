@@ -33,7 +33,8 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
 
-from .layout import TensorLayout, code_unit_ptr, page_layout
+from .addressing import code_unit_ptr
+from .layout import TensorLayout, page_layout
 
 # where statistics are per channel: channels re-encoded together (the shape of the earlier
 # one-program-per-chunk kernel, 72 registers at 4/4 bits on sm_90 against 146 for 8 channels), and
