@@ -31,13 +31,16 @@ def _time_ms(fn, reps: int = 50) -> float:
 def _time_after_ms(setup, fn, reps: int = 100) -> float:
     """Median time of ``fn`` alone (CUDA events around it), ``setup`` run before each call. For
     writes that must meet the same page state every time: timing setup and write together and
-    subtracting setup's own time left a difference that moved by 2x between runs."""
+    subtracting setup's own time left a difference that moved by 2x between runs. The GPU waits
+    (``torch.cuda._sleep``) while the host launches ``fn``, so the events time the kernels, not
+    the host's launch latency."""
     for _ in range(10):
         setup(), fn()
     times = []
     for _ in range(reps):
         setup()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(2_000_000)  # about 1 ms: the host has launched fn before the start event
         start.record()
         fn()
         end.record()

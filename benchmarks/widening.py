@@ -5,6 +5,9 @@ channel, docs/formats.md); a channel whose new value falls off its grid takes ne
 the write re-encodes that channel's storage unit (a byte holds 8 / bits channels) in every earlier
 row of the block. This counts, block by block along each text, the units widened per appended
 token and KV head and the rows they rewrite: the work the write's re-encoding does on real keys.
+It also measures what appending costs in accuracy: the RMS error of K decoded from blocks written
+token by token through the torch codec (``MinMaxCodec.encode``, as ``paged_torch.write_tokens``
+calls it), against the same blocks encoded whole, as a prefill writes them.
 
     python benchmarks/widening.py [--model-dir models/smollm2-135m-instruct] [--bits 4] [--texts 2]
 
@@ -23,8 +26,9 @@ def widening(keys: torch.Tensor, bits: int, block: int) -> tuple[float, float]:
     """keys [T, H, D] -> (units widened, unit-rows rewritten) per appended token and head, over the
     whole blocks of ``keys``, every token appended alone (decoding). A value fits its channel's stored
     grid when its code, floor((x - zero) / scale + 1/2), lies in [0, 2^bits - 1]; a channel it does
-    not fit takes float16 zero = min and scale = (max - zero) / (2^bits - 1) over the block's rows so
-    far. Bytes of 8 / bits channels (2, 4 or 8 bits)."""
+    not fit widens to span its grid and the value: float16 zero = min(zero, x) and scale =
+    (max(zero + scale * (2^bits - 1), x) - zero) / (2^bits - 1). Bytes of 8 / bits channels (2, 4
+    or 8 bits)."""
     if bits not in (2, 4, 8):
         raise SystemExit(f"--bits {bits}: 2, 4 or 8 (a 3-bit unit is an 11-channel word)")
     top, vals = (1 << bits) - 1, 8 // bits
@@ -32,13 +36,11 @@ def widening(keys: torch.Tensor, bits: int, block: int) -> tuple[float, float]:
     widened = rewritten = appended = 0
     for start in range(0, T - block + 1, block):
         blk = keys[start:start + block].float()
-        lo, hi = blk[0].clone(), blk[0].clone()
-        zero, scale = _grid(lo, hi, top)
+        zero, scale = _grid(blk[0], blk[0], top)
         for n in range(1, block):
             code = torch.floor((blk[n] - zero) / scale + 0.5)
             off_grid = (code < 0) | (code > top)
-            lo, hi = torch.minimum(lo, blk[n]), torch.maximum(hi, blk[n])
-            new_zero, new_scale = _grid(lo, hi, top)
+            new_zero, new_scale = _grid(torch.minimum(zero, blk[n]), torch.maximum(zero + scale * top, blk[n]), top)
             zero, scale = torch.where(off_grid, new_zero, zero), torch.where(off_grid, new_scale, scale)
             units = off_grid.view(H, D // vals, vals).any(-1).sum().item()
             widened += units
@@ -50,6 +52,28 @@ def widening(keys: torch.Tensor, bits: int, block: int) -> tuple[float, float]:
 def _grid(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
     zero = lo.half().float()
     return zero, ((hi - zero) / top).clamp_min(1e-6).half().float()
+
+
+def append_error(keys: torch.Tensor, bits: int, block: int) -> tuple[float, float]:
+    """keys [T, H, D] -> RMS error of the decoded whole blocks of ``keys``, (every token appended
+    alone, each block encoded at once)."""
+    from vllm_kvcompress.formats import MinMaxCodec
+
+    T, H, D = keys.shape
+    codec = MinMaxCodec(bits, "channel", False, block, H, D)
+    appended = whole = 0.0
+    blocks = T // block
+    for start in range(0, blocks * block, block):
+        x = keys[None, start:start + block].float()
+        pages = codec.encode(x, torch.tensor([1]))
+        for n in range(1, block):
+            rows = codec.decode(pages)
+            rows[0, n] = x[0, n]
+            pages = codec.encode(rows, torch.tensor([n + 1]), pages, torch.tensor([n]))
+        appended += (codec.decode(pages) - x).square().sum().item()
+        whole += (codec.decode(codec.encode(x, torch.tensor([block]))) - x).square().sum().item()
+    count = blocks * block * H * D
+    return (appended / count) ** 0.5, (whole / count) ** 0.5
 
 
 def model_keys(model_dir: str, texts: list[str], max_tokens: int) -> list[list[torch.Tensor]]:
@@ -87,6 +111,10 @@ def main() -> None:
     print(f"  units widened per appended token and head: {sum(w for w, _ in layers) / len(layers):.2f} of {units}"
           f" (layers {min(w for w, _ in layers):.2f} to {max(w for w, _ in layers):.2f})")
     print(f"  unit-rows rewritten per appended token and head: {sum(r for _, r in layers) / len(layers):.1f}")
+    errors = [append_error(k, args.bits, args.block) for keys in per_text for k in keys]
+    appended, whole = (sum(e[i] for e in errors) / len(errors) for i in (0, 1))
+    print(f"  K RMS error, mean over layers: appended token by token {appended:.4f}, blocks encoded whole "
+          f"{whole:.4f} ({appended / whole:.3f}x)")
     w, r = widening(torch.randn(T, H, D, generator=torch.Generator().manual_seed(0)), args.bits, args.block)
     print(f"  Gaussian keys, same shape: {w:.2f} units widened, {r:.1f} unit-rows rewritten")
 

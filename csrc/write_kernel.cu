@@ -98,7 +98,8 @@ __device__ void write_row_per_token(const T* x_row, uint8_t* page, int h, int of
 // Statistics per channel, written by the program of the block's last new token: rows 0..off of
 // head h. Rows whose slot was written in this batch are new (``is_new``); the others are decoded
 // from the page. Append rule: a channel whose new values all fall on its stored grid keeps its
-// statistics and earlier codes; any other channel is re-encoded over all rows.
+// statistics and earlier codes; any other channel widens to span its stored grid and its new values,
+// and is re-encoded over all rows.
 template <typename T, int BITS>
 __device__ void write_block_per_channel(const T* src, int64_t src_stride, const int64_t* slots, int i, int64_t blk,
                                         uint8_t* page, int h, int off, int D, int BLOCK, Tensor t,
@@ -138,13 +139,19 @@ __device__ void write_block_per_channel(const T* src, int64_t src_stride, const 
       if (!is_new[r]) codes[r * D + c] = (rows[r * t.row_bytes + c / vals] >> ((c % vals) * BITS)) & mask;
   }
   float2 stats = make_float2(zero_old, scale_old);  // (zero, scale)
-  if (!keep) {  // statistics over all rows, then codes on the new grid (values recomputed, not kept:
-                // a block of them would not fit in shared memory next to the codes)
+  if (!keep) {  // statistics over the new rows, widened to span the stored grid where there is one;
+                // then codes on the new grid (values recomputed, not kept: a block of them would not
+                // fit in shared memory next to the codes)
     float lo = INFINITY, hi = -INFINITY;
     for (int r = 0; r <= off; ++r) {
-      const float x = value(r);
+      if (!is_new[r]) continue;
+      const float x = new_value(r);
       lo = fminf(lo, x);
       hi = fmaxf(hi, x);
+    }
+    if (has_old) {
+      lo = fminf(lo, zero_old);
+      hi = fmaxf(hi, __fadd_rn(zero_old, __fmul_rn(scale_old, top)));
     }
     stats = min_max_stats(lo, hi, top);
     for (int r = 0; r <= off; ++r) codes[r * D + c] = clamped_code(value(r), stats.x, stats.y, top);

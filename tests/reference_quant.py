@@ -45,28 +45,40 @@ def fake_quant(x: torch.Tensor, bits: int, axis: str, block: int) -> torch.Tenso
     return out
 
 
+def _span_grid(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """zero and scale (the step of the full-width codes) of the grid spanning lo..hi."""
+    top = float((1 << bits) - 1)
+    zero = lo.half().float()
+    return zero, ((hi - zero) / top).clamp_min(1e-6).half().float()
+
+
 def appended_channel_quant(pieces: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, int, int]:
     """K-style (per channel) quantization of one block written in ``pieces`` ([n_i, H, D] each), under
     the append rule: a channel whose new values all round onto its current grid (codes 0..top) keeps
-    that grid and its earlier codes; otherwise the channel's decoded earlier values and the new ones
-    are quantized afresh. Returns the dequantized block and how many (piece, channel) appends kept
-    their grid and how many re-encoded."""
+    that grid and its earlier codes; otherwise the channel widens to the grid from min(zero, new
+    values) to max(zero + scale * (2**bits - 1), new values), and its decoded earlier values and the
+    new ones are quantized on it. Returns the dequantized block and how many (piece, channel) appends
+    kept their grid and how many re-encoded."""
     levels = _levels(pieces[0].shape[-1], bits)
-    codes, zero, step = None, None, None
+    top = float((1 << bits) - 1)
+    codes, zero, scale = None, None, None
     kept = reencoded = 0
     for piece in pieces:
         piece = piece.float()
         if codes is None:
-            zero, step = _grid(piece, 0, bits, levels)
-            codes = _quant(piece, zero, step, levels)
+            zero, scale = _span_grid(piece.amin(0, keepdim=True), piece.amax(0, keepdim=True), bits)
+            codes = _quant(piece, zero, scale * (top / levels), levels)
             continue
+        step = scale * (top / levels)
         q = torch.floor((piece - zero) / step + 0.5)
         fits = ((q >= 0) & (q <= levels)).all(0, keepdim=True)
         values = torch.cat([codes * step + zero, piece])
-        fresh_zero, fresh_step = _grid(values, 0, bits, levels)
-        new_zero, new_step = torch.where(fits, zero, fresh_zero), torch.where(fits, step, fresh_step)
+        wide_zero, wide_scale = _span_grid(torch.minimum(piece.amin(0, keepdim=True), zero),
+                                           torch.maximum(piece.amax(0, keepdim=True), zero + scale * top), bits)
+        new_zero, new_scale = torch.where(fits, zero, wide_zero), torch.where(fits, scale, wide_scale)
+        new_step = new_scale * (top / levels)
         codes = torch.where(fits, torch.cat([codes, q]), _quant(values, new_zero, new_step, levels))
-        zero, step = new_zero, new_step
+        zero, scale = new_zero, new_scale
         kept += int(fits.sum())
         reencoded += int((~fits).sum())
-    return codes * step + zero, kept, reencoded
+    return codes * (scale * (top / levels)) + zero, kept, reencoded

@@ -174,6 +174,32 @@ def test_append_keeps_a_channel_grid_until_a_value_falls_off_it(bits):
     assert kept > 0 and reencoded > 0
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_widened_grid_spans_the_decoded_rows(bits):
+    """A widened K channel takes the grid spanning its stored grid and its new values; as every encode
+    leaves a channel's codes 0 and top in some row, that is the min-max grid of its decoded rows and
+    new values (what re-encoding the whole block would compute), to the bit."""
+    B, H, D = 32, 2, 64
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=4), torch.float32, B, H, D)
+    codec = fmt.k
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(1, B, H, D, generator=gen) * torch.linspace(0.2, 3, D)
+    pages = codec.encode(x, torch.tensor([4]))
+    widened = 0
+    for n in range(4, B):
+        rows = codec.decode(pages)
+        rows[0, n] = x[0, n]
+        appended = codec.encode(rows, torch.tensor([n + 1]), pages, torch.tensor([n]))
+        zero, scale = (codec._stats_from_page(appended, s)[0, 0] for s in ("zero", "scale"))
+        changed = (zero != codec._stats_from_page(pages, "zero")[0, 0]) | (scale != codec._stats_from_page(pages, "scale")[0, 0])
+        lo, hi = rows[0, :n + 1].amin(0), rows[0, :n + 1].amax(0)
+        span_zero = lo.half().float()
+        span_scale = ((hi - span_zero) / ((1 << bits) - 1)).clamp_min(1e-6).half().float()
+        assert torch.equal(zero[changed], span_zero[changed]) and torch.equal(scale[changed], span_scale[changed])
+        widened, pages = widened + int(changed.sum()), appended
+    assert widened > 0
+
+
 def test_uncompressed_write_is_exact():
     fmt = KVPageFormat.from_layer_format(LayerFormat(), torch.float32, 16, 2, 64)
     cache = torch.zeros(3, fmt.page_bytes, dtype=torch.uint8)

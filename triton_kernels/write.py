@@ -14,8 +14,10 @@ launch for K and one for V:
   appended to stored ones (decoding) is first coded on the stored grids and the
   storage units whose values all fit are written; only the units where a value
   left its grid are re-encoded (the earlier tokens read back from the page, the
-  statistics of the channels that no longer fit recomputed), gathered a chunk at
-  a time. So a program's work follows the number of widened channels, and a
+  statistics of the channels that no longer fit widened to span their stored
+  grid and the new value), gathered a chunk at a time. The widened statistics
+  need no pass over the rows, so each earlier row's codes are requantized on
+  their own. A program's work follows the number of widened channels, and a
   prefill's tokens other than each block's last cost one slot load.
 - ZipCache channel scales (V): the block's last new token re-encodes the whole
   block, as every row's statistics depend on the block-wide channel scales.
@@ -140,7 +142,13 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         cs = tl.sqrt_rn(tl.maximum(amax, 1e-6)).to(tl.float16)
         tl.store((page + CS + (h * D + ch) * 2).to(tl.pointer_type(tl.float16)), cs, mask=ch_ok)
         x = tl.math.div_rn(x, cs.to(tl.float32) + tl.zeros_like(x))
-    if PER_CHANNEL:
+    if PER_CHANNEL and CS < 0:  # new rows, widened to span the stored grid where there is one
+        has_old = tl.max(stored.to(tl.int32)) > 0
+        mn = tl.min(tl.where(newm, x, float("inf")), 0)[None, :, :]
+        mx = tl.max(tl.where(newm, x, float("-inf")), 0)[None, :, :]
+        mn = tl.where(has_old, tl.minimum(mn, zero), mn)
+        mx = tl.where(has_old, tl.maximum(mx, zero + scale * full_top), mx)
+    elif PER_CHANNEL:
         mn = tl.min(tl.where(rows_ok, x, float("inf")), 0)[None, :, :]
         mx = tl.max(tl.where(rows_ok, x, float("-inf")), 0)[None, :, :]
     else:
@@ -151,7 +159,6 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     zero_h = mn.to(tl.float16)
     scale_h = tl.maximum(tl.math.div_rn(mx - zero_h.to(tl.float32), full_top + tl.zeros_like(mx)), 1e-6).to(tl.float16)
     if PER_CHANNEL and CS < 0:  # append rule: channels whose new values fit their grid keep it
-        has_old = tl.max((valid & (is_new == 0)).to(tl.int32)) > 0
         q_old = _code_on(x_new, zero, scale * ratio)
         off_grid = tl.max((newm & ((q_old < 0.0) | (q_old > top))).to(tl.int32), 0)[None, :, :]
         keep = (off_grid == 0) & has_old
@@ -197,17 +204,62 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr
     return misfit
 
 
+@triton.jit
+def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.constexpr, BLOCK: tl.constexpr,
+                 BITS: tl.constexpr, VALS: tl.constexpr, PER: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
+                 SCALE: tl.constexpr, ZERO: tl.constexpr, RT: tl.constexpr):
+    """Decoding's re-encode under per-channel statistics: token ``i`` at block offset ``off`` fell
+    off the grid of a channel of each of storage units ``units`` (those where ``units_ok``). Such a
+    channel widens to span its stored grid and the new value, so its statistics need no pass over
+    the rows, and its earlier codes are requantized onto the widened grid, every row on its own,
+    ``RT`` rows at a time up to ``off``; the unit's other channels keep grid and codes."""
+    u = units[None, :, None]
+    p = tl.arange(0, PER)[None, None, :]
+    ch = u * VALS + p
+    ch_ok = (p < VALS) & (ch < D) & units_ok[None, :, None]
+    width, top, ratio, shift = _grid(p, BITS)
+    full_top: tl.constexpr = (1 << BITS) - 1.0
+    sz = (h * D + ch) * 2
+    zero = _half(page + ZERO + sz, ch_ok, 0.0)
+    scale = _half(page + SCALE + sz, ch_ok, 1.0)
+    x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
+    q = _code_on(x, zero, scale * ratio)
+    widen = ch_ok & ((q < 0.0) | (q > top))
+    wide_zero = tl.minimum(zero, x).to(tl.float16)
+    wide_scale = tl.maximum(tl.math.div_rn(tl.maximum(zero + scale * full_top, x) - wide_zero.to(tl.float32),
+                                           full_top + tl.zeros_like(x)), 1e-6).to(tl.float16)
+    new_zero = tl.where(widen, wide_zero.to(tl.float32), zero)
+    new_step = tl.where(widen, wide_scale.to(tl.float32), scale) * ratio
+    old_step = scale * ratio
+    unit_ok = units_ok[None, :] & (units[None, :] * VALS < D)
+    for r0 in range(0, off + 1, RT):
+        t2 = r0 + tl.arange(0, RT)[:, None]
+        t = t2[:, :, None]
+        row_units = code_unit_ptr(page, CODES, t2, h, units[None, :], ROW, BLOCK, BITS, False)
+        unit = _load_units(row_units, (t2 < off) & unit_ok, BITS)[:, :, None]
+        old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
+        values = tl.where(t == off, x, old_codes * old_step + zero)
+        codes = tl.minimum(tl.maximum(_code_on(values, new_zero, new_step), 0.0), top)
+        codes = tl.where(widen | (t == off), codes, old_codes)
+        packed = tl.sum(tl.where(ch_ok, codes, 0.0).to(tl.uint32) << shift.to(tl.uint32), 2)
+        _store_units(row_units, packed, (t2 <= off) & unit_ok, BITS)
+    tl.debug_barrier()  # every thread has read the stored statistics before they are replaced
+    tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), wide_scale, mask=widen)
+    tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), wide_zero, mask=widen)
+
+
 # a step's token count is not specialized on (1, multiples of 16): no compile in the middle of serving
 @triton.jit(do_not_specialize=["num_tokens"])
 def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stride,
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, OWN: tl.constexpr,
                   CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr,
-                  PER_CHANNEL: tl.constexpr):
+                  PER_CHANNEL: tl.constexpr, RT: tl.constexpr):
     """Program (token i, head h, share s) for one tensor (K or V) of the page. Where statistics are
     per channel, the block's chunks of UC units are dealt out over the grid's third axis (of
     ``shares`` programs, share s takes every shares-th chunk, OWN units in all), so a block's
-    re-encoding runs in that many programs at once."""
+    re-encoding runs in that many programs at once; a decoding token's widened units are requantized
+    RT rows at a time."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     share = tl.program_id(2)
@@ -225,7 +277,6 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
         elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
             nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
             if (nxt < 0) | (nxt // BLOCK != blk):
-                t = tl.arange(0, BLOCK)
                 prev = tl.load(slot_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
                 if (off > 0) & (prev != slot - 1) & (CS < 0):  # (CS < 0 here: statistics per channel)
                     # one token appended to stored ones: only the share's units where a value left
@@ -240,10 +291,10 @@ def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stri
                         want = first + tl.arange(0, UC)
                         units = tl.sum(tl.where((rank[None, :] == want[:, None]) & (misfit[None, :] == 1),
                                                 own_units[None, :], 0), 1)
-                        _encode_rows(src_ptr, src_stride, t, i + t * 0, t == off, t <= off, page, h, units,
-                                     want < count, D, BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS,
-                                     PER_CHANNEL)
+                        _widen_units(src_ptr, src_stride, i, off, page, h, units, want < count, D, BLOCK, BITS,
+                                     VALS, PER, CODES, ROW, SCALE, ZERO, RT)
                 else:
+                    t = tl.arange(0, BLOCK)
                     j = i - (off - t)
                     in_batch = (j >= 0) & (t <= off)
                     is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
@@ -274,11 +325,13 @@ def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Te
         chunk = min(units, triton.next_power_of_2(max(1, chunk_channels // vals)))
         shares = min(spread, units // chunk)
     n = slot_mapping.shape[0]
+    warps = num_warps or (4 if lay.bits != 16 else 1)
+    rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread
     _write_kernel[(n, fmt.k.num_heads, shares)](
         src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
         H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, BITS=lay.bits, VALS=vals, UNITS=units, PER=per,
         UC=chunk, OWN=units // shares, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale,
-        PER_CHANNEL=per_channel, num_warps=num_warps or (4 if lay.bits != 16 else 1),
+        PER_CHANNEL=per_channel, RT=rows_per_tile, num_warps=warps,
         # unfused: a*b+c as one FMA rounds once where the reference rounds twice (the narrow 3-bit
         # slots' steps carry more bits than a float holds next to their codes)
         enable_fp_fusion=False,

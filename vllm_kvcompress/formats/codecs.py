@@ -133,7 +133,8 @@ class MinMaxCodec:
         (how many leading tokens they hold; the rest up to ``num_valid`` are new), statistics per
         channel follow the append rule: a channel whose new values all round onto its stored grid
         (codes 0..top) keeps its statistics and its earlier codes, and only the new tokens are
-        encoded; any other channel is re-encoded over the whole block."""
+        encoded; any other channel widens to span its stored grid (zero .. zero + scale * top) and
+        its new values, and all its tokens are coded on the widened grid."""
         N, B, H, D = x.shape
         x = x.float()
         mask = _valid_mask(num_valid, B)[:, :, None, None]
@@ -156,9 +157,19 @@ class MinMaxCodec:
         keep = None
         if stored is not None and self.axis == "channel" and not self.channel_scaling:
             earlier = torch.arange(B, device=x.device)[None, :, None, None] < num_stored[:, None, None, None]
-            keep = self._grid_kept(stored, x, mask & ~earlier, ratio) & (num_stored > 0)[:, None, None, None]
-            zero = torch.where(keep, self._stats_from_page(stored, "zero"), zero)
-            scale = torch.where(keep, self._stats_from_page(stored, "scale"), scale)
+            new = mask & ~earlier
+            has_stored = (num_stored > 0)[:, None, None, None]
+            old_zero, old_scale = self._stats_from_page(stored, "zero"), self._stats_from_page(stored, "scale")
+            keep = self._grid_kept(stored, x, new, ratio) & has_stored
+            # a widened channel spans its stored grid and its new values: the earlier rows need not be
+            # read for the statistics, only requantized (see docs/formats.md)
+            lo = torch.minimum(torch.where(new, x, float("inf")).amin(dim=1, keepdim=True), old_zero)
+            hi = torch.maximum(torch.where(new, x, float("-inf")).amax(dim=1, keepdim=True),
+                               old_zero + old_scale * full_levels)
+            widened_zero = lo.to(_SCALE_DTYPE).float()
+            widened_scale = ((hi - widened_zero) / full_levels).clamp_min(_EPS).to(_SCALE_DTYPE).float()
+            zero = torch.where(keep, old_zero, torch.where(has_stored, widened_zero, zero))
+            scale = torch.where(keep, old_scale, torch.where(has_stored, widened_scale, scale))
         codes = self._codes(x, zero, scale * ratio)
         if keep is not None:
             codes = torch.where(keep & earlier, self._page_codes(stored), codes)
