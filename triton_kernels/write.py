@@ -325,7 +325,7 @@ def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Te
         chunk = min(units, triton.next_power_of_2(max(1, chunk_channels // vals)))
         shares = min(spread, units // chunk)
     n = slot_mapping.shape[0]
-    warps = num_warps or (4 if lay.bits != 16 else 1)
+    warps = num_warps or (2 if lay.bits != 16 else 1)
     rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread
     _write_kernel[(n, fmt.k.num_heads, shares)](
         src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
