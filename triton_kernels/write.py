@@ -38,10 +38,11 @@ from vllm_kvcompress.formats import KVPageFormat
 from .addressing import code_unit_ptr
 from .layout import TensorLayout, page_layout
 
-# where statistics are per channel: channels re-encoded together (the shape of the earlier
-# one-program-per-chunk kernel, 72 registers at 4/4 bits on sm_90 against 146 for 8 channels), and
-# programs a block's chunks are dealt out to (so the program of a token that widened many channels,
-# or of a prefill block, does not run 32 chunks one after the other)
+# where statistics are per channel: channels re-encoded together, and programs a block's chunks are
+# dealt out to (so the program of a token that widened many channels, or of a prefill block, does
+# not run 32 chunks one after the other). Swept on an H200 (docs/benchmarks.md): a decode step's
+# write at batch 64 took 36.8 us with these, 40.0 / 51.6 with 2 / 8 channels, 43.0 / 35.6 / 44.0
+# with 1 / 2 / 8 programs (MHA, 4/4, 4 warps; 2 warps, the default, 32.2)
 CHUNK_CHANNELS = 4
 SPREAD = 4
 
