@@ -72,6 +72,14 @@ def _code_on(x, zero, step):
 
 
 @triton.jit
+def _min_max_stats(lo, hi, FULL_TOP: tl.constexpr):
+    """float16 (zero, scale) of the grid spanning ``lo .. hi`` with codes 0..FULL_TOP."""
+    zero = lo.to(tl.float16)
+    scale = tl.maximum(tl.math.div_rn(hi - zero.to(tl.float32), FULL_TOP + tl.zeros_like(hi)), 1e-6).to(tl.float16)
+    return zero, scale
+
+
+@triton.jit
 def _half(byte_ptr, mask, other):
     """float16 values at byte addresses ``byte_ptr``, as float32."""
     return tl.load(byte_ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=other).to(tl.float32)
@@ -157,8 +165,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         mx = tl.max(tl.max(tl.where(rows_ok, x, float("-inf")), 2), 1)[:, None, None]
     mn = tl.where(mn == float("inf"), 0.0, mn)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    zero_h = mn.to(tl.float16)
-    scale_h = tl.maximum(tl.math.div_rn(mx - zero_h.to(tl.float32), full_top + tl.zeros_like(mx)), 1e-6).to(tl.float16)
+    zero_h, scale_h = _min_max_stats(mn, mx, full_top)
     if PER_CHANNEL and CS < 0:  # append rule: channels whose new values fit their grid keep it
         q_old = _code_on(x_new, zero, scale * ratio)
         off_grid = tl.max((newm & ((q_old < 0.0) | (q_old > top))).to(tl.int32), 0)[None, :, :]
@@ -224,14 +231,12 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
     zero = _half(page + ZERO + sz, ch_ok, 0.0)
     scale = _half(page + SCALE + sz, ch_ok, 1.0)
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
-    q = _code_on(x, zero, scale * ratio)
+    old_step = scale * ratio
+    q = _code_on(x, zero, old_step)
     widen = ch_ok & ((q < 0.0) | (q > top))
-    wide_zero = tl.minimum(zero, x).to(tl.float16)
-    wide_scale = tl.maximum(tl.math.div_rn(tl.maximum(zero + scale * full_top, x) - wide_zero.to(tl.float32),
-                                           full_top + tl.zeros_like(x)), 1e-6).to(tl.float16)
+    wide_zero, wide_scale = _min_max_stats(tl.minimum(zero, x), tl.maximum(zero + scale * full_top, x), full_top)
     new_zero = tl.where(widen, wide_zero.to(tl.float32), zero)
     new_step = tl.where(widen, wide_scale.to(tl.float32), scale) * ratio
-    old_step = scale * ratio
     unit_ok = units_ok[None, :] & (units[None, :] * VALS < D)
     for r0 in range(0, off + 1, RT):
         t2 = r0 + tl.arange(0, RT)[:, None]

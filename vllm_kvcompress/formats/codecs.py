@@ -145,31 +145,32 @@ class MinMaxCodec:
             c = torch.where(mask, x.abs(), 0).amax(dim=1).clamp_min(_EPS).double().sqrt().float().to(_SCALE_DTYPE)
             layout.write(pages, "channel_scale", c)
             x = x / c.float()[:, None]
-        dims = self._stat_dims()
-        mn = torch.where(mask, x, float("inf")).amin(dim=dims, keepdim=True)
-        mx = torch.where(mask, x, float("-inf")).amax(dim=dims, keepdim=True)
-        mn = torch.where(torch.isfinite(mn), mn, 0)
-        mx = torch.where(torch.isfinite(mx), mx, 0)
         full_levels = float((1 << self.bits) - 1)
-        zero = mn.to(_SCALE_DTYPE).float()
-        scale = ((mx - zero) / full_levels).clamp_min(_EPS).to(_SCALE_DTYPE).float()
         ratio = full_levels / self.levels(x.device)  # narrow 3-bit slots: coarser step
-        keep = None
-        if stored is not None and self.axis == "channel" and not self.channel_scaling:
+        appending = stored is not None and self.axis == "channel" and not self.channel_scaling
+        stat_rows = mask
+        if appending:
             earlier = torch.arange(B, device=x.device)[None, :, None, None] < num_stored[:, None, None, None]
-            new = mask & ~earlier
-            has_stored = (num_stored > 0)[:, None, None, None]
-            old_zero, old_scale = self._stats_from_page(stored, "zero"), self._stats_from_page(stored, "scale")
-            keep = self._grid_kept(stored, x, new, ratio) & has_stored
+            stat_rows = mask & ~earlier
+        dims = self._stat_dims()
+        mn = torch.where(stat_rows, x, float("inf")).amin(dim=dims, keepdim=True)
+        mx = torch.where(stat_rows, x, float("-inf")).amax(dim=dims, keepdim=True)
+        if appending:
             # a widened channel spans its stored grid and its new values: the earlier rows need not be
             # read for the statistics, only requantized (see docs/formats.md)
-            lo = torch.minimum(torch.where(new, x, float("inf")).amin(dim=1, keepdim=True), old_zero)
-            hi = torch.maximum(torch.where(new, x, float("-inf")).amax(dim=1, keepdim=True),
-                               old_zero + old_scale * full_levels)
-            widened_zero = lo.to(_SCALE_DTYPE).float()
-            widened_scale = ((hi - widened_zero) / full_levels).clamp_min(_EPS).to(_SCALE_DTYPE).float()
-            zero = torch.where(keep, old_zero, torch.where(has_stored, widened_zero, zero))
-            scale = torch.where(keep, old_scale, torch.where(has_stored, widened_scale, scale))
+            has_stored = (num_stored > 0)[:, None, None, None]
+            old_zero, old_scale = self._stats_from_page(stored, "zero"), self._stats_from_page(stored, "scale")
+            mn = torch.where(has_stored, torch.minimum(mn, old_zero), mn)
+            mx = torch.where(has_stored, torch.maximum(mx, old_zero + old_scale * full_levels), mx)
+        mn = torch.where(torch.isfinite(mn), mn, 0)
+        mx = torch.where(torch.isfinite(mx), mx, 0)
+        zero = mn.to(_SCALE_DTYPE).float()
+        scale = ((mx - zero) / full_levels).clamp_min(_EPS).to(_SCALE_DTYPE).float()
+        keep = None
+        if appending:
+            keep = self._grid_kept(x, stat_rows, old_zero, old_scale * ratio) & has_stored
+            zero = torch.where(keep, old_zero, zero)
+            scale = torch.where(keep, old_scale, scale)
         codes = self._codes(x, zero, scale * ratio)
         if keep is not None:
             codes = torch.where(keep & earlier, self._page_codes(stored), codes)
@@ -187,9 +188,9 @@ class MinMaxCodec:
         codes = self._codes_unclamped(x, zero, step).clamp_(min=0)
         return torch.minimum(codes, self.levels(x.device)).to(torch.int32)
 
-    def _grid_kept(self, stored: torch.Tensor, x: torch.Tensor, new: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    def _grid_kept(self, x: torch.Tensor, new: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """[N, 1, H, D] bool: every ``new`` value of the channel rounds onto its stored grid."""
-        q = self._codes_unclamped(x, self._stats_from_page(stored, "zero"), self._stats_from_page(stored, "scale") * ratio)
+        q = self._codes_unclamped(x, zero, step)
         return torch.where(new, (q >= 0) & (q <= self.levels(x.device)), True).all(dim=1, keepdim=True)
 
     def _unit_bytes(self) -> int:
