@@ -80,26 +80,39 @@ def _pages(fmt, num_seqs: int, ctx: int, seed: int = 0):
     return cache, table
 
 
-def _decode_case(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int):
+def serving_lens(num_seqs: int, ctx: int, seed: int = 0) -> list[int]:
+    """Context lengths of a serving step's decode rows: uniform in [16, ctx], seeded. With ctx 900
+    and 144 rows (about 65,000 tokens) they fill an 8 GiB 4/4 cache of the Llama-2-7B shape as a
+    ShareGPT run does (128 to 144 running requests, cache full)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(16, ctx + 1, (num_seqs,), generator=gen).tolist()
+
+
+def _decode_case(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int,
+                 lens: list[int] | None = None):
     fmt = _format(bits, hkv, d, block)
     cache, table = _pages(fmt, num_seqs, ctx)
     q = torch.randn(num_seqs, hq, d, device="cuda", dtype=torch.bfloat16)
-    seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
-    nbytes = num_seqs * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
+    seq_lens = torch.tensor(lens or [ctx] * num_seqs, dtype=torch.int32, device="cuda")
+    pages = sum(math.ceil(n / block) for n in lens) if lens else num_seqs * table.shape[1]
+    nbytes = pages * fmt.page_bytes + 2 * q.numel() * 2
     return fmt, cache, table, q, seq_lens, nbytes
 
 
-def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 128, **tuning) -> dict:
+def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 128,
+               lens: list[int] | None = None, **tuning) -> dict:
+    """``lens``: each row's context length (at most ctx); all ctx without."""
     from vllm_kvcompress.triton_kernels.decode import paged_decode
 
-    fmt, cache, table, q, seq_lens, nbytes = _decode_case(bits, num_seqs, hq, hkv, d, ctx, block)
+    fmt, cache, table, q, seq_lens, nbytes = _decode_case(bits, num_seqs, hq, hkv, d, ctx, block, lens)
     out = torch.empty_like(q)
     ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out, **tuning))
     name = f"ours k{bits}v{bits}" + "".join(f" {k}={v}" for k, v in tuning.items())
     return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
-def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 16) -> dict:
+def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 16,
+                     lens: list[int] | None = None) -> dict:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     blocks_per_seq = math.ceil(ctx / block)
@@ -109,15 +122,62 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
     table = torch.randperm(n_blocks, device="cuda").to(torch.int32).view(num_seqs, blocks_per_seq)
     q = torch.randn(num_seqs, hq, d, device="cuda", dtype=torch.bfloat16)
     cu_q = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda")
-    seqused = torch.full((num_seqs,), ctx, dtype=torch.int32, device="cuda")
+    seqused = torch.tensor(lens or [ctx] * num_seqs, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
 
     def run():
         flash_attn_varlen_func(q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=ctx, seqused_k=seqused,
                                softmax_scale=d ** -0.5, causal=True, block_table=table, out=out, fa_version=3)
     ms = _time_ms(run)
-    nbytes = 2 * num_seqs * ctx * hkv * d * 2 + 2 * q.numel() * 2
+    nbytes = 2 * sum(lens or [ctx] * num_seqs) * hkv * d * 2 + 2 * q.numel() * 2
     return {"kernel": "vLLM FlashAttention bf16", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+
+
+def bench_prompt_rows(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, block: int = 128,
+                      **tuning) -> dict:
+    """A prefill chunk's attention: ``num_prompts`` new prompts of ``prompt`` tokens each, every token
+    a causal decode row over its request's pages, consecutive tokens taken together by one program
+    (``token_rows`` with ``rows_per_program``), as the backend runs a mixed step's prompt tokens."""
+    from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels.decode import PROMPT_ROWS, paged_decode, rows_per_program
+
+    fmt, cache, table, _, _, _ = _decode_case(bits, num_prompts, hq, hkv, d, prompt, block)
+    n = num_prompts * prompt
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    starts = torch.arange(0, n + 1, prompt, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((num_prompts,), prompt, dtype=torch.int32, device="cuda")
+    rows = token_rows(starts, seq_lens, table, n, prompt, rows_per_program(hq // hkv, tuning.get("prompt_rows", PROMPT_ROWS)),
+                      starts.tolist())
+    out = torch.empty_like(q)
+    ms = _time_ms(lambda: paged_decode(q, cache, fmt, rows.block_table, rows.seq_lens, d ** -0.5, prompt, out=out,
+                                       group_rows=rows.group_rows, group_starts=rows.group_starts, **tuning))
+    nbytes = num_prompts * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
+    name = f"ours k{bits}v{bits} prompt rows" + "".join(f" {k}={v}" for k, v in tuning.items())
+    return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes,
+            "GB/s": nbytes / ms / 1e6}
+
+
+def bench_flash_prefill_bf16(num_prompts: int, hq: int, hkv: int, d: int, prompt: int, block: int = 16) -> dict:
+    """vLLM's FlashAttention on the same prefill chunk, bf16 pages."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    blocks_per_seq = math.ceil(prompt / block)
+    k = torch.randn(num_prompts * blocks_per_seq, block, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.arange(num_prompts * blocks_per_seq, device="cuda", dtype=torch.int32).view(num_prompts, -1)
+    n = num_prompts * prompt
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.arange(0, n + 1, prompt, dtype=torch.int32, device="cuda")
+    seqused = torch.full((num_prompts,), prompt, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+
+    def run():
+        flash_attn_varlen_func(q, k, v, max_seqlen_q=prompt, cu_seqlens_q=cu_q, max_seqlen_k=prompt, seqused_k=seqused,
+                               softmax_scale=d ** -0.5, causal=True, block_table=table, out=out, fa_version=3)
+    ms = _time_ms(run)
+    nbytes = 2 * n * hkv * d * 2 + 2 * q.numel() * 2
+    return {"kernel": "vLLM FlashAttention bf16 prefill", "block": block, "ms": ms, "bytes": nbytes,
+            "GB/s": nbytes / ms / 1e6}
 
 
 def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, chunk_channels: int | None = None,
@@ -186,6 +246,9 @@ def main() -> None:
     ap.add_argument("--write-cuda", action="store_true",
                     help="also time the CUDA write kernel (csrc/; needs nvcc, see docs/gpu.md)")
     ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
+    ap.add_argument("--serving", action="store_true",
+                    help="also a serving step's decode rows (144 requests, contexts uniform in 16..900, see "
+                         "serving_lens) with kernel variants, and a prefill chunk's prompt rows")
     ap.add_argument("--profile", nargs=3, type=int, metavar=("BITS", "HQ", "HKV"),
                     help="only launch that decode a few times (for a profiler such as ncu)")
     ap.add_argument("--profile-write", nargs=2, type=int, metavar=("BITS", "HKV"),
@@ -212,7 +275,8 @@ def main() -> None:
             rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx) | {"shape": name})
         if args.sweep:
             for bits, variant in ((4, {"tile": 64}), (4, {"num_stages": 3}), (4, {"num_stages": 7}),
-                                  (4, {"num_warps": 8}), (4, {"programs_per_sm": 8}), (8, {"num_stages": 3})):
+                                  (4, {"num_warps": 2}), (4, {"num_warps": 4}), (8, {"num_warps": 2}),
+                                  (8, {"num_warps": 4}), (2, {"num_warps": 2}), (2, {"num_warps": 4})):
                 rows.append(bench_ours(bits, args.batch, hq, hkv, d, args.ctx, **variant) | {"shape": name})
         for bits in (4, 8, 2):
             rows.append(bench_write(bits, args.batch, hkv, d) | {"shape": name})
@@ -239,6 +303,26 @@ def main() -> None:
             rows.append(base)
             for variant in variants:
                 ours = bench_ours(4, batch, hq, hkv, d, ctx, **variant) | {"shape": base["shape"]}
+                ours["speedup_vs_bf16"] = base["ms"] / ours["ms"]
+                rows.append(ours)
+    if args.serving:
+        lens = serving_lens(144, 900)
+        for name, hq, hkv, d in SHAPES:
+            shape = f"{name} serving step"
+            base = bench_flash_bf16(len(lens), hq, hkv, d, max(lens), lens=lens) | {"shape": shape}
+            rows.append(base)
+            for bits, variant in ((4, {}), (8, {}), (2, {}), (4, {"num_stages": 3}), (4, {"num_warps": 2}),
+                                  (4, {"num_warps": 4}), (8, {"num_warps": 2}), (8, {"num_warps": 4}),
+                                  (2, {"num_warps": 2}), (2, {"num_warps": 4})):
+                ours = bench_ours(bits, len(lens), hq, hkv, d, max(lens), lens=lens, **variant) | {"shape": shape}
+                ours["speedup_vs_bf16"] = base["ms"] / ours["ms"]
+                rows.append(ours)
+            shape = f"{name} prompts 8x512"
+            base = bench_flash_prefill_bf16(8, hq, hkv, d, 512) | {"shape": shape}
+            rows.append(base)
+            for variant in ({}, {"prompt_rows": 16}, {"prompt_rows": 32}, {"num_warps": 8},
+                            {"prompt_rows": 128, "num_warps": 8}):
+                ours = bench_prompt_rows(4, 8, hq, hkv, d, 512, **variant) | {"shape": shape}
                 ours["speedup_vs_bf16"] = base["ms"] / ours["ms"]
                 rows.append(ours)
     for r in rows:

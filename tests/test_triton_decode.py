@@ -79,14 +79,15 @@ def test_decode_equals_reference_gpu(head_size, block_size, bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("grouped", [False, True], ids=["row-per-program", "rows-grouped"])
+@pytest.mark.parametrize("prompt_rows", [None, 16, 64], ids=["row-per-program", "8-rows-grouped", "32-rows-grouped"])
 @pytest.mark.parametrize("num_splits", [None, 4])
-def test_mixed_batch_as_token_rows_equals_reference(bits, grouped, num_splits):
+def test_mixed_batch_as_token_rows_equals_reference(bits, prompt_rows, num_splits):
     """Decodes and prefill chunks (one with history) in one kernel call, one row per query token,
-    against the reference's causal attention per request; grouped, one program takes up to 8
-    tokens of a chunk (2 query heads per KV head fill 16 rows) with their own context lengths, and
-    with 4 splits a group's shorter rows have no position in its later splits. The queries are a
-    view into a fused QKV output, as the engine hands them over in eager mode."""
+    against the reference's causal attention per request; grouped, one program takes up to 8 (16
+    rows of products) or 32 tokens of a chunk (64 rows; 2 query heads per KV head) with their own
+    context lengths, programs are launched for groups only, and with 4 splits a group's shorter
+    rows have no position in its later splits. The queries are a view into a fused QKV output, as
+    the engine hands them over in eager mode."""
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels.decode import rows_per_program
     B, H, HQ, D = 16, 2, 4, 64
@@ -101,22 +102,30 @@ def test_mixed_batch_as_token_rows_equals_reference(bits, grouped, num_splits):
     qkv = torch.randn(qsl[-1], (HQ + 2 * H) * D, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE)
     q = qkv[:, :HQ * D].view(qsl[-1], HQ, D)
     ref = paged_torch.attend(q.float().cpu(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
-    per_group = rows_per_program(HQ // H) if grouped else 1
+    per_group = rows_per_program(HQ // H, prompt_rows) if prompt_rows else 1
     rows = token_rows(torch.tensor(qsl, device=DEVICE), torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE),
-                      qsl[-1], max(seq_lens), per_group)
+                      qsl[-1], max(seq_lens), per_group, qsl)
     assert rows.seq_lens.tolist() == [21, 1] + list(range(16, 41)) + list(range(1, 10))
-    if grouped:
+    grouping = {}
+    if prompt_rows == 16:
         assert per_group == 8
         assert rows.group_rows.tolist() == [1, 1] + [8, *[0] * 7] * 3 + [1] + [8, *[0] * 7, 1]
+        assert rows.group_starts.tolist() == [0, 1, 2, 10, 18, 26, 27, 35]
+    elif prompt_rows == 64:
+        assert per_group == 32
+        assert rows.group_rows.tolist() == [1, 1, 25] + [0] * 24 + [9] + [0] * 8
+        assert rows.group_starts.tolist() == [0, 1, 2, 27]
+    if prompt_rows:
+        grouping = dict(group_rows=rows.group_rows, group_starts=rows.group_starts, prompt_rows=prompt_rows)
     got = paged_decode(q, cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len,
-                       num_splits=num_splits, group_rows=rows.group_rows if grouped else None)
+                       num_splits=num_splits, **grouping)
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
-    if grouped and num_splits is None:  # a row marked as taken is left to its group's program: shrink one group
-        short = rows.group_rows.clone()   # (unsplit: split rows are all written by the merge)
+    if prompt_rows == 16 and num_splits is None:  # a row marked as taken is left to its group's program:
+        short = rows.group_rows.clone()             # shrink one group (unsplit: the merge writes split rows)
         short[2] = 7
         out = torch.full_like(q, float("nan")).contiguous()
         paged_decode(q, cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len,
-                     num_splits=1, out=out, group_rows=short)
+                     num_splits=1, out=out, **(grouping | {"group_rows": short}))
         computed = ~out.float().isnan().any(-1).any(-1).cpu()
         assert computed.tolist() == [i != 2 + 7 for i in range(qsl[-1])]
 
@@ -149,9 +158,11 @@ def test_warm_up_compiles_every_variant_a_step_launches():
             assert compiled.count("_decode_kernel") == 4 and "_merge_splits_kernel" in compiled, compiled
         compiled.clear()
         for num_splits in (None, 1, 4):
-            for group_rows in (None, torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)):
+            for group_rows, group_starts in ((None, None), ([2, 0, 1], [0, 2])):
                 paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=num_splits,
-                             group_rows=group_rows)
+                             group_rows=group_rows and torch.tensor(group_rows, dtype=torch.int32, device=DEVICE),
+                             group_starts=group_starts and torch.tensor(group_starts, dtype=torch.int32,
+                                                                         device=DEVICE))
         assert compiled == []
     finally:
         triton.knobs.runtime.jit_post_compile_hook = previous

@@ -136,7 +136,7 @@ def _f32(ptr):
 # (divisibility by 16, equality to 1): each specialization would be compiled in the middle of serving.
 @triton.jit(do_not_specialize=["bt_stride", "blocks_per_split", "num_splits"])
 def _decode_kernel(
-    q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, out_ptr, part_ptr,
+    q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, group_start_ptr, out_ptr, part_ptr,
     sm_scale, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr,
@@ -146,10 +146,11 @@ def _decode_kernel(
     V_ZERO: tl.constexpr, V_CS: tl.constexpr, ASM: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one
-    token of a prefill chunk) for KV head h. GROUPED, it takes ``group_rows[row]`` rows of the same
-    request from this one on (0 where an earlier row's program took this one; at most GP // G), as more
-    rows of the tensor-core products, so a chunk of prompt tokens reads each page once. Rows are
-    ``(token r, query head g)`` pairs, ``m = r * G + g``; each row has its own context length.
+    token of a prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group
+    starting at row ``group_start[i]``: ``group_rows[row]`` rows of the same request from there on
+    (at most GP // G), as more rows of the tensor-core products, so a chunk of prompt tokens reads
+    each page once per group. Rows are ``(token r, query head g)`` pairs, ``m = r * G + g``; each
+    row has its own context length.
 
     KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
@@ -167,7 +168,10 @@ def _decode_kernel(
     The KV heads of one request are neighbours in launch order, so the pages they share (rows of
     all heads lie side by side) are read from memory once and from L2 by the others."""
     h = tl.program_id(0) % H
-    row0 = tl.program_id(0) // H
+    if GROUPED:
+        row0 = tl.load(group_start_ptr + tl.program_id(0) // H)
+    else:
+        row0 = tl.program_id(0) // H
     split = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
     TPP: tl.constexpr = BLOCK // TILE
@@ -180,7 +184,7 @@ def _decode_kernel(
     else:
         rows_used = r < tl.load(group_rows_ptr + row0)
         L_row = tl.load(seq_lens_ptr + row0 + r, mask=rows_used, other=0)
-        L = tl.max(L_row, 0)  # 0 for a program whose rows another one took: no tiles
+        L = tl.max(L_row, 0)
     t_start = split * blocks_per_split * TPP
     t_end = tl.minimum(t_start + blocks_per_split * TPP, tl.cdiv(L, TILE))
 
@@ -332,26 +336,33 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), MAX_SPLITS)
 
 
-def _padded_rows(group: int) -> int:
-    """Rows of the kernel's tensor-core products: the query heads of a KV head, at least 16."""
-    return max(16, triton.next_power_of_2(group))
+# Rows of the tensor-core products in a program that takes a group of prompt tokens: each page
+# tile a group reads is decoded once for all of them (docs/benchmarks.md: prompt rows)
+PROMPT_ROWS = 64
 
 
-def rows_per_program(group: int) -> int:
+def _padded_rows(group: int, prompt_rows: int | None) -> int:
+    """Rows of the kernel's tensor-core products: the query heads of a KV head, at least 16, or
+    ``prompt_rows`` where programs take groups of prompt tokens."""
+    return max(prompt_rows or 16, triton.next_power_of_2(group))
+
+
+def rows_per_program(group: int, prompt_rows: int = PROMPT_ROWS) -> int:
     """Query tokens of one request that a program can take at once, with ``group`` query heads per
-    KV head: as many as fill the rows that one token's heads leave as padding (16 for MHA)."""
-    return max(1, _padded_rows(group) // group)
+    KV head: as many as fill ``prompt_rows`` rows (64 tokens for MHA)."""
+    return max(1, _padded_rows(group, prompt_rows) // group)
 
 
-def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int, grouped: bool,
+def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int, prompt_rows: int | None,
                      asm_unpack: bool) -> dict:
     """The decode kernel's compile-time constants for a page format, query heads per KV head,
-    whether programs take groups of query tokens, and whether codes are unpacked with PTX (on an
+    the rows of programs that take groups of query tokens (None: one token a program), and whether
+    codes are unpacked with PTX (on an
     NVIDIA GPU; Triton's interpreter runs no PTX)."""
     lay = page_layout(fmt)
     return dict(
-        H=lay.num_kv_heads, G=group, GP=_padded_rows(group), D=lay.head_size,
-        BLOCK=lay.block_size, TILE=tile, SPLIT=num_splits > 1, GROUPED=grouped,
+        H=lay.num_kv_heads, G=group, GP=_padded_rows(group, prompt_rows), D=lay.head_size,
+        BLOCK=lay.block_size, TILE=tile, SPLIT=num_splits > 1, GROUPED=prompt_rows is not None,
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
@@ -359,35 +370,46 @@ def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int, 
     )
 
 
-def default_tuning(fmt: KVPageFormat) -> dict:
-    """Tokens per tile and pipeline stages. Pages are read through an indirection (the block
-    table), so the compiler prefetches a tile (num_stages - 1) // 2 tiles ahead: 5 stages keep the
-    next tile's loads in flight while this one is computed. 3-bit codes are gathered one 32-bit
-    word per channel, too large to stage in shared memory, so they are not pipelined."""
+def default_tuning(fmt: KVPageFormat, group: int, grouped: bool) -> dict:
+    """Tokens per tile, pipeline stages and warps, for ``group`` query heads per KV head and programs
+    of one query token or of a group of them (``grouped``). Pages are
+    read through an indirection (the block table), so the compiler prefetches a tile
+    (num_stages - 1) // 2 tiles ahead: 5 stages keep the next tile's loads in flight while this one
+    is computed. 3-bit codes are gathered one 32-bit word per channel, too large to stage in shared
+    memory, so they are not pipelined. One token's programs run 2 warps (4/4, batch 64 at 4,096
+    tokens: 409 us instead of 501 with 4 warps for MHA, 112 instead of 149 for GQA), except GQA at
+    8 bits, which a serving step's short contexts run faster with 4 (64 us against 78;
+    docs/benchmarks.md). Groups of prompt tokens (PROMPT_ROWS rows) take 4."""
     lay = page_layout(fmt)
     bits = {lay.k.bits, lay.v.bits}
     if 3 in bits:
-        return {"tile": min(lay.block_size, 32), "num_stages": 1}
+        return {"tile": min(lay.block_size, 32), "num_stages": 1, "num_warps": 4}
     tile = 128 if lay.head_size <= 128 else 32
-    return {"tile": min(lay.block_size, tile), "num_stages": 5}
+    warps = 4 if grouped or (8 in bits and group > 1) else 2
+    return {"tile": min(lay.block_size, tile), "num_stages": 5, "num_warps": warps}
 
 
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
-                 out: torch.Tensor | None = None, tile: int | None = None, num_warps: int = 4,
+                 out: torch.Tensor | None = None, tile: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, programs_per_sm: int = 2,
-                 group_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 group_rows: torch.Tensor | None = None, group_starts: torch.Tensor | None = None,
+                 prompt_rows: int = PROMPT_ROWS) -> torch.Tensor:
     """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
     ``block_table`` [N, max_blocks] and ``seq_lens`` [N] (context length,
-    the new token included) are int32 on the same device. ``group_rows`` [N] int32 (from
-    ``token_rows`` with ``rows_per_program``): rows taken together by the program of each row.
+    the new token included) are int32 on the same device. ``group_rows`` [N] and ``group_starts``
+    [number of groups] int32 (from ``token_rows`` with ``rows_per_program``): the rows each group
+    takes together from its first, and the groups' first rows; ``prompt_rows``: the rows of a
+    group's products, the same as ``rows_per_program`` was given.
     """
-    tuning = default_tuning(fmt)
+    if (group_rows is None) != (group_starts is None):
+        raise ValueError("paged_decode: group_rows and group_starts come together (see token_rows)")
     query = query.contiguous()  # a prefill batch's queries may arrive as a view into the fused QKV output
     n, hq, d = query.shape
     h = fmt.k.num_heads
+    tuning = default_tuning(fmt, hq // h, group_rows is not None)
     if num_splits is None:
         num_splits = choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device, programs_per_sm)
     max_blocks = max(1, -(-max_seq_len // fmt.block_size))
@@ -397,13 +419,14 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     part = out
     if num_splits > 1:
         part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
-    _decode_kernel[(n * h, num_splits)](
+    programs = n if group_starts is None else group_starts.shape[0]
+    _decode_kernel[(programs * h, num_splits)](
         query, cache, cache.view(torch.float16), block_table, seq_lens,
-        seq_lens if group_rows is None else group_rows, out, part,
+        seq_lens if group_rows is None else group_rows, seq_lens if group_starts is None else group_starts, out, part,
         sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split, num_splits,
-        **kernel_constants(fmt, hq // h, num_splits, tile or tuning["tile"], group_rows is not None,
+        **kernel_constants(fmt, hq // h, num_splits, tile or tuning["tile"], None if group_rows is None else prompt_rows,
                            query.is_cuda and torch.version.hip is None),
-        num_warps=num_warps, num_stages=num_stages or tuning["num_stages"],
+        num_warps=num_warps or tuning["num_warps"], num_stages=num_stages or tuning["num_stages"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(n, hq)](part, out, num_splits, HQ=hq, D=d, MAX_SPLITS=MAX_SPLITS)
@@ -419,7 +442,8 @@ def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_
     query = torch.zeros(1, num_query_heads, fmt.k.head_size, dtype=query_dtype, device=dev)
     block_table = torch.zeros(1, 2, dtype=torch.int32, device=dev)
     seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
+    first = torch.zeros(1, dtype=torch.int32, device=dev)
     for num_splits in (1, 2):
-        for group_rows in (None, seq_lens):
+        for groups in ((None, None), (seq_lens, first)):
             paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
-                         group_rows=group_rows)
+                         group_rows=groups[0], group_starts=groups[1])

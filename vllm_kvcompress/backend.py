@@ -136,7 +136,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         rows = None
         if self.device.type == "cuda" and num_decodes < n:
             rows = token_rows(cam.query_start_loc[: n + 1], cam.seq_lens[:n], cam.block_table_tensor[:n],
-                              query_start_loc[n], max(seq_lens[:n].tolist()), self._rows_per_group)
+                              query_start_loc[n], max(seq_lens[:n].tolist()), self._rows_per_group, query_start_loc)
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -255,7 +255,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             rows = md.token_rows  # a mixed batch: one decode row per query token
             r = rows.seq_lens.shape[0]
             self._decode_kernel(q[:r], pages, fmt, rows.block_table, rows.seq_lens, self.scale, rows.max_seq_len,
-                                out=out[:r], group_rows=rows.group_rows)
+                                out=out[:r], group_rows=rows.group_rows, group_starts=rows.group_starts)
             return output
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
