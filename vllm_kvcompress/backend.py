@@ -91,7 +91,7 @@ class KVCompressMetadata:
     slot_mapping: torch.Tensor
     seq_lens_device: torch.Tensor
     num_decodes: int  # the first num_decodes requests have one query token each
-    token_rows: TokenRows | None  # on CUDA with prefill tokens: every query token as a decode row
+    token_rows: TokenRows | None  # on CUDA, the prefill chunks' tokens (after the decodes') as decode rows
 
 
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
@@ -134,9 +134,11 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         while num_decodes < n and query_start_loc[num_decodes + 1] - query_start_loc[num_decodes] == 1:
             num_decodes += 1
         rows = None
-        if self.device.type == "cuda" and num_decodes < n:
-            rows = token_rows(cam.query_start_loc[: n + 1], cam.seq_lens[:n], cam.block_table_tensor[:n],
-                              query_start_loc[n], max(seq_lens[:n].tolist()), self._rows_per_group, query_start_loc)
+        if self.device.type == "cuda" and num_decodes < n:  # the prefill chunks' tokens, after the decodes
+            d, first = num_decodes, query_start_loc[num_decodes]
+            rows = token_rows(cam.query_start_loc[d: n + 1] - first, cam.seq_lens[d:n], cam.block_table_tensor[d:n],
+                              query_start_loc[n] - first, max(seq_lens[d:n].tolist()), self._rows_per_group,
+                              [x - first for x in query_start_loc[d: n + 1]])
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -251,12 +253,6 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             self._warm_up(pages, fmt, self.num_heads, q.dtype)
             self._warm_up = None
         slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load
-        if slim is None and self._decode_kernel is not None and md.token_rows is not None:
-            rows = md.token_rows  # a mixed batch: one decode row per query token
-            r = rows.seq_lens.shape[0]
-            self._decode_kernel(q[:r], pages, fmt, rows.block_table, rows.seq_lens, self.scale, rows.max_seq_len,
-                                out=out[:r], group_rows=rows.group_rows, group_starts=rows.group_starts)
-            return output
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
             # A CUDA graph keeps the launch for every later batch of this size: size splits for any context.
@@ -269,6 +265,14 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 self._decode_kernel(*decode_args, out=out[:nd])
         if nd < len(md.seq_lens):
             start = md.query_start_loc[nd]
+            if slim is None and self._decode_kernel is not None and md.token_rows is not None:
+                # prompt tokens as decode rows, in groups of a chunk's consecutive tokens (a launch of
+                # their own: groups take more rows of products than a decode row needs)
+                rows = md.token_rows
+                self._decode_kernel(q[start:], pages, fmt, rows.block_table, rows.seq_lens, self.scale,
+                                    rows.max_seq_len, out=out[start:], group_rows=rows.group_rows,
+                                    group_starts=rows.group_starts)
+                return output
             rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if slim is not None:
                 out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new[start:],
