@@ -146,13 +146,14 @@ def bench_prompt_rows(bits: int, num_prompts: int, hq: int, hkv: int, d: int, pr
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     starts = torch.arange(0, n + 1, prompt, dtype=torch.int32, device="cuda")
     seq_lens = torch.full((num_prompts,), prompt, dtype=torch.int32, device="cuda")
-    rows = token_rows(starts, seq_lens, table, n, prompt, rows_per_program(hq // hkv, tuning.get("prompt_rows", PROMPT_ROWS)),
-                      starts.tolist())
+    prompt_rows = tuning.pop("prompt_rows", PROMPT_ROWS)
+    rows = token_rows(starts, starts.tolist(), seq_lens, table, prompt, rows_per_program(hq // hkv, prompt_rows))
     out = torch.empty_like(q)
     ms = _time_ms(lambda: paged_decode(q, cache, fmt, rows.block_table, rows.seq_lens, d ** -0.5, prompt, out=out,
-                                       group_rows=rows.group_rows, group_starts=rows.group_starts, **tuning))
+                                       groups=rows.groups, **tuning))
     nbytes = num_prompts * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
-    name = f"ours k{bits}v{bits} prompt rows" + "".join(f" {k}={v}" for k, v in tuning.items())
+    name = (f"ours k{bits}v{bits} prompt rows" + (f" prompt_rows={prompt_rows}" if prompt_rows != PROMPT_ROWS else "")
+            + "".join(f" {k}={v}" for k, v in tuning.items()))
     return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes,
             "GB/s": nbytes / ms / 1e6}
 

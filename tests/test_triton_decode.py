@@ -4,6 +4,7 @@ Runs on the CPU in Triton's interpreter (small shapes) and, where a GPU is
 present, on the GPU with the same and larger shapes.
 """
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
@@ -103,29 +104,26 @@ def test_mixed_batch_as_token_rows_equals_reference(bits, prompt_rows, num_split
     q = qkv[:, :HQ * D].view(qsl[-1], HQ, D)
     ref = paged_torch.attend(q.float().cpu(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
     per_group = rows_per_program(HQ // H, prompt_rows) if prompt_rows else 1
-    rows = token_rows(torch.tensor(qsl, device=DEVICE), torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE),
-                      qsl[-1], max(seq_lens), per_group, qsl)
+    rows = token_rows(torch.tensor(qsl, device=DEVICE), qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE),
+                      max(seq_lens), per_group)
     assert rows.seq_lens.tolist() == [21, 1] + list(range(16, 41)) + list(range(1, 10))
-    grouping = {}
     if prompt_rows == 16:
         assert per_group == 8
-        assert rows.group_rows.tolist() == [1, 1] + [8, *[0] * 7] * 3 + [1] + [8, *[0] * 7, 1]
-        assert rows.group_starts.tolist() == [0, 1, 2, 10, 18, 26, 27, 35]
+        assert rows.groups.rows.tolist() == [1, 1] + [8, *[0] * 7] * 3 + [1] + [8, *[0] * 7, 1]
+        assert rows.groups.starts.tolist() == [0, 1, 2, 10, 18, 26, 27, 35]
     elif prompt_rows == 64:
         assert per_group == 32
-        assert rows.group_rows.tolist() == [1, 1, 25] + [0] * 24 + [9] + [0] * 8
-        assert rows.group_starts.tolist() == [0, 1, 2, 27]
-    if prompt_rows:
-        grouping = dict(group_rows=rows.group_rows, group_starts=rows.group_starts, prompt_rows=prompt_rows)
+        assert rows.groups.rows.tolist() == [1, 1, 25] + [0] * 24 + [9] + [0] * 8
+        assert rows.groups.starts.tolist() == [0, 1, 2, 27]
     got = paged_decode(q, cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len,
-                       num_splits=num_splits, **grouping)
+                       num_splits=num_splits, groups=rows.groups)
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
     if prompt_rows == 16 and num_splits is None:  # a row marked as taken is left to its group's program:
-        short = rows.group_rows.clone()             # shrink one group (unsplit: the merge writes split rows)
+        short = rows.groups.rows.clone()            # shrink one group (unsplit: the merge writes split rows)
         short[2] = 7
         out = torch.full_like(q, float("nan")).contiguous()
         paged_decode(q, cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len,
-                     num_splits=1, out=out, **(grouping | {"group_rows": short}))
+                     num_splits=1, out=out, groups=dataclasses.replace(rows.groups, rows=short))
         computed = ~out.float().isnan().any(-1).any(-1).cpu()
         assert computed.tolist() == [i != 2 + 7 for i in range(qsl[-1])]
 
@@ -138,7 +136,8 @@ def test_warm_up_compiles_every_variant_a_step_launches():
     compiled) this checks that warm_up runs and leaves the pages as they were."""
     import triton
 
-    from vllm_kvcompress.triton_kernels.decode import warm_up
+    from vllm_kvcompress.token_rows import TokenGroups
+    from vllm_kvcompress.triton_kernels.decode import rows_per_program, warm_up
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=8, v_bits=2), dtype, 32, 5, 64)
     seq_lens = [30, 31, 300]  # rows 0 and 1: one request's prompt tokens
@@ -147,6 +146,8 @@ def test_warm_up_compiles_every_variant_a_step_launches():
     cache, table = cache.to(DEVICE), torch.nn.functional.pad(table, (0, 16 - table.shape[1])).to(DEVICE)
     q = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    two_groups = TokenGroups(torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE),
+                             torch.tensor([0, 2], dtype=torch.int32, device=DEVICE), rows_per_program(10 // 5))
     compiled = []
     previous = triton.knobs.runtime.jit_post_compile_hook
     triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
@@ -158,11 +159,8 @@ def test_warm_up_compiles_every_variant_a_step_launches():
             assert compiled.count("_decode_kernel") == 4 and "_merge_splits_kernel" in compiled, compiled
         compiled.clear()
         for num_splits in (None, 1, 4):
-            for group_rows, group_starts in ((None, None), ([2, 0, 1], [0, 2])):
-                paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=num_splits,
-                             group_rows=group_rows and torch.tensor(group_rows, dtype=torch.int32, device=DEVICE),
-                             group_starts=group_starts and torch.tensor(group_starts, dtype=torch.int32,
-                                                                         device=DEVICE))
+            for groups in (None, two_groups):
+                paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=num_splits, groups=groups)
         assert compiled == []
     finally:
         triton.knobs.runtime.jit_post_compile_hook = previous

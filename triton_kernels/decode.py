@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.token_rows import TokenGroups
 
 from .addressing import code_unit_ptr
 from .layout import page_layout
@@ -341,28 +342,27 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
 PROMPT_ROWS = 64
 
 
-def _padded_rows(group: int, prompt_rows: int | None) -> int:
-    """Rows of the kernel's tensor-core products: the query heads of a KV head, at least 16, or
-    ``prompt_rows`` where programs take groups of prompt tokens."""
-    return max(prompt_rows or 16, triton.next_power_of_2(group))
+def _padded_rows(group: int, tokens: int) -> int:
+    """Rows of the kernel's tensor-core products for ``tokens`` query tokens of ``group`` query heads
+    per KV head: at least 16."""
+    return max(16, triton.next_power_of_2(group * tokens))
 
 
 def rows_per_program(group: int, prompt_rows: int = PROMPT_ROWS) -> int:
     """Query tokens of one request that a program can take at once, with ``group`` query heads per
     KV head: as many as fill ``prompt_rows`` rows (64 tokens for MHA)."""
-    return max(1, _padded_rows(group, prompt_rows) // group)
+    return max(1, max(prompt_rows, triton.next_power_of_2(group)) // group)
 
 
-def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int, prompt_rows: int | None,
+def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int, group_size: int | None,
                      asm_unpack: bool) -> dict:
-    """The decode kernel's compile-time constants for a page format, query heads per KV head,
-    the rows of programs that take groups of query tokens (None: one token a program), and whether
-    codes are unpacked with PTX (on an
-    NVIDIA GPU; Triton's interpreter runs no PTX)."""
+    """The decode kernel's compile-time constants for a page format, query heads per KV head, the
+    tokens a program takes together (None: one token a program, ungrouped), and whether codes are
+    unpacked with PTX (on an NVIDIA GPU; Triton's interpreter runs no PTX)."""
     lay = page_layout(fmt)
     return dict(
-        H=lay.num_kv_heads, G=group, GP=_padded_rows(group, prompt_rows), D=lay.head_size,
-        BLOCK=lay.block_size, TILE=tile, SPLIT=num_splits > 1, GROUPED=prompt_rows is not None,
+        H=lay.num_kv_heads, G=group, GP=_padded_rows(group, group_size or 1), D=lay.head_size,
+        BLOCK=lay.block_size, TILE=tile, SPLIT=num_splits > 1, GROUPED=group_size is not None,
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
@@ -393,23 +393,18 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
                  out: torch.Tensor | None = None, tile: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, programs_per_sm: int = 2,
-                 group_rows: torch.Tensor | None = None, group_starts: torch.Tensor | None = None,
-                 prompt_rows: int = PROMPT_ROWS) -> torch.Tensor:
+                 groups: TokenGroups | None = None) -> torch.Tensor:
     """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
     ``block_table`` [N, max_blocks] and ``seq_lens`` [N] (context length,
-    the new token included) are int32 on the same device. ``group_rows`` [N] and ``group_starts``
-    [number of groups] int32 (from ``token_rows`` with ``rows_per_program``): the rows each group
-    takes together from its first, and the groups' first rows; ``prompt_rows``: the rows of a
-    group's products, the same as ``rows_per_program`` was given.
+    the new token included) are int32 on the same device. ``groups`` (from ``token_rows`` with
+    ``rows_per_program``): rows that one program takes together.
     """
-    if (group_rows is None) != (group_starts is None):
-        raise ValueError("paged_decode: group_rows and group_starts come together (see token_rows)")
     query = query.contiguous()  # a prefill batch's queries may arrive as a view into the fused QKV output
     n, hq, d = query.shape
     h = fmt.k.num_heads
-    tuning = default_tuning(fmt, hq // h, group_rows is not None)
+    tuning = default_tuning(fmt, hq // h, groups is not None)
     if num_splits is None:
         num_splits = choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device, programs_per_sm)
     max_blocks = max(1, -(-max_seq_len // fmt.block_size))
@@ -419,12 +414,12 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     part = out
     if num_splits > 1:
         part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
-    programs = n if group_starts is None else group_starts.shape[0]
+    programs = n if groups is None else groups.starts.shape[0]
     _decode_kernel[(programs * h, num_splits)](
         query, cache, cache.view(torch.float16), block_table, seq_lens,
-        seq_lens if group_rows is None else group_rows, seq_lens if group_starts is None else group_starts, out, part,
+        seq_lens if groups is None else groups.rows, seq_lens if groups is None else groups.starts, out, part,
         sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split, num_splits,
-        **kernel_constants(fmt, hq // h, num_splits, tile or tuning["tile"], None if group_rows is None else prompt_rows,
+        **kernel_constants(fmt, hq // h, num_splits, tile or tuning["tile"], None if groups is None else groups.size,
                            query.is_cuda and torch.version.hip is None),
         num_warps=num_warps or tuning["num_warps"], num_stages=num_stages or tuning["num_stages"],
     )
@@ -442,8 +437,9 @@ def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_
     query = torch.zeros(1, num_query_heads, fmt.k.head_size, dtype=query_dtype, device=dev)
     block_table = torch.zeros(1, 2, dtype=torch.int32, device=dev)
     seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
-    first = torch.zeros(1, dtype=torch.int32, device=dev)
+    one_group = TokenGroups(seq_lens, torch.zeros(1, dtype=torch.int32, device=dev),
+                            rows_per_program(num_query_heads // fmt.k.num_heads))
     for num_splits in (1, 2):
-        for groups in ((None, None), (seq_lens, first)):
+        for groups in (None, one_group):
             paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
-                         group_rows=groups[0], group_starts=groups[1])
+                         groups=groups)

@@ -136,9 +136,9 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         rows = None
         if self.device.type == "cuda" and num_decodes < n:  # the prefill chunks' tokens, after the decodes
             d, first = num_decodes, query_start_loc[num_decodes]
-            rows = token_rows(cam.query_start_loc[d: n + 1] - first, cam.seq_lens[d:n], cam.block_table_tensor[d:n],
-                              query_start_loc[n] - first, max(seq_lens[d:n].tolist()), self._rows_per_group,
-                              [x - first for x in query_start_loc[d: n + 1]])
+            rows = token_rows(cam.query_start_loc[d: n + 1] - first, [x - first for x in query_start_loc[d: n + 1]],
+                              cam.seq_lens[d:n], cam.block_table_tensor[d:n], max(seq_lens[d:n].tolist()),
+                              self._rows_per_group)
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -270,8 +270,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 # their own: groups take more rows of products than a decode row needs)
                 rows = md.token_rows
                 self._decode_kernel(q[start:], pages, fmt, rows.block_table, rows.seq_lens, self.scale,
-                                    rows.max_seq_len, out=out[start:], group_rows=rows.group_rows,
-                                    group_starts=rows.group_starts)
+                                    rows.max_seq_len, out=out[start:], groups=rows.groups)
                 return output
             rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if slim is not None:

@@ -1,13 +1,13 @@
-"""Every query token of a batch as its own decode row.
+"""Every prompt token of a batch as its own decode row.
 
 A prefill chunk's token at position p attends causally to positions 0..p of its
 request, which is a decode of a (p + 1)-token context over the same pages. So a
-mixed batch of decodes and prefill chunks runs as one call of the decode kernel,
-one row per token, with no per-request loop. Built once per step, on the device,
-without synchronizing with the host. ``group_rows`` lets one kernel program take
+batch's prefill chunks run as one call of the decode kernel, one row per token,
+with no per-request loop. Built once per step, on the device, without
+synchronizing with the host. ``TokenGroups`` lets one kernel program take
 several consecutive tokens of a chunk, so the chunk reads each page once per
-group instead of once per token; ``group_starts`` lists the groups (from the
-host's copy of the query offsets), so that programs are launched only for them.
+group instead of once per token, and lists the groups (from the host's copy of
+the query offsets), so that programs are launched only for them.
 """
 
 from __future__ import annotations
@@ -18,30 +18,36 @@ import torch
 
 
 @dataclass
+class TokenGroups:
+    rows: torch.Tensor    # [T] int32: tokens from this one on (same request) taken together (0: taken by an earlier one)
+    starts: torch.Tensor  # [groups] int32: the first token of each group
+    size: int             # tokens a group takes at most
+
+
+@dataclass
 class TokenRows:
     seq_lens: torch.Tensor     # [T] int32: context length each token sees, itself included
     block_table: torch.Tensor  # [T, max_blocks] int32: its request's row of the block table
     max_seq_len: int
-    group_rows: torch.Tensor | None  # [T] int32: tokens from this one on (same request) taken together
-                                     # (0: taken by an earlier one); None: one token per program
-    group_starts: torch.Tensor | None  # [groups] int32: the first token of each group
+    groups: TokenGroups | None  # None: one token per program
 
 
-def token_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-               num_tokens: int, max_seq_len: int, rows_per_group: int = 1,
-               query_start_host: list[int] | None = None) -> TokenRows:
-    """``query_start_loc`` [R+1], ``seq_lens`` [R] and ``block_table`` [R, max_blocks] on the device;
-    a request's tokens are grouped ``rows_per_group`` at a time from its first (1: not grouped),
-    which needs ``query_start_host``, the same offsets as a host list."""
+def token_rows(query_start_loc: torch.Tensor, query_start_host: list[int], seq_lens: torch.Tensor,
+               block_table: torch.Tensor, max_seq_len: int, rows_per_group: int = 1) -> TokenRows:
+    """``query_start_loc`` [R+1] (and ``query_start_host``, the same offsets as a host list),
+    ``seq_lens`` [R] and ``block_table`` [R, max_blocks] on the device; a request's tokens are
+    grouped ``rows_per_group`` at a time from its first (1: not grouped)."""
+    num_tokens = query_start_host[-1]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     request = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens,
                                       output_size=num_tokens)
     offset = torch.arange(num_tokens, device=q_lens.device) - query_start_loc[request]
     lens = seq_lens[request] - q_lens[request] + offset + 1
-    group = starts = None
+    groups = None
     if rows_per_group > 1:
-        group = torch.where(offset % rows_per_group == 0,
-                            torch.clamp(q_lens[request] - offset, max=rows_per_group), 0).to(torch.int32)
+        rows = torch.where(offset % rows_per_group == 0,
+                           torch.clamp(q_lens[request] - offset, max=rows_per_group), 0).to(torch.int32)
         first = [t for a, b in zip(query_start_host, query_start_host[1:]) for t in range(a, b, rows_per_group)]
         starts = torch.tensor(first, dtype=torch.int32).to(q_lens.device, non_blocking=True)
-    return TokenRows(lens.to(torch.int32), block_table[request], max_seq_len, group, starts)
+        groups = TokenGroups(rows, starts, rows_per_group)
+    return TokenRows(lens.to(torch.int32), block_table[request], max_seq_len, groups)
