@@ -63,6 +63,31 @@ def test_decode_equals_reference_small(layer_format, num_splits, block, tile):
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
 
 
+def test_row_strided_and_misaligned_views_equal_reference():
+    """Queries and outputs as row-strided views (rows wider than the heads, as in a fused QKV
+    output), first 16-byte aligned, then at an odd element offset: on the GPU the kernel compiled
+    (and launched directly) for aligned pointers must not be reused for the misaligned ones."""
+    B, H, HQ, D = 16, 2, 4, 64
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), dtype, B, H, D)
+    seq_lens = [5, 40, 17]
+    cache, table = _fill(fmt, seq_lens, 2, seed=9)
+    q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, D ** -0.5)
+    cache, table = cache.to(DEVICE), table.to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    width = HQ * D + 8
+    for offset in (0, 0, 1):  # the second aligned call launches the kept kernel
+        q_buf = torch.zeros(len(seq_lens) * width + offset, dtype=dtype, device=DEVICE)
+        q_view = q_buf[offset:].view(len(seq_lens), width)[:, :HQ * D].view(len(seq_lens), HQ, D)
+        q_view.copy_(q)
+        out_buf = torch.full_like(q_buf, float("nan"))
+        out = out_buf[offset:].view(len(seq_lens), width)[:, 8:].view(len(seq_lens), HQ, D)
+        paged_decode(q_view, cache, fmt, table, lens, D ** -0.5, max(seq_lens), num_splits=1, out=out)
+        torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+        assert out_buf[offset:].view(len(seq_lens), width)[:, :8].isnan().all()  # nothing outside the rows
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 64, 128])
@@ -211,3 +236,37 @@ def test_ptx_unpacking_equals_masked_fields(bits):
             halves = [0x6400 | (b & field) for b in packed]
             assert out[f"${2 * k}"] == halves[0] | halves[1] << 16
             assert out[f"${2 * k + 1}"] == halves[2] | halves[3] << 16
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("q_lens", [[1, 1, 37], [37], [5, 9]], ids=["decodes-and-a-prompt", "one-prompt", "two-prompts"])
+def test_a_mixed_step_never_waits_for_the_gpu(q_lens):
+    """token_rows, the decode kernel and the cache write queue their work without synchronizing
+    with the GPU (torch raises on a synchronizing call in this mode): the host must stay ahead,
+    launching the step's layers while the GPU works. One prompt alone once made token_rows read a
+    repeat count back to the host."""
+    from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels.decode import rows_per_program
+    from vllm_kvcompress.triton_kernels.write import write_tokens
+    B, H, HQ, D = 16, 2, 4, 64
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.bfloat16, B, H, D)
+    seq_lens = [n + 20 for n in q_lens]
+    cache, table = _fill(fmt, seq_lens, 2, seed=4)
+    positions = [torch.arange(L - n, L) for L, n in zip(seq_lens, q_lens)]  # the new tokens'
+    slots = torch.cat([table[r, p // B].long() * B + p % B for r, p in enumerate(positions)]).cuda()
+    cache, table = cache.cuda(), table.cuda()
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    qsl_dev, lens = torch.tensor(qsl, dtype=torch.int32).cuda(), torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    q = torch.randn(qsl[-1], HQ, D, dtype=torch.bfloat16).cuda()
+    kv = torch.randn(qsl[-1], H, D, dtype=torch.bfloat16).cuda()
+    for _ in range(2):  # the second time through the kept compiled kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            write_tokens(cache, fmt, kv, kv, slots)
+            rows = token_rows(qsl_dev, qsl, lens, table, max(seq_lens), rows_per_program(HQ // H))
+            paged_decode(q, cache, fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len, groups=rows.groups)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

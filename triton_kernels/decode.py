@@ -13,6 +13,8 @@ codes enter the tensor-core dots.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,7 @@ from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .addressing import code_unit_ptr
+from .launch import Variant, launch
 from .layout import page_layout
 
 
@@ -138,7 +141,7 @@ def _f32(ptr):
 @triton.jit(do_not_specialize=["bt_stride", "blocks_per_split", "num_splits"])
 def _decode_kernel(
     q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, group_start_ptr, out_ptr, part_ptr,
-    sm_scale, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
+    sm_scale, q_stride, out_stride, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr,
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
@@ -189,8 +192,9 @@ def _decode_kernel(
     t_start = split * blocks_per_split * TPP
     t_end = tl.minimum(t_start + blocks_per_split * TPP, tl.cdiv(L, TILE))
 
-    q_index = ((row0 + r) * H + h) * G + mi % G  # row of the query / output as [tokens * heads]
-    q_row = q_ptr + q_index[:, None] * D
+    head = h * G + mi % G
+    part_row = (row0 + r) * (H * G) + head  # row of the split partials, [tokens * heads]
+    q_row = q_ptr + ((row0 + r) * q_stride + head * D)[:, None]
     gmask = rows_used[:, None]
     DV: tl.constexpr = D // VP
     dv = tl.arange(0, DV)[None, :]
@@ -284,7 +288,7 @@ def _decode_kernel(
                     acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_BITS), c3)
 
     if not SPLIT:
-        dst = out_ptr + q_index[:, None] * D + dv * VP
+        dst = out_ptr + ((row0 + r) * out_stride + head * D)[:, None] + dv * VP
         tl.store(dst, (acc0 / l[:, None]).to(dtype), mask=gmask)
         if VP > 1:
             tl.store(dst + 1, (acc1 / l[:, None]).to(dtype), mask=gmask)
@@ -292,7 +296,7 @@ def _decode_kernel(
             tl.store(dst + 2, (acc2 / l[:, None]).to(dtype), mask=gmask)
             tl.store(dst + 3, (acc3 / l[:, None]).to(dtype), mask=gmask)
     else:
-        base = part_ptr + (q_index[:, None] * num_splits + split) * (D + 2)
+        base = part_ptr + (part_row[:, None] * num_splits + split) * (D + 2)
         tl.store(base + dv * VP, acc0, mask=gmask)
         if VP > 1:
             tl.store(base + dv * VP + 1, acc1, mask=gmask)
@@ -307,7 +311,7 @@ MAX_SPLITS = 64
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_ptr, out_ptr, num_splits, HQ: tl.constexpr, D: tl.constexpr,
+def _merge_splits_kernel(part_ptr, out_ptr, out_stride, num_splits, HQ: tl.constexpr, D: tl.constexpr,
                          MAX_SPLITS: tl.constexpr):
     row = tl.program_id(0) * HQ + tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS)
@@ -319,11 +323,16 @@ def _merge_splits_kernel(part_ptr, out_ptr, num_splits, HQ: tl.constexpr, D: tl.
     acc = tl.load(base[:, None] + d[None, :], mask=used[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, 0))  # maxima in base-2 units
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + tl.program_id(0) * out_stride + tl.program_id(1) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
 def _planes(bits: int) -> int:
     return 8 // bits if bits in (2, 4) else 1
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
@@ -331,8 +340,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
     """Enough programs to give each SM ``programs_per_sm``, at least one block per split, a power of two."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, -(-programs_per_sm * sms // (num_seqs * num_kv_heads)))
+    want = max(1, -(-programs_per_sm * _multiprocessors(device.index or 0) // (num_seqs * num_kv_heads)))
     max_blocks = max(1, -(-max_seq_len // block_size))
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), MAX_SPLITS)
 
@@ -389,6 +397,31 @@ def default_tuning(fmt: KVPageFormat, group: int, grouped: bool) -> dict:
     return {"tile": min(lay.block_size, tile), "num_stages": 5, "num_warps": warps}
 
 
+@functools.cache
+def _variant(fmt: KVPageFormat, group: int, split: bool, group_size: int | None, asm_unpack: bool,
+             tile: int | None, num_warps: int | None, num_stages: int | None) -> Variant:
+    """The decode kernel's variant: constants, and the default tuning where ``tile``, ``num_warps``
+    or ``num_stages`` is None."""
+    tuning = default_tuning(fmt, group, group_size is not None)
+    return Variant(_decode_kernel,
+                   kernel_constants(fmt, group, 2 if split else 1, tile or tuning["tile"], group_size, asm_unpack),
+                   {"num_warps": num_warps or tuning["num_warps"], "num_stages": num_stages or tuning["num_stages"]})
+
+
+@functools.cache
+def _merge_variant(num_query_heads: int, head_size: int) -> Variant:
+    return Variant(_merge_splits_kernel, {"HQ": num_query_heads, "D": head_size, "MAX_SPLITS": MAX_SPLITS}, {})
+
+
+def _row_strided(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` [N, H, D] with its token-row stride, copied only where heads or channels are not
+    contiguous within a row (a query arrives as a view into the fused QKV output)."""
+    _, heads, d = x.stride()
+    if d != 1 or heads != x.shape[2]:
+        x = x.contiguous()
+    return x, x.stride(0)
+
+
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
                  out: torch.Tensor | None = None, tile: int | None = None, num_warps: int | None = None,
@@ -399,32 +432,33 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
     ``block_table`` [N, max_blocks] and ``seq_lens`` [N] (context length,
     the new token included) are int32 on the same device. ``groups`` (from ``token_rows`` with
-    ``rows_per_program``): rows that one program takes together.
+    ``rows_per_program``): rows that one program takes together. ``query`` and ``out`` may be
+    row-strided views (heads and channels contiguous within a row).
     """
-    query = query.contiguous()  # a prefill batch's queries may arrive as a view into the fused QKV output
+    query, q_stride = _row_strided(query)
     n, hq, d = query.shape
     h = fmt.k.num_heads
-    tuning = default_tuning(fmt, hq // h, groups is not None)
     if num_splits is None:
         num_splits = choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device, programs_per_sm)
     max_blocks = max(1, -(-max_seq_len // fmt.block_size))
     blocks_per_split = -(-max_blocks // num_splits)
     if out is None:
         out = torch.empty_like(query)
+    elif out.stride(2) != 1 or out.stride(1) != d:
+        raise ValueError(f"out: strides {out.stride()}; heads and channels must be contiguous within a row")
     part = out
     if num_splits > 1:
         part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
     programs = n if groups is None else groups.starts.shape[0]
-    _decode_kernel[(programs * h, num_splits)](
-        query, cache, cache.view(torch.float16), block_table, seq_lens,
-        seq_lens if groups is None else groups.rows, seq_lens if groups is None else groups.starts, out, part,
-        sm_scale, block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2, blocks_per_split, num_splits,
-        **kernel_constants(fmt, hq // h, num_splits, tile or tuning["tile"], None if groups is None else groups.size,
-                           query.is_cuda and torch.version.hip is None),
-        num_warps=num_warps or tuning["num_warps"], num_stages=num_stages or tuning["num_stages"],
-    )
+    variant = _variant(fmt, hq // h, num_splits > 1, None if groups is None else groups.size,
+                       query.is_cuda and torch.version.hip is None, tile, num_warps, num_stages)
+    launch(variant, (programs * h, num_splits),
+           (query, cache, cache.view(torch.float16), block_table, seq_lens,
+            seq_lens if groups is None else groups.rows, seq_lens if groups is None else groups.starts, out, part,
+            sm_scale, q_stride, out.stride(0), block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2,
+            blocks_per_split, num_splits))
     if num_splits > 1:
-        _merge_splits_kernel[(n, hq)](part, out, num_splits, HQ=hq, D=d, MAX_SPLITS=MAX_SPLITS)
+        launch(_merge_variant(hq, d), (n, hq), (part, out, out.stride(0), num_splits))
     return out
 
 

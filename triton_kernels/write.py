@@ -29,6 +29,8 @@ or a 32-bit word for 3 bits) and position inside the unit; channel
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +38,7 @@ import triton.language as tl
 from vllm_kvcompress.formats import KVPageFormat
 
 from .addressing import code_unit_ptr
+from .launch import Variant, launch
 from .layout import TensorLayout, page_layout
 
 # where statistics are per channel: channels re-encoded together, and programs a block's chunks are
@@ -323,25 +326,24 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
     return vals, triton.next_power_of_2(-(-d // vals)), triton.next_power_of_2(vals)
 
 
-def _write_tensor(cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor, fmt: KVPageFormat,
-                  lay: TensorLayout, per_channel: bool, chunk_channels: int, spread: int, num_warps: int | None) -> None:
+@functools.cache
+def _write_variant(fmt: KVPageFormat, lay: TensorLayout, per_channel: bool, chunk_channels: int, spread: int,
+                   num_warps: int | None) -> tuple[Variant, int]:
+    """The write kernel's variant for one tensor of the page, and its programs per (token, head)."""
     vals, units, per = _geometry(lay.bits, fmt.k.head_size)
     chunk, shares = units, 1  # where statistics are per token or need the ZipCache channel scales: whole rows
     if per_channel and lay.channel_scale < 0:  # channels are independent: chunks of them, dealt out
         chunk = min(units, triton.next_power_of_2(max(1, chunk_channels // vals)))
         shares = min(spread, units // chunk)
-    n = slot_mapping.shape[0]
     warps = num_warps or (2 if lay.bits != 16 else 1)
     rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread
-    _write_kernel[(n, fmt.k.num_heads, shares)](
-        src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0),
+    constants = dict(
         H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, BITS=lay.bits, VALS=vals, UNITS=units, PER=per,
-        UC=chunk, OWN=units // shares, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale,
-        PER_CHANNEL=per_channel, RT=rows_per_tile, num_warps=warps,
-        # unfused: a*b+c as one FMA rounds once where the reference rounds twice (the narrow 3-bit
-        # slots' steps carry more bits than a float holds next to their codes)
-        enable_fp_fusion=False,
-    )
+        UC=chunk, OWN=units // shares, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero,
+        CS=lay.channel_scale, PER_CHANNEL=per_channel, RT=rows_per_tile)
+    # unfused: a*b+c as one FMA rounds once where the reference rounds twice (the narrow 3-bit
+    # slots' steps carry more bits than a float holds next to their codes)
+    return Variant(_write_kernel, constants, {"num_warps": warps, "enable_fp_fusion": False}), shares
 
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
@@ -356,7 +358,9 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     if slot_mapping.shape[0] == 0:
         return
     lay = page_layout(fmt)
+    n = slot_mapping.shape[0]
     for src, codec, tensor_lay in ((key, fmt.k, lay.k), (value, fmt.v, lay.v)):
         if tensor_lay is not None:  # None: K-only pages
             per_channel = codec.bits != 16 and codec.axis == "channel"
-            _write_tensor(cache, src, slot_mapping, fmt, tensor_lay, per_channel, chunk_channels, spread, num_warps)
+            variant, shares = _write_variant(fmt, tensor_lay, per_channel, chunk_channels, spread, num_warps)
+            launch(variant, (n, fmt.k.num_heads, shares), (src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0)))

@@ -91,6 +91,9 @@ class KVCompressMetadata:
     slot_mapping: torch.Tensor
     seq_lens_device: torch.Tensor
     num_decodes: int  # the first num_decodes requests have one query token each
+    decode_block_table: torch.Tensor  # block_table[:num_decodes]
+    decode_seq_lens: torch.Tensor     # seq_lens_device[:num_decodes]
+    decode_max_seq_len: int           # at least the longest decode's context (0: no decodes)
     token_rows: TokenRows | None  # on CUDA, the prefill chunks' tokens (after the decodes') as decode rows
 
 
@@ -139,14 +142,18 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             rows = token_rows(cam.query_start_loc[d: n + 1] - first, [x - first for x in query_start_loc[d: n + 1]],
                               cam.seq_lens[d:n], cam.block_table_tensor[d:n], max(seq_lens[d:n].tolist()),
                               self._rows_per_group)
+        seq_lens = seq_lens[:n].tolist()
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
-            seq_lens=seq_lens[:n].tolist(),
+            seq_lens=seq_lens,
             block_table=cam.block_table_tensor[:n],
             slot_mapping=cam.slot_mapping,
             seq_lens_device=cam.seq_lens[:n],
             num_decodes=num_decodes,
+            decode_block_table=cam.block_table_tensor[:num_decodes],
+            decode_seq_lens=cam.seq_lens[:num_decodes],
+            decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
             token_rows=rows,
         )
 
@@ -178,6 +185,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._decode_kernel = None  # Triton decode on CUDA where the format has one
         self._warm_up = None  # compiles that kernel's variants, once, outside CUDA-graph capture
         self._write = paged_torch.write_tokens
+        self._kv_cache: torch.Tensor | None = None  # the tensor self._cache_pages views
+        self._cache_pages: torch.Tensor | None = None
 
     def _select_kernels(self, fmt: KVPageFormat, layer, device: torch.device) -> None:
         """Triton kernels on CUDA; KVCOMPRESS_KERNELS=torch keeps the torch reference (for checking),
@@ -219,10 +228,13 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 "the torch reference" if self._decode_kernel is None else self._decode_kernel.__name__)
         return self._format
 
-    @staticmethod
-    def _pages(kv_cache: torch.Tensor, fmt: KVPageFormat) -> torch.Tensor:
-        """``[num_blocks, 1, block_size, slot elems]`` cache view -> ``[num_blocks, page_bytes]`` uint8."""
-        return kv_cache.view(torch.uint8).reshape(kv_cache.shape[0], fmt.page_bytes)
+    def _pages(self, kv_cache: torch.Tensor, fmt: KVPageFormat) -> torch.Tensor:
+        """``[num_blocks, 1, block_size, slot elems]`` cache view -> ``[num_blocks, page_bytes]`` uint8,
+        made once for the layer's cache tensor (views cost the host microseconds in every layer)."""
+        if kv_cache is not self._kv_cache:
+            self._kv_cache = kv_cache
+            self._cache_pages = kv_cache.view(torch.uint8).reshape(kv_cache.shape[0], fmt.page_bytes)
+        return self._cache_pages
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
@@ -245,8 +257,6 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         md = attn_metadata
         t = md.num_actual_tokens
         q = query[:t].view(t, self.num_heads, self.head_size)
-        k_new = key[:t].reshape(t, self.num_kv_heads, self.head_size)
-        v_new = value[:t].reshape(t, self.num_kv_heads, self.head_size)
         out = output[:t].view(t, self.num_heads, self.head_size)
         pages = self._pages(kv_cache, fmt)
         if self._warm_up is not None and not torch.cuda.is_current_stream_capturing():
@@ -256,9 +266,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
             # A CUDA graph keeps the launch for every later batch of this size: size splits for any context.
-            longest = self._max_model_len if torch.cuda.is_current_stream_capturing() else max(md.seq_lens[:nd])
-            decode_args = (q[:nd], pages, fmt, md.block_table[:nd], md.seq_lens_device[:nd], self.scale,
-                           longest)
+            longest = self._max_model_len if torch.cuda.is_current_stream_capturing() else md.decode_max_seq_len
+            decode_args = (q[:nd], pages, fmt, md.decode_block_table, md.decode_seq_lens, self.scale, longest)
             if slim is not None:
                 self._decode_kernel(*decode_args, slim, out=out[:nd])
             else:
@@ -272,11 +281,12 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 self._decode_kernel(q[start:], pages, fmt, rows.block_table, rows.seq_lens, self.scale,
                                     rows.max_seq_len, out=out[start:], groups=rows.groups)
                 return output
+            k_new = key[start:t].reshape(t - start, self.num_kv_heads, self.head_size)
+            v_new = value[start:t].reshape(t - start, self.num_kv_heads, self.head_size)
             rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if slim is not None:
-                out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new[start:],
-                                                        v_new[start:])
+                out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new, v_new)
             else:
                 out[start:] = paged_torch.attend(q[start:], pages, fmt, *rest, self.sliding_window,
-                                                 key=k_new[start:], value=v_new[start:])
+                                                 key=k_new, value=v_new)
         return output

@@ -6,8 +6,9 @@ batch's prefill chunks run as one call of the decode kernel, one row per token,
 with no per-request loop. Built once per step, on the device, without
 synchronizing with the host. ``TokenGroups`` lets one kernel program take
 several consecutive tokens of a chunk, so the chunk reads each page once per
-group instead of once per token, and lists the groups (from the host's copy of
-the query offsets), so that programs are launched only for them.
+group instead of once per token, and lists the groups (counted from the host's
+copy of the query offsets, placed on the device), so that programs are launched
+only for them.
 """
 
 from __future__ import annotations
@@ -39,15 +40,28 @@ def token_rows(query_start_loc: torch.Tensor, query_start_host: list[int], seq_l
     grouped ``rows_per_group`` at a time from its first (1: not grouped)."""
     num_tokens = query_start_host[-1]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    request = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q_lens.device), q_lens,
-                                      output_size=num_tokens)
+    # repeats alone: repeat_interleave(values, repeats) reads a lone repeat count (one request) back
+    # to the host, which waits for the GPU
+    request = torch.repeat_interleave(q_lens, output_size=num_tokens)
     offset = torch.arange(num_tokens, device=q_lens.device) - query_start_loc[request]
     lens = seq_lens[request] - q_lens[request] + offset + 1
     groups = None
     if rows_per_group > 1:
         rows = torch.where(offset % rows_per_group == 0,
                            torch.clamp(q_lens[request] - offset, max=rows_per_group), 0).to(torch.int32)
-        first = [t for a, b in zip(query_start_host, query_start_host[1:]) for t in range(a, b, rows_per_group)]
-        starts = torch.tensor(first, dtype=torch.int32).to(q_lens.device, non_blocking=True)
+        starts = _group_starts(query_start_loc, q_lens, query_start_host, rows_per_group)
         groups = TokenGroups(rows, starts, rows_per_group)
     return TokenRows(lens.to(torch.int32), block_table[request], max_seq_len, groups)
+
+
+def _group_starts(query_start_loc: torch.Tensor, q_lens: torch.Tensor, query_start_host: list[int],
+                  rows_per_group: int) -> torch.Tensor:
+    """The first token of each group, computed on the device: a host list copied over would be
+    pageable memory, whose copy waits for the GPU to finish all work queued before it, and the
+    host would then launch the step's layers onto an idle GPU. The host only counts the groups."""
+    num_groups = sum(-(-(b - a) // rows_per_group) for a, b in zip(query_start_host, query_start_host[1:]))
+    per_request = (q_lens + rows_per_group - 1) // rows_per_group
+    request = torch.repeat_interleave(per_request, output_size=num_groups)  # repeats alone, as above
+    first_of_request = torch.cumsum(per_request, 0) - per_request
+    index = torch.arange(num_groups, device=q_lens.device) - first_of_request[request]
+    return (query_start_loc[request] + index * rows_per_group).to(torch.int32)

@@ -10,6 +10,7 @@ reference that the backend and the kernels are tested against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -103,7 +104,7 @@ class MinMaxCodec:
     num_heads: int
     head_size: int
 
-    @property
+    @cached_property  # read by every kernel launch (page offsets)
     def _layout(self) -> _Layout:
         B, H, D = self.block_size, self.num_heads, self.head_size
         stat_shape = H * D if self.axis == "channel" else B * H

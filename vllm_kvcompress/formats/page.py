@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -53,6 +54,17 @@ class KVPageFormat:
         recent = UncompressedCodec(dtype, fmt.rpc_tokens, 2 * num_kv_heads, head_size)
         return cls(k, v, block_size, dtype, recent, fmt.rpc_fraction)
 
+    def __hash__(self) -> int:  # kept: formats key the kernels' caches at every launch
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.k, self.v, self.block_size, self.dtype, self.recent, self.window_fraction))
+
+    def __getstate__(self) -> dict:
+        """Without the kept hash and sizes: a hash holds only in the process that computed it."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
     @property
     def window_cap(self) -> int:
         return 0 if self.recent is None else self.recent.block_size
@@ -65,7 +77,7 @@ class KVPageFormat:
     def codes_bytes(self) -> int:
         return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
 
-    @property
+    @cached_property  # read by every kernel launch
     def slot_bytes(self) -> int:
         """Bytes per token slot as vLLM sees it (page rounded up to whole slots of the dtype)."""
         elem = self.dtype.itemsize
@@ -73,7 +85,7 @@ class KVPageFormat:
         per_slot = -(-(self.codes_bytes + recent) // self.block_size)
         return -(-per_slot // elem) * elem
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         return self.slot_bytes * self.block_size
 
