@@ -7,6 +7,7 @@ compressed pages and queries read; write: each touched page read and written, an
 now that a token which fits its grids writes one row).
 
     python benchmarks/kernels.py --out results/kernels.json [--sweep] [--scaling] [--write-chunks 8 32]
+    python benchmarks/kernels.py --host   # host time of a mixed step's attention calls, a layer
     ncu ... python benchmarks/kernels.py --profile 4 32 32     # one decode launch per repeat, for a profiler
     ncu ... python benchmarks/kernels.py --profile-write 4 32  # the decode step's cache write only
 """
@@ -231,6 +232,73 @@ def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int
             "GB/s": nbytes / ms / 1e6}
 
 
+def _host_us(fn, calls: int = 40, reps: int = 7) -> float:
+    """Host microseconds per call of ``fn``: the GPU sleeps meanwhile, so launches only queue (40
+    calls of a few launches stay below the launch queue's depth, where the host would block)."""
+    import time
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(100_000_000)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
+    """Host time of one layer's attention calls in a mixed step (the serving step's 144 decode rows
+    and a 512-token prompt, queries and K/V as views into a fused QKV output): outside CUDA graphs
+    the host launches these for every layer, and the GPU waits if it falls behind. vLLM's
+    FlashAttention calls on the same step for comparison."""
+    from vllm import _custom_ops as ops
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels.decode import paged_decode, rows_per_program
+    from vllm_kvcompress.triton_kernels.write import write_tokens
+
+    fmt = _format(bits, hkv, d, 128)
+    lens = serving_lens(144, 900)
+    nd, prompt = len(lens), 512
+    cache, table = _pages(fmt, nd + 1, 1024)
+    t = nd + prompt
+    q, k, v = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16).split(
+        [hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    out = torch.empty(t, hq, d, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens + [prompt], dtype=torch.int32, device="cuda")
+    starts = list(range(nd + 1)) + [t]
+    starts_dev = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    slots = torch.cat([table[:nd, 0].long() * 128 + 5,
+                       table[nd, :4].long().repeat_interleave(128) * 128 + torch.arange(prompt, device="cuda") % 128])
+    rows = token_rows(starts_dev[nd:] - nd, [x - nd for x in starts[nd:]], seq_lens[nd:], table[nd:], prompt,
+                      rows_per_program(hq // hkv))
+    k_cache = torch.randn(t * 64, 16, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    flat_table = (torch.arange((nd + 1) * 64, device="cuda", dtype=torch.int32) % k_cache.shape[0]).view(nd + 1, 64)
+    one = torch.ones((), device="cuda")
+    cases = {
+        f"ours k{bits}v{bits}: cache write (K and V)": lambda: write_tokens(cache, fmt, k, v, slots),
+        f"ours k{bits}v{bits}: decode rows": lambda: paged_decode(q[:nd], cache, fmt, table[:nd], seq_lens[:nd],
+                                                                 d ** -0.5, 900, out=out[:nd]),
+        f"ours k{bits}v{bits}: prompt rows": lambda: paged_decode(q[nd:], cache, fmt, rows.block_table, rows.seq_lens,
+                                                                 d ** -0.5, prompt, out=out[nd:], groups=rows.groups),
+        "vLLM FlashAttention bf16: cache write": lambda: ops.reshape_and_cache_flash(
+            k, v, k_cache, v_cache, slots, "auto", one, one),
+        "vLLM FlashAttention bf16: attention": lambda: flash_attn_varlen_func(
+            q, k_cache, v_cache, max_seqlen_q=prompt, cu_seqlens_q=starts_dev, max_seqlen_k=900, seqused_k=seq_lens,
+            softmax_scale=d ** -0.5, causal=True, block_table=flat_table, out=out, fa_version=3),
+    }
+    rows_of_step = [{"kernel": "ours: token_rows (once a step)", "host_us": _host_us(  # about 15 launches a call
+        lambda: token_rows(starts_dev[nd:] - nd, [x - nd for x in starts[nd:]], seq_lens[nd:], table[nd:], prompt,
+                           rows_per_program(hq // hkv)), calls=4)}]
+    return [{"kernel": name, "host_us": _host_us(fn)} for name, fn in cases.items()] + rows_of_step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -247,6 +315,8 @@ def main() -> None:
     ap.add_argument("--write-cuda", action="store_true",
                     help="also time the CUDA write kernel (csrc/; needs nvcc, see docs/gpu.md)")
     ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
+    ap.add_argument("--host", action="store_true",
+                    help="only the host time of a mixed step's attention calls for one layer, ours and vLLM's")
     ap.add_argument("--serving", action="store_true",
                     help="also a serving step's decode rows (144 requests, contexts uniform in 16..900, see "
                          "serving_lens) with kernel variants, and a prefill chunk's prompt rows")
@@ -255,6 +325,11 @@ def main() -> None:
     ap.add_argument("--profile-write", nargs=2, type=int, metavar=("BITS", "HKV"),
                     help="only run the decode step's cache write a few times (for a profiler such as ncu)")
     args = ap.parse_args()
+    if args.host:
+        for name, hq, hkv, _ in SHAPES:
+            for r in bench_host(hq, hkv):
+                print(f"{name:24s} {r['kernel']:42s} {r['host_us']:6.1f} us of host time a call")
+        return
     if args.profile_write:
         bits, hkv = args.profile_write
         bench_write(bits, args.batch, hkv, 128)
