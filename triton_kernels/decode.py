@@ -340,7 +340,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_
     """Enough programs to give each SM ``programs_per_sm``, at least one block per split, a power of two."""
     if device.type != "cuda":
         return 1
-    want = max(1, -(-programs_per_sm * _multiprocessors(device.index or 0) // (num_seqs * num_kv_heads)))
+    index = torch.cuda.current_device() if device.index is None else device.index
+    want = max(1, -(-programs_per_sm * _multiprocessors(index) // (num_seqs * num_kv_heads)))
     max_blocks = max(1, -(-max_seq_len // block_size))
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), MAX_SPLITS)
 
@@ -362,15 +363,15 @@ def rows_per_program(group: int, prompt_rows: int = PROMPT_ROWS) -> int:
     return max(1, max(prompt_rows, triton.next_power_of_2(group)) // group)
 
 
-def kernel_constants(fmt: KVPageFormat, group: int, num_splits: int, tile: int, group_size: int | None,
+def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, group_size: int | None,
                      asm_unpack: bool) -> dict:
-    """The decode kernel's compile-time constants for a page format, query heads per KV head, the
-    tokens a program takes together (None: one token a program, ungrouped), and whether codes are
+    """The decode kernel's compile-time constants for a page format, query heads per KV head,
+    whether the context is split over programs, the tokens a program takes together (None: one token a program, ungrouped), and whether codes are
     unpacked with PTX (on an NVIDIA GPU; Triton's interpreter runs no PTX)."""
     lay = page_layout(fmt)
     return dict(
         H=lay.num_kv_heads, G=group, GP=_padded_rows(group, group_size or 1), D=lay.head_size,
-        BLOCK=lay.block_size, TILE=tile, SPLIT=num_splits > 1, GROUPED=group_size is not None,
+        BLOCK=lay.block_size, TILE=tile, SPLIT=split, GROUPED=group_size is not None,
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
@@ -404,7 +405,7 @@ def _variant(fmt: KVPageFormat, group: int, split: bool, group_size: int | None,
     or ``num_stages`` is None."""
     tuning = default_tuning(fmt, group, group_size is not None)
     return Variant(_decode_kernel,
-                   kernel_constants(fmt, group, 2 if split else 1, tile or tuning["tile"], group_size, asm_unpack),
+                   kernel_constants(fmt, group, split, tile or tuning["tile"], group_size, asm_unpack),
                    {"num_warps": num_warps or tuning["num_warps"], "num_stages": num_stages or tuning["num_stages"]})
 
 

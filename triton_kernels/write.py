@@ -326,10 +326,10 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
     return vals, triton.next_power_of_2(-(-d // vals)), triton.next_power_of_2(vals)
 
 
-@functools.cache
-def _write_variant(fmt: KVPageFormat, lay: TensorLayout, per_channel: bool, chunk_channels: int, spread: int,
+def _write_variant(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channels: int, spread: int,
                    num_warps: int | None) -> tuple[Variant, int]:
     """The write kernel's variant for one tensor of the page, and its programs per (token, head)."""
+    per_channel = codec.bits != 16 and codec.axis == "channel"
     vals, units, per = _geometry(lay.bits, fmt.k.head_size)
     chunk, shares = units, 1  # where statistics are per token or need the ZipCache channel scales: whole rows
     if per_channel and lay.channel_scale < 0:  # channels are independent: chunks of them, dealt out
@@ -346,6 +346,15 @@ def _write_variant(fmt: KVPageFormat, lay: TensorLayout, per_channel: bool, chun
     return Variant(_write_kernel, constants, {"num_warps": warps, "enable_fp_fusion": False}), shares
 
 
+@functools.cache
+def _write_variants(fmt: KVPageFormat, chunk_channels: int, spread: int,
+                    num_warps: int | None) -> tuple[tuple[Variant, int], tuple[Variant, int] | None]:
+    """K's and V's variants and programs per (token, head); V's None for K-only pages."""
+    lay = page_layout(fmt)
+    k = _write_variant(fmt, fmt.k, lay.k, chunk_channels, spread, num_warps)
+    return k, None if lay.v is None else _write_variant(fmt, fmt.v, lay.v, chunk_channels, spread, num_warps)
+
+
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor, chunk_channels: int = CHUNK_CHANNELS, spread: int = SPREAD,
                  num_warps: int | None = None) -> None:
@@ -355,12 +364,10 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     for benchmarks)."""
     if spread < 1 or spread & (spread - 1):
         raise ValueError(f"spread={spread}: a block's chunks are dealt out over a power of two of programs")
-    if slot_mapping.shape[0] == 0:
-        return
-    lay = page_layout(fmt)
     n = slot_mapping.shape[0]
-    for src, codec, tensor_lay in ((key, fmt.k, lay.k), (value, fmt.v, lay.v)):
-        if tensor_lay is not None:  # None: K-only pages
-            per_channel = codec.bits != 16 and codec.axis == "channel"
-            variant, shares = _write_variant(fmt, tensor_lay, per_channel, chunk_channels, spread, num_warps)
+    if n == 0:
+        return
+    for src, written in zip((key, value), _write_variants(fmt, chunk_channels, spread, num_warps)):
+        if written is not None:  # None: K-only pages
+            variant, shares = written
             launch(variant, (n, fmt.k.num_heads, shares), (src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0)))

@@ -89,10 +89,9 @@ class KVCompressMetadata:
     seq_lens: list[int]
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    seq_lens_device: torch.Tensor
     num_decodes: int  # the first num_decodes requests have one query token each
     decode_block_table: torch.Tensor  # block_table[:num_decodes]
-    decode_seq_lens: torch.Tensor     # seq_lens_device[:num_decodes]
+    decode_seq_lens: torch.Tensor     # [num_decodes] on the device
     decode_max_seq_len: int           # at least the longest decode's context (0: no decodes)
     token_rows: TokenRows | None  # on CUDA, the prefill chunks' tokens (after the decodes') as decode rows
 
@@ -132,6 +131,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         seq_lens = cam.seq_lens_cpu_upper_bound
         if seq_lens is None:
             seq_lens = cam.seq_lens.cpu()
+        seq_lens = seq_lens[:n].tolist()
         query_start_loc = cam.query_start_loc_cpu[: n + 1].tolist()
         num_decodes = 0
         while num_decodes < n and query_start_loc[num_decodes + 1] - query_start_loc[num_decodes] == 1:
@@ -140,16 +140,14 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         if self.device.type == "cuda" and num_decodes < n:  # the prefill chunks' tokens, after the decodes
             d, first = num_decodes, query_start_loc[num_decodes]
             rows = token_rows(cam.query_start_loc[d: n + 1] - first, [x - first for x in query_start_loc[d: n + 1]],
-                              cam.seq_lens[d:n], cam.block_table_tensor[d:n], max(seq_lens[d:n].tolist()),
+                              cam.seq_lens[d:n], cam.block_table_tensor[d:n], max(seq_lens[d:n]),
                               self._rows_per_group)
-        seq_lens = seq_lens[:n].tolist()
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table=cam.block_table_tensor[:n],
             slot_mapping=cam.slot_mapping,
-            seq_lens_device=cam.seq_lens[:n],
             num_decodes=num_decodes,
             decode_block_table=cam.block_table_tensor[:num_decodes],
             decode_seq_lens=cam.seq_lens[:num_decodes],

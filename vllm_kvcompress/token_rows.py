@@ -44,11 +44,12 @@ def token_rows(query_start_loc: torch.Tensor, query_start_host: list[int], seq_l
     # to the host, which waits for the GPU
     request = torch.repeat_interleave(q_lens, output_size=num_tokens)
     offset = torch.arange(num_tokens, device=q_lens.device) - query_start_loc[request]
-    lens = seq_lens[request] - q_lens[request] + offset + 1
+    q_len = q_lens[request]
+    lens = seq_lens[request] - q_len + offset + 1
     groups = None
     if rows_per_group > 1:
-        rows = torch.where(offset % rows_per_group == 0,
-                           torch.clamp(q_lens[request] - offset, max=rows_per_group), 0).to(torch.int32)
+        rows = torch.where(offset % rows_per_group == 0, torch.clamp(q_len - offset, max=rows_per_group),
+                           0).to(torch.int32)
         starts = _group_starts(query_start_loc, q_lens, query_start_host, rows_per_group)
         groups = TokenGroups(rows, starts, rows_per_group)
     return TokenRows(lens.to(torch.int32), block_table[request], max_seq_len, groups)
