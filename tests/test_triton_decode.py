@@ -88,6 +88,40 @@ def test_row_strided_and_misaligned_views_equal_reference():
         assert out_buf[offset:].view(len(seq_lens), width)[:, :8].isnan().all()  # nothing outside the rows
 
 
+def test_a_fused_qkv_view_is_read_in_place():
+    """The queries' view into a fused QKV output reaches the kernel as it is, with its row stride
+    (copying it cost a kernel and host time in every layer); only a view whose heads or channels
+    are not contiguous within a row is copied."""
+    from vllm_kvcompress.triton_kernels.decode import _row_strided
+    qkv = torch.randn(5, (4 + 2 * 2) * 64)
+    q = qkv[:, :4 * 64].view(5, 4, 64)
+    seen, stride = _row_strided(q)
+    assert seen is q and stride == qkv.shape[1]
+    heads_apart = torch.randn(5, 4, 2, 64)[:, :, 0]
+    seen, stride = _row_strided(heads_apart)
+    assert seen is not heads_apart and seen.is_contiguous() and stride == 4 * 64
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+def test_a_kept_variant_launches_without_the_jit(monkeypatch):
+    """After its first launch a variant goes to the compiled kernel directly: Triton's JIT (its
+    argument binding cost 28 us of host a launch) is not entered again, and the output is the same."""
+    from vllm_kvcompress.triton_kernels import decode
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.bfloat16, 16, 2, 64)
+    seq_lens = [5, 40, 17]
+    cache, table = _fill(fmt, seq_lens, 2, seed=6)
+    cache, table = cache.cuda(), table.cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    q = torch.randn(len(seq_lens), 4, 64, dtype=torch.bfloat16).cuda()
+    first = decode.paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=1)
+    jit_calls = []
+    jit_run = decode._decode_kernel.run
+    monkeypatch.setattr(decode._decode_kernel, "run", lambda *a, **kw: jit_calls.append(1) or jit_run(*a, **kw))
+    again = decode.paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=1)
+    assert jit_calls == []
+    assert torch.equal(again, first)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 64, 128])
