@@ -48,6 +48,14 @@ from .layout import TensorLayout, page_layout
 # with 1 / 2 / 8 programs (MHA, 4/4, 4 warps; 2 warps, the default, 32.2)
 CHUNK_CHANNELS = 4
 SPREAD = 4
+# registers a thread may hold in the per-channel write (2, 4 and 8 bits): the compiler's own
+# choice (72) lets about 14 programs share an SM, and a decode step's write waits on memory in
+# short programs, so more of them at once hide more of it. H200, a decode step of 144 requests
+# (4/4, MHA): 53.0 us uncapped, 39.8 / 38.2 / 37.9 at 32 / 40 / 48 (GQA 19.0 -> 17.0 at 40; 2/2
+# 35.0 -> 25.6, 8/8 61.8 -> 40.4). A prefill chunk's write, whose block programs hold whole blocks
+# in registers, slows by 6% at 40 (185.8 -> 196.2 us for 2,048 tokens); decoding writes dominate
+# a serving run. Not applied on ROCm, which has no such option.
+REGISTER_CAP = 40
 
 
 @triton.jit
@@ -343,7 +351,10 @@ def _write_variant(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channels: 
         CS=lay.channel_scale, PER_CHANNEL=per_channel, RT=rows_per_tile)
     # unfused: a*b+c as one FMA rounds once where the reference rounds twice (the narrow 3-bit
     # slots' steps carry more bits than a float holds next to their codes)
-    return Variant(_write_kernel, constants, {"num_warps": warps, "enable_fp_fusion": False}), shares
+    options = {"num_warps": warps, "enable_fp_fusion": False}
+    if per_channel and lay.bits in (2, 4, 8) and torch.version.hip is None:
+        options["maxnreg"] = REGISTER_CAP
+    return Variant(_write_kernel, constants, options), shares
 
 
 @functools.cache
