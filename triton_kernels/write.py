@@ -3,7 +3,7 @@
 Writes the bytes ``paged_torch.write_tokens`` writes (divisions and square roots
 are IEEE-rounded, ``div_rn`` / ``sqrt_rn``, so they match the torch reference),
 with as little work as the format allows. Programs per (token, KV head), one
-launch for K and one for V:
+launch for K and V (V in the first of a token's K shares):
 
 - statistics per token (V, KIVI), or 16-bit rows: the token's program encodes its
   own row. Earlier rows keep their codes: re-encoding them would give the same
@@ -265,65 +265,87 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
     tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), wide_zero, mask=widen)
 
 
-# a step's token count is not specialized on (1, multiples of 16): no compile in the middle of serving
-@triton.jit(do_not_specialize=["num_tokens"])
-def _write_kernel(src_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, src_stride,
+@triton.jit
+def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares, slot, page,
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, OWN: tl.constexpr,
                   CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr,
                   PER_CHANNEL: tl.constexpr, RT: tl.constexpr):
-    """Program (token i, head h, share s) for one tensor (K or V) of the page. Where statistics are
-    per channel, the block's chunks of UC units are dealt out over the grid's third axis (of
-    ``shares`` programs, share s takes every shares-th chunk, OWN units in all), so a block's
-    re-encoding runs in that many programs at once; a decoding token's widened units are requantized
-    RT rows at a time."""
+    """Token i's write of one tensor (K or V) for head h, as share ``share`` of ``shares``. Where
+    statistics are per channel, the block's chunks of UC units are dealt out over the shares (share
+    s takes every shares-th chunk, OWN units in all), so a block's re-encoding runs in that many
+    programs at once; a decoding token's widened units are requantized RT rows at a time."""
+    blk = slot // BLOCK
+    off = slot % BLOCK
+    all_units = tl.arange(0, UNITS)
+    if BITS == 16:  # the model's own values
+        d = tl.arange(0, D)
+        dst = (page + CODES + (off * H + h) * ROW).to(src_ptr.dtype) + d
+        tl.store(dst, tl.load(src_ptr + i * src_stride + h * D + d))
+    elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
+        nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
+        if (nxt < 0) | (nxt // BLOCK != blk):
+            prev = tl.load(slot_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
+            if (off > 0) & (prev != slot - 1) & (CS < 0):  # (CS < 0 here: statistics per channel)
+                # one token appended to stored ones: only the share's units where a value left
+                # its grid are re-encoded, UC at a time (gathered by rank among them)
+                k = tl.arange(0, OWN)
+                own_units = (k // UC) * (shares * UC) + share * UC + k % UC
+                misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, own_units, D, BLOCK, BITS, VALS, PER,
+                                         CODES, ROW, SCALE, ZERO)
+                count = tl.sum(misfit)
+                rank = tl.cumsum(misfit, 0) - misfit
+                for first in range(0, count, UC):
+                    want = first + tl.arange(0, UC)
+                    units = tl.sum(tl.where((rank[None, :] == want[:, None]) & (misfit[None, :] == 1),
+                                            own_units[None, :], 0), 1)
+                    _widen_units(src_ptr, src_stride, i, off, page, h, units, want < count, D, BLOCK, BITS,
+                                 VALS, PER, CODES, ROW, SCALE, ZERO, RT)
+            else:
+                t = tl.arange(0, BLOCK)
+                j = i - (off - t)
+                in_batch = (j >= 0) & (t <= off)
+                is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
+                for first in range(share * UC, UNITS, shares * UC):  # channels are independent
+                    units = first + tl.arange(0, UC)
+                    _encode_rows(src_ptr, src_stride, t, j, is_new, t <= off, page, h, units, units < UNITS, D,
+                                 BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
+    else:  # statistics per token: only its own row changes
+        one = tl.arange(0, 1)
+        _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, all_units,
+                     all_units < UNITS, D, BLOCK, BITS, VALS, UNITS, PER, CODES, ROW, SCALE, ZERO, CS,
+                     PER_CHANNEL)
+
+
+# a step's token count is not specialized on (1, multiples of 16): no compile in the middle of serving
+@triton.jit(do_not_specialize=["num_tokens"])
+def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_stride, v_stride,
+                  H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                  K_BITS: tl.constexpr, K_VALS: tl.constexpr, K_UNITS: tl.constexpr, K_PER: tl.constexpr,
+                  K_UC: tl.constexpr, K_OWN: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr,
+                  K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, K_CS: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
+                  K_RT: tl.constexpr, HAS_V: tl.constexpr,
+                  V_BITS: tl.constexpr, V_VALS: tl.constexpr, V_UNITS: tl.constexpr, V_PER: tl.constexpr,
+                  V_UC: tl.constexpr, V_OWN: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr,
+                  V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
+                  V_RT: tl.constexpr):
+    """Program (token i, head h, share s) writes K as share s of the grid's third axis, and, in
+    share 0, V (one launch for both: V's own launch cost a decode step of 144 requests 15.6 us on
+    an H200, MHA 4/4)."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     share = tl.program_id(2)
-    shares = tl.num_programs(2)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if slot >= 0:
-        blk = slot // BLOCK
-        off = slot % BLOCK
-        page = cache_ptr + blk * page_bytes
-        all_units = tl.arange(0, UNITS)
-        if BITS == 16:  # the model's own values
-            d = tl.arange(0, D)
-            dst = (page + CODES + (off * H + h) * ROW).to(src_ptr.dtype) + d
-            tl.store(dst, tl.load(src_ptr + i * src_stride + h * D + d))
-        elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
-            nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
-            if (nxt < 0) | (nxt // BLOCK != blk):
-                prev = tl.load(slot_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
-                if (off > 0) & (prev != slot - 1) & (CS < 0):  # (CS < 0 here: statistics per channel)
-                    # one token appended to stored ones: only the share's units where a value left
-                    # its grid are re-encoded, UC at a time (gathered by rank among them)
-                    k = tl.arange(0, OWN)
-                    own_units = (k // UC) * (shares * UC) + share * UC + k % UC
-                    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, own_units, D, BLOCK, BITS, VALS, PER,
-                                             CODES, ROW, SCALE, ZERO)
-                    count = tl.sum(misfit)
-                    rank = tl.cumsum(misfit, 0) - misfit
-                    for first in range(0, count, UC):
-                        want = first + tl.arange(0, UC)
-                        units = tl.sum(tl.where((rank[None, :] == want[:, None]) & (misfit[None, :] == 1),
-                                                own_units[None, :], 0), 1)
-                        _widen_units(src_ptr, src_stride, i, off, page, h, units, want < count, D, BLOCK, BITS,
-                                     VALS, PER, CODES, ROW, SCALE, ZERO, RT)
-                else:
-                    t = tl.arange(0, BLOCK)
-                    j = i - (off - t)
-                    in_batch = (j >= 0) & (t <= off)
-                    is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
-                    for first in range(share * UC, UNITS, shares * UC):  # channels are independent
-                        units = first + tl.arange(0, UC)
-                        _encode_rows(src_ptr, src_stride, t, j, is_new, t <= off, page, h, units, units < UNITS, D,
-                                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
-        else:  # statistics per token: only its own row changes
-            one = tl.arange(0, 1)
-            _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, all_units,
-                         all_units < UNITS, D, BLOCK, BITS, VALS, UNITS, PER, CODES, ROW, SCALE, ZERO, CS,
-                         PER_CHANNEL)
+        page = cache_ptr + (slot // BLOCK) * page_bytes
+        _write_tensor(k_ptr, k_stride, slot_ptr, num_tokens, i, h, share, tl.num_programs(2), slot, page, H, D, BLOCK,
+                      K_BITS, K_VALS, K_UNITS, K_PER, K_UC, K_OWN, K_CODES, K_ROW, K_SCALE, K_ZERO, K_CS,
+                      K_PER_CHANNEL, K_RT)
+        if HAS_V:
+            if share == 0:
+                _write_tensor(v_ptr, v_stride, slot_ptr, num_tokens, i, h, 0, 1, slot, page, H, D, BLOCK,
+                              V_BITS, V_VALS, V_UNITS, V_PER, V_UC, V_OWN, V_CODES, V_ROW, V_SCALE, V_ZERO, V_CS,
+                              V_PER_CHANNEL, V_RT)
 
 
 def _geometry(bits: int, d: int) -> tuple[int, int, int]:
@@ -334,36 +356,38 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
     return vals, triton.next_power_of_2(-(-d // vals)), triton.next_power_of_2(vals)
 
 
-def _write_variant(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channels: int, spread: int,
-                   num_warps: int | None) -> tuple[Variant, int]:
-    """The write kernel's variant for one tensor of the page, and its programs per (token, head)."""
+def _tensor_constants(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channels: int, spread: int,
+                      warps: int) -> tuple[dict, int]:
+    """One tensor's constants of the write kernel (unprefixed), and how many shares its work takes."""
     per_channel = codec.bits != 16 and codec.axis == "channel"
     vals, units, per = _geometry(lay.bits, fmt.k.head_size)
     chunk, shares = units, 1  # where statistics are per token or need the ZipCache channel scales: whole rows
     if per_channel and lay.channel_scale < 0:  # channels are independent: chunks of them, dealt out
         chunk = min(units, triton.next_power_of_2(max(1, chunk_channels // vals)))
         shares = min(spread, units // chunk)
-    warps = num_warps or (2 if lay.bits != 16 else 1)
     rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread
-    constants = dict(
-        H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, BITS=lay.bits, VALS=vals, UNITS=units, PER=per,
-        UC=chunk, OWN=units // shares, CODES=lay.codes, ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero,
-        CS=lay.channel_scale, PER_CHANNEL=per_channel, RT=rows_per_tile)
-    # unfused: a*b+c as one FMA rounds once where the reference rounds twice (the narrow 3-bit
-    # slots' steps carry more bits than a float holds next to their codes)
-    options = {"num_warps": warps, "enable_fp_fusion": False}
-    if per_channel and lay.bits in (2, 4, 8) and torch.version.hip is None:
-        options["maxnreg"] = REGISTER_CAP
-    return Variant(_write_kernel, constants, options), shares
+    return dict(BITS=lay.bits, VALS=vals, UNITS=units, PER=per, UC=chunk, OWN=units // shares, CODES=lay.codes,
+                ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale, PER_CHANNEL=per_channel,
+                RT=rows_per_tile), shares
 
 
 @functools.cache
-def _write_variants(fmt: KVPageFormat, chunk_channels: int, spread: int,
-                    num_warps: int | None) -> tuple[tuple[Variant, int], tuple[Variant, int] | None]:
-    """K's and V's variants and programs per (token, head); V's None for K-only pages."""
+def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, num_warps: int | None) -> tuple[Variant, int]:
+    """The write kernel's variant for a page format, and its programs per (token, head): K's shares
+    (V is written in share 0)."""
     lay = page_layout(fmt)
-    k = _write_variant(fmt, fmt.k, lay.k, chunk_channels, spread, num_warps)
-    return k, None if lay.v is None else _write_variant(fmt, fmt.v, lay.v, chunk_channels, spread, num_warps)
+    warps = num_warps or (2 if {lay.k.bits, (lay.v or lay.k).bits} != {16} else 1)
+    k, shares = _tensor_constants(fmt, fmt.k, lay.k, chunk_channels, spread, warps)
+    v = k if lay.v is None else _tensor_constants(fmt, fmt.v, lay.v, chunk_channels, 1, warps)[0]
+    constants = dict(H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, HAS_V=lay.v is not None,
+                     **{f"K_{name}": value for name, value in k.items()},
+                     **{f"V_{name}": value for name, value in v.items()})
+    # unfused: a*b+c as one FMA rounds once where the reference rounds twice (the narrow 3-bit
+    # slots' steps carry more bits than a float holds next to their codes)
+    options = {"num_warps": warps, "enable_fp_fusion": False}
+    if k["PER_CHANNEL"] and k["CS"] < 0 and lay.k.bits in (2, 4, 8) and torch.version.hip is None:
+        options["maxnreg"] = REGISTER_CAP
+    return Variant(_write_kernel, constants, options), shares
 
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
@@ -378,7 +402,8 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    for src, written in zip((key, value), _write_variants(fmt, chunk_channels, spread, num_warps)):
-        if written is not None:  # None: K-only pages
-            variant, shares = written
-            launch(variant, (n, fmt.k.num_heads, shares), (src, slot_mapping, cache, n, fmt.page_bytes, src.stride(0)))
+    variant, shares = _write_variant(fmt, chunk_channels, spread, num_warps)
+    if fmt.v is None:  # K-only pages: nothing reads V's arguments
+        value = key
+    launch(variant, (n, fmt.k.num_heads, shares),
+           (key, value, slot_mapping, cache, n, fmt.page_bytes, key.stride(0), value.stride(0)))
