@@ -366,8 +366,9 @@ def rows_per_program(group: int, prompt_rows: int = PROMPT_ROWS) -> int:
 def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, group_size: int | None,
                      asm_unpack: bool) -> dict:
     """The decode kernel's compile-time constants for a page format, query heads per KV head,
-    whether the context is split over programs, the tokens a program takes together (None: one token a program, ungrouped), and whether codes are
-    unpacked with PTX (on an NVIDIA GPU; Triton's interpreter runs no PTX)."""
+    whether the context is split over programs, the tokens a program takes together (None: one
+    token a program, ungrouped), and whether codes are unpacked with PTX (on an NVIDIA GPU;
+    Triton's interpreter runs no PTX)."""
     lay = page_layout(fmt)
     return dict(
         H=lay.num_kv_heads, G=group, GP=_padded_rows(group, group_size or 1), D=lay.head_size,

@@ -277,7 +277,6 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
     programs at once; a decoding token's widened units are requantized RT rows at a time."""
     blk = slot // BLOCK
     off = slot % BLOCK
-    all_units = tl.arange(0, UNITS)
     if BITS == 16:  # the model's own values
         d = tl.arange(0, D)
         dst = (page + CODES + (off * H + h) * ROW).to(src_ptr.dtype) + d
@@ -312,6 +311,7 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                                  BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
     else:  # statistics per token: only its own row changes
         one = tl.arange(0, 1)
+        all_units = tl.arange(0, UNITS)
         _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, all_units,
                      all_units < UNITS, D, BLOCK, BITS, VALS, UNITS, PER, CODES, ROW, SCALE, ZERO, CS,
                      PER_CHANNEL)
@@ -376,7 +376,8 @@ def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, num_warp
     """The write kernel's variant for a page format, and its programs per (token, head): K's shares
     (V is written in share 0)."""
     lay = page_layout(fmt)
-    warps = num_warps or (2 if {lay.k.bits, (lay.v or lay.k).bits} != {16} else 1)
+    quantized = lay.k.bits != 16 or (lay.v is not None and lay.v.bits != 16)
+    warps = num_warps or (2 if quantized else 1)  # 16-bit rows only copy
     k, shares = _tensor_constants(fmt, fmt.k, lay.k, chunk_channels, spread, warps)
     v = k if lay.v is None else _tensor_constants(fmt, fmt.v, lay.v, chunk_channels, 1, warps)[0]
     constants = dict(H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, HAS_V=lay.v is not None,

@@ -20,7 +20,8 @@ import torch
 
 @dataclass
 class TokenGroups:
-    rows: torch.Tensor    # [T] int32: tokens from this one on (same request) taken together (0: taken by an earlier one)
+    rows: torch.Tensor    # [T] int32: tokens from this one on (same request) taken together
+                          # (0: taken by an earlier one)
     starts: torch.Tensor  # [groups] int32: the first token of each group
     size: int             # tokens a group takes at most
 
