@@ -48,13 +48,13 @@ from .layout import TensorLayout, page_layout
 # with 1 / 2 / 8 programs (MHA, 4/4, 4 warps; 2 warps, the default, 32.2)
 CHUNK_CHANNELS = 4
 SPREAD = 4
-# registers a thread may hold in the per-channel write (2, 4 and 8 bits): the compiler's own
-# choice (72) lets about 14 programs share an SM, and a decode step's write waits on memory in
-# short programs, so more of them at once hide more of it. H200, a decode step of 144 requests
-# (4/4, MHA): 53.0 us uncapped, 39.8 / 38.2 / 37.9 at 32 / 40 / 48 (GQA 19.0 -> 17.0 at 40; 2/2
-# 35.0 -> 25.6, 8/8 61.8 -> 40.4). A prefill chunk's write, whose block programs hold whole blocks
-# in registers, slows by 6% at 40 (185.8 -> 196.2 us for 2,048 tokens); decoding writes dominate
-# a serving run. Not applied on ROCm, which has no such option.
+# registers a thread may hold in the per-channel write (2, 4 and 8 bits). The compiler's own
+# choice (72 for K's kernel alone, 89 to 96 with V's write in it) lets at most 14 programs share an
+# SM, and a decode step's write waits on memory in short programs, so more of them at once hide
+# more of it. H200, a decode step of 144 requests (4/4, MHA): 53.0 us uncapped, 39.8 / 38.2 / 37.9
+# at 32 / 40 / 48 (GQA 19.0 -> 17.0 at 40; 2/2 35.0 -> 25.6, 8/8 61.8 -> 40.4). A prefill chunk's
+# write, whose block programs hold whole blocks in registers, slows by 6% at 40 (185.8 -> 196.2 us
+# for 2,048 tokens); decoding writes dominate a serving run. Not applied on ROCm (no such option).
 REGISTER_CAP = 40
 
 
