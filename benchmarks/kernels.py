@@ -183,13 +183,15 @@ def bench_flash_prefill_bf16(num_prompts: int, hq: int, hkv: int, d: int, prompt
 
 
 def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, chunk_channels: int | None = None,
-                spread: int | None = None, num_warps: int | None = None, cuda: bool = False) -> dict:
+                spread: int | None = None, num_warps: int | None = None, cuda: bool = False,
+                dealt: bool | None = None) -> dict:
     """One decode step's cache write: each request appends a token to its last page, which holds
     1 to block-1 earlier tokens (spread evenly over the batch, as in a serving batch) from the same
     distribution. The pages are restored before every write and only the write is timed, so
     every write meets the same page state: a token that fits its channels' grids writes one row, one
     that widens a channel re-encodes that chunk of channels (the restored pages may sit in L2).
-    ``cuda``: the CUDA kernel (csrc/) instead of the Triton one."""
+    ``cuda``: the CUDA kernel (csrc/) instead of the Triton one; ``dealt``: force the Triton write's
+    mode (None: its own choice by the step's size)."""
     if cuda:
         from vllm_kvcompress.cuda_write import write_tokens
     else:
@@ -206,18 +208,19 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     slots = torch.tensor([s * block + n for s, n in enumerate(fills)], device="cuda")
     k, v = (torch.randn(num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     tuning = {key: val for key, val in (("chunk_channels", chunk_channels), ("spread", spread), ("num_warps", num_warps))
-              if val}
+              if val} | ({} if dealt is None else {"dealt": dealt})
     ms = _time_after_ms(lambda: cache.copy_(saved), lambda: write_tokens(cache, fmt, k, v, slots, **tuning))
     nbytes = 2 * num_seqs * fmt.page_bytes
     label = (f"write k{bits}v{bits}" + (" CUDA" if cuda else "")
              + (f" chunk {chunk_channels}" if chunk_channels else "") + (f" spread {spread}" if spread else "")
-             + (f" warps {num_warps}" if num_warps else ""))
+             + (f" warps {num_warps}" if num_warps else "") + ("" if dealt is None else f" dealt={dealt}"))
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
-def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int = 128) -> dict:
+def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int = 128,
+                        dealt: bool | None = None) -> dict:
     """A prefill chunk's cache write: ``num_blocks`` whole blocks of new tokens (one long prompt's
-    chunk), each block encoded by its last token's programs."""
+    chunk), each block encoded by its last tokens' programs. ``dealt`` as for ``bench_write``."""
     from vllm_kvcompress.triton_kernels.write import write_tokens
 
     fmt = _format(bits, hkv, d, block)
@@ -226,9 +229,10 @@ def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int
     gen = torch.Generator(device="cuda").manual_seed(0)
     k, v = (torch.randn(n, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     slots = torch.arange(n, device="cuda")
-    ms = _time_ms(lambda: write_tokens(cache, fmt, k, v, slots))
+    ms = _time_ms(lambda: write_tokens(cache, fmt, k, v, slots, **({} if dealt is None else {"dealt": dealt})))
     nbytes = num_blocks * fmt.page_bytes + 2 * k.numel() * k.element_size()
-    return {"kernel": f"write k{bits}v{bits} prefill {n} tokens", "block": block, "ms": ms, "bytes": nbytes,
+    label = f"write k{bits}v{bits} prefill {n} tokens" + ("" if dealt is None else f" dealt={dealt}")
+    return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes,
             "GB/s": nbytes / ms / 1e6}
 
 

@@ -21,10 +21,13 @@ FORMATS = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), Lay
            LayerFormat(k_bits=8, k_only=True)]
 
 
+@pytest.mark.parametrize("dealt", [False, True], ids=["shares", "dealt"])
 @pytest.mark.parametrize("layer_format", FORMATS, ids=lambda f: f.describe().replace("/", "_").replace(" ", "-"))
-def test_write_matches_reference_bytes(layer_format):
-    """A prefill batch (three requests: a full block, partial blocks, one across two blocks) then two
-    decode steps: identical pages."""
+def test_write_matches_reference_bytes(layer_format, dealt):
+    """A prefill batch (three requests: a full block, partial blocks, one across two blocks), two
+    decode steps, then a chunk of several tokens appended to two partly filled blocks: identical
+    pages, whether a block's chunks go to shares of each token's programs or are dealt out over the
+    programs of its last tokens (as for a prefill's many tokens)."""
     B, H, D = 16, 2, 64
     fmt = KVPageFormat.from_layer_format(layer_format, torch.float32, B, H, D)
     gen = torch.Generator().manual_seed(0)
@@ -33,13 +36,14 @@ def test_write_matches_reference_bytes(layer_format):
         torch.cat([torch.arange(3 * B, 3 * B + 16), torch.arange(5 * B, 5 * B + 5), torch.arange(1 * B, 1 * B + 9)]),
         torch.tensor([5 * B + 5, 1 * B + 9]),
         torch.tensor([5 * B + 6, -1, 1 * B + 10]),
+        torch.cat([torch.arange(5 * B + 7, 5 * B + 13), torch.arange(1 * B + 11, 1 * B + 14)]),
     ]
     ours = ref.clone().to(DEVICE)
     for slots in steps:
         k = torch.randn(len(slots), H, D, generator=gen) * 2 + 0.5
         v = torch.randn(len(slots), H, D, generator=gen) - 0.3
         paged_torch.write_tokens(ref, fmt, k, v, slots)
-        write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+        write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), dealt=dealt)
     kr, vr = fmt.decode(ref)
     ko, vo = fmt.decode(ours.cpu())
     used = [1, 3, 5, 6, 7]
@@ -48,14 +52,15 @@ def test_write_matches_reference_bytes(layer_format):
         torch.testing.assert_close(vo[used], vr[used], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits,fills,chunk_channels", [(4, (90, 100), 32), (3, (90, 100), 32), (4, (2, 5), 8),
-                                                       (2, (3, 1), 8)])
-def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels):
+@pytest.mark.parametrize("bits,fills,chunk_channels,dealt", [(4, (90, 100), 32, False), (3, (90, 100), 32, False),
+                                                              (4, (2, 5), 8, False), (2, (3, 1), 8, False),
+                                                              (4, (90, 100), 32, True), (2, (3, 1), 8, True)])
+def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels, dealt):
     """Decoding into 128-token blocks: twenty steps of two requests, identical pages after each step.
     Well filled, most new tokens fit their channels' stored grids and some widen one, and both
     outcomes occur (a step either leaves every earlier code and the statistics in place or rewrites
     some of them). Nearly empty, with small chunks, a token widens more channels than one chunk
-    re-encodes."""
+    re-encodes. Dealt (a decode row in a prefill's step), the block's last token does the append."""
     B, H, D = 128, 2, 64
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.float32, B, H, D)
     gen = torch.Generator().manual_seed(bits)
@@ -73,7 +78,8 @@ def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels):
         k, v = torch.randn(2, H, D, generator=gen), torch.randn(2, H, D, generator=gen)
         before = ref.clone()
         paged_torch.write_tokens(ref, fmt, k, v, slots)
-        write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), chunk_channels=chunk_channels)
+        write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), chunk_channels=chunk_channels,
+                     dealt=dealt)
         assert torch.equal(ours.cpu(), ref), f"step {step}"
         for blk, n in ((1, fills[0] + step), (3, fills[1] + step)):
             earlier = slice(0, n * k_codes // (H * B))  # the earlier tokens' rows of each head
@@ -110,16 +116,43 @@ def test_k_and_v_are_written_in_one_launch(monkeypatch):
     torch.testing.assert_close(vo[1, :5], vr[1, :5], rtol=0, atol=1e-6)
 
 
+def test_a_large_step_deals_each_blocks_chunks_over_its_last_tokens(monkeypatch):
+    """Past DEALT_PROGRAMS (tokens x heads), a step launches one program a (token, head), and the
+    block's chunks of channels go to the programs of its last tokens, each program a chunk; a
+    smaller step keeps SPREAD shares a token. Both write what the reference writes."""
+    from vllm_kvcompress.triton_kernels import write
+    B, H, D = 16, 2, 64
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.float32, B, H, D)
+    launches = []
+    real = write.launch
+    monkeypatch.setattr(write, "launch", lambda variant, grid, args: launches.append((variant, grid))
+                        or real(variant, grid, args))
+    monkeypatch.setattr(write, "DEALT_PROGRAMS", 19 * H)
+    ref = torch.zeros(6, fmt.page_bytes, dtype=torch.uint8)
+    ours = ref.clone().to(DEVICE)
+    for slots in (torch.arange(B, B + 19), torch.arange(3 * B, 3 * B + 20)):  # 19 tokens: shares; 20: dealt
+        k, v = torch.randn(len(slots), H, D), torch.randn(len(slots), H, D)
+        paged_torch.write_tokens(ref, fmt, k, v, slots)
+        write.write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+    (kr, vr), (ko, vo) = fmt.decode(ref), fmt.decode(ours.cpu())
+    torch.testing.assert_close(ko[1:5], kr[1:5], rtol=0, atol=1e-6)
+    torch.testing.assert_close(vo[1:5], vr[1:5], rtol=0, atol=1e-6)
+    (shared, shared_grid), (dealt, dealt_grid) = launches
+    assert shared_grid == (19, H, write.SPREAD) and shared.constants["K_DEAL"] == 1
+    assert dealt_grid == (20, H, 1) and dealt.constants["K_DEAL"] == D // write.CHUNK_CHANNELS
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_the_per_channel_write_keeps_to_its_register_cap(bits):
     """The compiled write holds at most REGISTER_CAP registers a thread (89 uncapped at 4/4 on an H200), so
-    more of a decode step's programs share an SM."""
+    more of a decode step's programs share an SM; in both of its variants (shares and dealt)."""
     from vllm_kvcompress.triton_kernels import launch, write
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, 128, 4, 128)
     cache = torch.zeros(2, fmt.page_bytes, dtype=torch.uint8, device="cuda")
     k, v = (torch.randn(3, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    write.write_tokens(cache, fmt, k, v, torch.tensor([0, 1, 130], device="cuda"))
-    variant, _ = write._write_variant(fmt, write.CHUNK_CHANNELS, write.SPREAD, None)
-    kept = [compiled for (v_, _), (compiled, _) in launch._compiled.items() if v_ is variant]
-    assert kept and all(0 < c.n_regs <= write.REGISTER_CAP for c in kept)
+    for dealt in (False, True):
+        write.write_tokens(cache, fmt, k, v, torch.tensor([0, 1, 130], device="cuda"), dealt=dealt)
+        variant, _ = write._write_variant(fmt, write.CHUNK_CHANNELS, write.SPREAD, None, dealt)
+        kept = [compiled for (v_, _), (compiled, _) in launch._compiled.items() if v_ is variant]
+        assert kept and all(0 < c.n_regs <= write.REGISTER_CAP for c in kept)

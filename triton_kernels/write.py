@@ -56,6 +56,10 @@ SPREAD = 4
 # write, whose block programs hold whole blocks in registers, slows by 6% at 40 (185.8 -> 196.2 us
 # for 2,048 tokens); decoding writes dominate a serving run. Not applied on ROCm (no such option).
 REGISTER_CAP = 40
+# (tokens x KV heads) above which a step's write deals each block's chunks over the programs of the
+# block's last new tokens, one program a (token, head), instead of over SPREAD programs of every
+# token: in a prefill most tokens have no K work, and their empty programs cost more than the work
+DEALT_PROGRAMS = 8192
 
 
 @triton.jit
@@ -266,40 +270,73 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
 
 
 @triton.jit
+def _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D: tl.constexpr, BLOCK: tl.constexpr,
+                  BITS: tl.constexpr, VALS: tl.constexpr, UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr,
+                  OWN: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr,
+                  RT: tl.constexpr):
+    """One token appended to stored ones under per-channel statistics (decoding): token i at block
+    offset ``off`` goes onto its channels' stored grids, and only share ``share``'s units where a
+    value left its grid are re-encoded, UC at a time (gathered by rank among them)."""
+    k = tl.arange(0, OWN)
+    own_units = (k // UC) * (shares * UC) + share * UC + k % UC
+    misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, own_units, D, BLOCK, BITS, VALS, PER,
+                             CODES, ROW, SCALE, ZERO)
+    count = tl.sum(misfit)
+    rank = tl.cumsum(misfit, 0) - misfit
+    for first in range(0, count, UC):
+        want = first + tl.arange(0, UC)
+        units = tl.sum(tl.where((rank[None, :] == want[:, None]) & (misfit[None, :] == 1), own_units[None, :], 0), 1)
+        _widen_units(src_ptr, src_stride, i, off, page, h, units, want < count, D, BLOCK, BITS,
+                     VALS, PER, CODES, ROW, SCALE, ZERO, RT)
+
+
+@triton.jit
 def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares, slot, page,
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, OWN: tl.constexpr,
                   CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr,
-                  PER_CHANNEL: tl.constexpr, RT: tl.constexpr):
+                  PER_CHANNEL: tl.constexpr, RT: tl.constexpr, DEAL: tl.constexpr):
     """Token i's write of one tensor (K or V) for head h, as share ``share`` of ``shares``. Where
     statistics are per channel, the block's chunks of UC units are dealt out over the shares (share
     s takes every shares-th chunk, OWN units in all), so a block's re-encoding runs in that many
-    programs at once; a decoding token's widened units are requantized RT rows at a time."""
+    programs at once; a decoding token's widened units are requantized RT rows at a time. With
+    DEAL > 1 (a prefill's write, one share), the chunks are dealt out over the programs of the
+    block's last DEAL new tokens instead."""
     blk = slot // BLOCK
     off = slot % BLOCK
     if BITS == 16:  # the model's own values
         d = tl.arange(0, D)
         dst = (page + CODES + (off * H + h) * ROW).to(src_ptr.dtype) + d
         tl.store(dst, tl.load(src_ptr + i * src_stride + h * D + d))
+    elif PER_CHANNEL and CS < 0 and DEAL > 1:
+        # tokens further than DEAL from their block's last new one stop here (a request's new tokens
+        # are consecutive in the batch, so the token DEAL ahead on the same block is the DEAL-th next)
+        ahead = tl.load(slot_ptr + i + DEAL, mask=i + DEAL < num_tokens, other=-1).to(tl.int64)
+        if (ahead != slot + DEAL) | (off + DEAL >= BLOCK):
+            t = tl.arange(0, BLOCK)
+            j = i + (t - off)
+            in_batch = (j >= 0) & (j < num_tokens)
+            is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
+            last = tl.max(tl.where(is_new, t, -1), 0)
+            count = tl.sum(is_new.to(tl.int32), 0)
+            dealers = tl.minimum(count, DEAL)
+            rank = last - off  # 0 for the block's last new token
+            if rank < dealers:
+                if (count == 1) & (off > 0):
+                    _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D, BLOCK, BITS, VALS,
+                                  UNITS, PER, UC, OWN, CODES, ROW, SCALE, ZERO, RT)
+                else:
+                    for first in range((rank * shares + share) * UC, UNITS, dealers * shares * UC):
+                        units = first + tl.arange(0, UC)
+                        _encode_rows(src_ptr, src_stride, t, j, is_new, t <= last, page, h, units, units < UNITS, D,
+                                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
     elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
         nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
         if (nxt < 0) | (nxt // BLOCK != blk):
             prev = tl.load(slot_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
             if (off > 0) & (prev != slot - 1) & (CS < 0):  # (CS < 0 here: statistics per channel)
-                # one token appended to stored ones: only the share's units where a value left
-                # its grid are re-encoded, UC at a time (gathered by rank among them)
-                k = tl.arange(0, OWN)
-                own_units = (k // UC) * (shares * UC) + share * UC + k % UC
-                misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, own_units, D, BLOCK, BITS, VALS, PER,
-                                         CODES, ROW, SCALE, ZERO)
-                count = tl.sum(misfit)
-                rank = tl.cumsum(misfit, 0) - misfit
-                for first in range(0, count, UC):
-                    want = first + tl.arange(0, UC)
-                    units = tl.sum(tl.where((rank[None, :] == want[:, None]) & (misfit[None, :] == 1),
-                                            own_units[None, :], 0), 1)
-                    _widen_units(src_ptr, src_stride, i, off, page, h, units, want < count, D, BLOCK, BITS,
-                                 VALS, PER, CODES, ROW, SCALE, ZERO, RT)
+                _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D, BLOCK, BITS, VALS,
+                              UNITS, PER, UC, OWN, CODES, ROW, SCALE, ZERO, RT)
             else:
                 t = tl.arange(0, BLOCK)
                 j = i - (off - t)
@@ -324,11 +361,11 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_s
                   K_BITS: tl.constexpr, K_VALS: tl.constexpr, K_UNITS: tl.constexpr, K_PER: tl.constexpr,
                   K_UC: tl.constexpr, K_OWN: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr,
                   K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, K_CS: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
-                  K_RT: tl.constexpr, HAS_V: tl.constexpr,
+                  K_RT: tl.constexpr, K_DEAL: tl.constexpr, HAS_V: tl.constexpr,
                   V_BITS: tl.constexpr, V_VALS: tl.constexpr, V_UNITS: tl.constexpr, V_PER: tl.constexpr,
                   V_UC: tl.constexpr, V_OWN: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr,
                   V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
-                  V_RT: tl.constexpr):
+                  V_RT: tl.constexpr, V_DEAL: tl.constexpr):
     """Program (token i, head h, share s) writes K as share s of the grid's third axis, and, in
     share 0, V (one launch for both: V's own launch cost a decode step of 144 requests 15.6 us on
     an H200, MHA 4/4)."""
@@ -340,12 +377,12 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_s
         page = cache_ptr + (slot // BLOCK) * page_bytes
         _write_tensor(k_ptr, k_stride, slot_ptr, num_tokens, i, h, share, tl.num_programs(2), slot, page, H, D, BLOCK,
                       K_BITS, K_VALS, K_UNITS, K_PER, K_UC, K_OWN, K_CODES, K_ROW, K_SCALE, K_ZERO, K_CS,
-                      K_PER_CHANNEL, K_RT)
+                      K_PER_CHANNEL, K_RT, K_DEAL)
         if HAS_V:
             if share == 0:
                 _write_tensor(v_ptr, v_stride, slot_ptr, num_tokens, i, h, 0, 1, slot, page, H, D, BLOCK,
                               V_BITS, V_VALS, V_UNITS, V_PER, V_UC, V_OWN, V_CODES, V_ROW, V_SCALE, V_ZERO, V_CS,
-                              V_PER_CHANNEL, V_RT)
+                              V_PER_CHANNEL, V_RT, V_DEAL)
 
 
 def _geometry(bits: int, d: int) -> tuple[int, int, int]:
@@ -357,29 +394,34 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
 
 
 def _tensor_constants(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channels: int, spread: int,
-                      warps: int) -> tuple[dict, int]:
-    """One tensor's constants of the write kernel (unprefixed), and how many shares its work takes."""
+                      warps: int, dealt: bool) -> tuple[dict, int]:
+    """One tensor's constants of the write kernel (unprefixed), and how many shares its work takes.
+    ``dealt``: a block's chunks go to the programs of its last new tokens, one share each."""
     per_channel = codec.bits != 16 and codec.axis == "channel"
     vals, units, per = _geometry(lay.bits, fmt.k.head_size)
-    chunk, shares = units, 1  # where statistics are per token or need the ZipCache channel scales: whole rows
+    chunk, shares, deal = units, 1, 1  # statistics per token or ZipCache channel scales: whole rows
     if per_channel and lay.channel_scale < 0:  # channels are independent: chunks of them, dealt out
         chunk = min(units, triton.next_power_of_2(max(1, chunk_channels // vals)))
-        shares = min(spread, units // chunk)
+        if dealt:
+            deal = units // chunk
+        else:
+            shares = min(spread, units // chunk)
     rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread
     return dict(BITS=lay.bits, VALS=vals, UNITS=units, PER=per, UC=chunk, OWN=units // shares, CODES=lay.codes,
                 ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale, PER_CHANNEL=per_channel,
-                RT=rows_per_tile), shares
+                RT=rows_per_tile, DEAL=deal), shares
 
 
 @functools.cache
-def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, num_warps: int | None) -> tuple[Variant, int]:
+def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, num_warps: int | None,
+                   dealt: bool = False) -> tuple[Variant, int]:
     """The write kernel's variant for a page format, and its programs per (token, head): K's shares
-    (V is written in share 0)."""
+    (V is written in share 0). ``dealt``: for a prefill's many tokens (see DEALT_PROGRAMS)."""
     lay = page_layout(fmt)
     quantized = lay.k.bits != 16 or (lay.v is not None and lay.v.bits != 16)
     warps = num_warps or (2 if quantized else 1)  # 16-bit rows only copy
-    k, shares = _tensor_constants(fmt, fmt.k, lay.k, chunk_channels, spread, warps)
-    v = k if lay.v is None else _tensor_constants(fmt, fmt.v, lay.v, chunk_channels, 1, warps)[0]
+    k, shares = _tensor_constants(fmt, fmt.k, lay.k, chunk_channels, spread, warps, dealt)
+    v = k if lay.v is None else _tensor_constants(fmt, fmt.v, lay.v, chunk_channels, 1, warps, dealt)[0]
     constants = dict(H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, HAS_V=lay.v is not None,
                      **{f"K_{name}": value for name, value in k.items()},
                      **{f"V_{name}": value for name, value in v.items()})
@@ -393,18 +435,32 @@ def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, num_warp
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor, chunk_channels: int = CHUNK_CHANNELS, spread: int = SPREAD,
-                 num_warps: int | None = None) -> None:
+                 num_warps: int | None = None, dealt: bool | None = None) -> None:
     """Same contract as ``paged_torch.write_tokens``; key/value [N, H, D] (row-strided views allowed).
     Where statistics are per channel: ``chunk_channels`` channels are re-encoded together, and a
-    block's chunks are dealt out over ``spread`` programs; ``num_warps`` per program (the three are
-    for benchmarks)."""
+    block's chunks are dealt out over ``spread`` programs, or with ``dealt`` over the programs of
+    its last new tokens (None: where N * H exceeds DEALT_PROGRAMS); ``num_warps`` per program (all
+    but the first five are for benchmarks and tests)."""
     if spread < 1 or spread & (spread - 1):
         raise ValueError(f"spread={spread}: a block's chunks are dealt out over a power of two of programs")
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    variant, shares = _write_variant(fmt, chunk_channels, spread, num_warps)
+    if dealt is None:
+        dealt = n * fmt.k.num_heads > DEALT_PROGRAMS
+    variant, shares = _write_variant(fmt, chunk_channels, spread, num_warps, dealt)
     if fmt.v is None:  # K-only pages: nothing reads V's arguments
         value = key
     launch(variant, (n, fmt.k.num_heads, shares),
            (key, value, slot_mapping, cache, n, fmt.page_bytes, key.stride(0), value.stride(0)))
+
+
+def warm_up(cache: torch.Tensor, fmt: KVPageFormat, dtype: torch.dtype) -> None:
+    """Compile both variants a serving step may launch (shares or dealt, by the step's size): vLLM's
+    warm-up reaches the small one only where it captures CUDA graphs. One token with no slot (-1):
+    nothing is written."""
+    h, d = fmt.k.num_heads, fmt.k.head_size
+    x = torch.zeros(1, h, d, dtype=dtype, device=cache.device)
+    nowhere = torch.full((1,), -1, dtype=torch.int64, device=cache.device)
+    for dealt in (False, True):
+        write_tokens(cache, fmt, x, x, nowhere, dealt=dealt)

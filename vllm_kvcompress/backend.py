@@ -183,6 +183,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._decode_kernel = None  # Triton decode on CUDA where the format has one
         self._warm_up = None  # compiles that kernel's variants, once, outside CUDA-graph capture
         self._write = paged_torch.write_tokens
+        self._write_warm_up = None  # likewise for the write kernel
         self._kv_cache: torch.Tensor | None = None  # the tensor self._cache_pages views
         self._cache_pages: torch.Tensor | None = None
 
@@ -202,8 +203,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             cuda_write.require(fmt)
             self._write = cuda_write.write_tokens
         elif fmt.recent is None:  # the Triton write kernel has no 16-bit recent ring yet
-            from .triton_kernels.write import write_tokens
-            self._write = write_tokens
+            from .triton_kernels import write
+            self._write = write.write_tokens
+            self._write_warm_up = write.warm_up
         if fmt.v is None:
             from .triton_kernels.slim_decode import slim_decode, slim_kernel_supports
             if slim_kernel_supports(fmt, getattr(layer, ATTRIBUTE).rotary) is None:
@@ -240,6 +242,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return
         fmt = self._page_format(layer, kv_cache)
         n = slot_mapping.shape[0]
+        if self._write_warm_up is not None and not torch.cuda.is_current_stream_capturing():
+            self._write_warm_up(self._pages(kv_cache, fmt), fmt, key.dtype)
+            self._write_warm_up = None
         self._write(self._pages(kv_cache, fmt), fmt, key[:n].view(n, self.num_kv_heads, -1),
                     value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
 
