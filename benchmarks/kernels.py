@@ -101,14 +101,17 @@ def _decode_case(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, 
 
 
 def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 128,
-               lens: list[int] | None = None, **tuning) -> dict:
-    """``lens``: each row's context length (at most ctx); all ctx without."""
-    from vllm_kvcompress.triton_kernels.decode import paged_decode
+               lens: list[int] | None = None, as_drawn: bool = False, **tuning) -> dict:
+    """``lens``: each row's context length (at most ctx); all ctx without. Rows go to programs longest
+    first, as the backend orders them, or with ``as_drawn`` in their own order."""
+    from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode
 
     fmt, cache, table, q, seq_lens, nbytes = _decode_case(bits, num_seqs, hq, hkv, d, ctx, block, lens)
     out = torch.empty_like(q)
-    ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out, **tuning))
-    name = f"ours k{bits}v{bits}" + "".join(f" {k}={v}" for k, v in tuning.items())
+    order = None if as_drawn else longest_first(seq_lens)
+    ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out, row_order=order,
+                                       **tuning))
+    name = f"ours k{bits}v{bits}" + " as drawn" * as_drawn + "".join(f" {k}={v}" for k, v in tuning.items())
     return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
@@ -391,7 +394,8 @@ def main() -> None:
             shape = f"{name} serving step"
             base = bench_flash_bf16(len(lens), hq, hkv, d, max(lens), lens=lens) | {"shape": shape}
             rows.append(base)
-            for bits, variant in ((4, {}), (8, {}), (2, {}), (4, {"num_stages": 3}), (4, {"num_warps": 2}),
+            for bits, variant in ((4, {}), (4, {"as_drawn": True}), (8, {}), (8, {"as_drawn": True}), (2, {}),
+                                  (4, {"num_stages": 3}), (4, {"num_warps": 2}),
                                   (4, {"num_warps": 4}), (8, {"num_warps": 2}), (8, {"num_warps": 4}),
                                   (2, {"num_warps": 2}), (2, {"num_warps": 4})):
                 ours = bench_ours(bits, len(lens), hq, hkv, d, max(lens), lens=lens, **variant) | {"shape": shape}

@@ -63,6 +63,33 @@ def test_decode_equals_reference_small(layer_format, num_splits, block, tile):
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_rows_taken_longest_first_equal_reference(num_splits):
+    """With ``row_order`` (``longest_first``: rows by decreasing context), program i takes row
+    order[i] and each row's output still lands in its own place. An order that names row 0 twice
+    and row 1 never shows that the programs follow it: unsplit, row 1's output is never written
+    (split, the merge kernel goes over every row)."""
+    from vllm_kvcompress.triton_kernels.decode import longest_first
+    B, H, HQ, D = 16, 2, 4, 64
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), dtype, B, H, D)
+    seq_lens = [5, 40, 17, 33]
+    cache, table = _fill(fmt, seq_lens, 2, seed=12)
+    q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(3)).to(dtype)
+    ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, D ** -0.5)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    order = longest_first(lens)
+    assert order.dtype == torch.int32 and order.tolist() == [1, 3, 2, 0]
+    args = (q.to(DEVICE), cache.to(DEVICE), fmt, table.to(DEVICE), lens, D ** -0.5, max(seq_lens))
+    got = paged_decode(*args, num_splits=num_splits, row_order=order)
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    if num_splits == 1:
+        out = torch.full_like(q, float("nan"), device=DEVICE)
+        paged_decode(*args, num_splits=1, out=out, row_order=torch.tensor([0, 0, 2, 3], dtype=torch.int32,
+                                                                          device=DEVICE))
+        assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
+
+
 def test_row_strided_and_misaligned_views_equal_reference():
     """Queries and outputs as row-strided views (rows wider than the heads, as in a fused QKV
     output), first 16-byte aligned, then at an odd element offset: on the GPU the kernel compiled
@@ -196,7 +223,7 @@ def test_warm_up_compiles_every_variant_a_step_launches():
     import triton
 
     from vllm_kvcompress.token_rows import TokenGroups
-    from vllm_kvcompress.triton_kernels.decode import rows_per_program, warm_up
+    from vllm_kvcompress.triton_kernels.decode import longest_first, rows_per_program, warm_up
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=8, v_bits=2), dtype, 32, 5, 64)
     seq_lens = [30, 31, 300]  # rows 0 and 1: one request's prompt tokens
@@ -217,9 +244,10 @@ def test_warm_up_compiles_every_variant_a_step_launches():
         if DEVICE == "cuda":
             assert compiled.count("_decode_kernel") == 4 and "_merge_splits_kernel" in compiled, compiled
         compiled.clear()
-        for num_splits in (None, 1, 4):
-            for groups in (None, two_groups):
-                paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=num_splits, groups=groups)
+        for num_splits in (None, 1, 4):  # decode rows come longest first (the backend's row_order)
+            for groups, order in ((None, longest_first(lens)), (two_groups, None)):
+                paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=num_splits, groups=groups,
+                             row_order=order)
         assert compiled == []
     finally:
         triton.knobs.runtime.jit_post_compile_hook = previous

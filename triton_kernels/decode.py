@@ -147,13 +147,15 @@ def _decode_kernel(
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
-    V_ZERO: tl.constexpr, V_CS: tl.constexpr, ASM: tl.constexpr,
+    V_ZERO: tl.constexpr, V_CS: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one
     token of a prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group
     starting at row ``group_start[i]``: ``group_rows[row]`` rows of the same request from there on
     (at most GP // G), as more rows of the tensor-core products, so a chunk of prompt tokens reads
-    each page once per group. Rows are ``(token r, query head g)`` pairs, ``m = r * G + g``; each
+    each page once per group. ORDERED (one token a program), program ``(i * H + h, split)`` takes
+    row ``group_start[i]``: the backend lists rows longest first, so that the last programs to
+    start are short ones and the launch ends with fewer SMs idle. Rows are ``(token r, query head g)`` pairs, ``m = r * G + g``; each
     row has its own context length.
 
     KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
@@ -172,7 +174,7 @@ def _decode_kernel(
     The KV heads of one request are neighbours in launch order, so the pages they share (rows of
     all heads lie side by side) are read from memory once and from L2 by the others."""
     h = tl.program_id(0) % H
-    if GROUPED:
+    if GROUPED or ORDERED:
         row0 = tl.load(group_start_ptr + tl.program_id(0) // H)
     else:
         row0 = tl.program_id(0) // H
@@ -364,11 +366,11 @@ def rows_per_program(group: int, prompt_rows: int = PROMPT_ROWS) -> int:
 
 
 def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, group_size: int | None,
-                     asm_unpack: bool) -> dict:
+                     asm_unpack: bool, ordered: bool = False) -> dict:
     """The decode kernel's compile-time constants for a page format, query heads per KV head,
     whether the context is split over programs, the tokens a program takes together (None: one
-    token a program, ungrouped), and whether codes are unpacked with PTX (on an NVIDIA GPU;
-    Triton's interpreter runs no PTX)."""
+    token a program, ungrouped), whether codes are unpacked with PTX (on an NVIDIA GPU;
+    Triton's interpreter runs no PTX), and whether ungrouped rows come in a given order."""
     lay = page_layout(fmt)
     return dict(
         H=lay.num_kv_heads, G=group, GP=_padded_rows(group, group_size or 1), D=lay.head_size,
@@ -376,7 +378,7 @@ def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, grou
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
-        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale, ASM=asm_unpack,
+        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale, ASM=asm_unpack, ORDERED=ordered,
     )
 
 
@@ -401,12 +403,12 @@ def default_tuning(fmt: KVPageFormat, group: int, grouped: bool) -> dict:
 
 @functools.cache
 def _variant(fmt: KVPageFormat, group: int, split: bool, group_size: int | None, asm_unpack: bool,
-             tile: int | None, num_warps: int | None, num_stages: int | None) -> Variant:
+             tile: int | None, num_warps: int | None, num_stages: int | None, ordered: bool) -> Variant:
     """The decode kernel's variant: constants, and the default tuning where ``tile``, ``num_warps``
     or ``num_stages`` is None."""
     tuning = default_tuning(fmt, group, group_size is not None)
     return Variant(_decode_kernel,
-                   kernel_constants(fmt, group, split, tile or tuning["tile"], group_size, asm_unpack),
+                   kernel_constants(fmt, group, split, tile or tuning["tile"], group_size, asm_unpack, ordered),
                    {"num_warps": num_warps or tuning["num_warps"], "num_stages": num_stages or tuning["num_stages"]})
 
 
@@ -428,7 +430,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
                  out: torch.Tensor | None = None, tile: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, programs_per_sm: int = 2,
-                 groups: TokenGroups | None = None) -> torch.Tensor:
+                 groups: TokenGroups | None = None, row_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
@@ -451,12 +453,16 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     part = out
     if num_splits > 1:
         part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
+    if groups is not None and row_order is not None:
+        raise ValueError("row_order: grouped rows are taken in their groups' order")
     programs = n if groups is None else groups.starts.shape[0]
     variant = _variant(fmt, hq // h, num_splits > 1, None if groups is None else groups.size,
-                       query.is_cuda and torch.version.hip is None, tile, num_warps, num_stages)
+                       query.is_cuda and torch.version.hip is None, tile, num_warps, num_stages,
+                       row_order is not None)
+    starts = groups.starts if groups is not None else row_order if row_order is not None else seq_lens
     launch(variant, (programs * h, num_splits),
            (query, cache, cache.view(torch.float16), block_table, seq_lens,
-            seq_lens if groups is None else groups.rows, seq_lens if groups is None else groups.starts, out, part,
+            seq_lens if groups is None else groups.rows, starts, out, part,
             sm_scale, q_stride, out.stride(0), block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2,
             blocks_per_split, num_splits))
     if num_splits > 1:
@@ -464,9 +470,21 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     return out
 
 
+def longest_first(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows in decreasing context length, int32 (``paged_decode``'s ``row_order``), into ``out`` where
+    given. On an H200, a serving step's decode rows (144 requests, contexts 16..900, 4/4) took 131.7
+    us in this order against 143.7 as drawn (GQA 42.7 against 51.6): a long row launched last keeps
+    its SMs busy after the others are done."""
+    order = torch.argsort(seq_lens, descending=True).to(torch.int32)
+    if out is None:
+        return order
+    out.copy_(order)
+    return out
+
+
 def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype) -> None:
     """Compile every decode-kernel variant a serving step may launch for this page format: split
-    or not, grouped prompt rows or not. vLLM's own warm-up (a large prefill, then decode-only CUDA
+    or not, grouped prompt rows or rows in a given order. vLLM's own warm-up (a large prefill, then decode-only CUDA
     graphs) reaches only some of them, and each compile in the middle of serving (about half a
     second) stalls every request of that step. Launches one row over page 0; outputs are discarded."""
     dev = cache.device
@@ -475,7 +493,8 @@ def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_
     seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
     one_group = TokenGroups(seq_lens, torch.zeros(1, dtype=torch.int32, device=dev),
                             rows_per_program(num_query_heads // fmt.k.num_heads))
+    first = torch.zeros(1, dtype=torch.int32, device=dev)
     for num_splits in (1, 2):
-        for groups in (None, one_group):
+        for groups, order in ((None, first), (one_group, None)):
             paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
-                         groups=groups)
+                         groups=groups, row_order=order)

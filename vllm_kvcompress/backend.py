@@ -93,6 +93,7 @@ class KVCompressMetadata:
     decode_block_table: torch.Tensor  # block_table[:num_decodes]
     decode_seq_lens: torch.Tensor     # [num_decodes] on the device
     decode_max_seq_len: int           # at least the longest decode's context (0: no decodes)
+    decode_row_order: torch.Tensor | None  # on CUDA, the decodes longest first (the kernel's row_order)
     token_rows: TokenRows | None  # on CUDA, the prefill chunks' tokens (after the decodes') as decode rows
 
 
@@ -119,10 +120,13 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)  # decodes first, so they go to the decode kernel as one batch
         self._rows_per_group = 1  # prompt tokens one decode-kernel program takes together
+        self._row_order = None  # where each step's decode order goes: CUDA graphs read it there
         if self.device.type == "cuda":
             from .triton_kernels.decode import rows_per_program
             mc, pc = vllm_config.model_config, vllm_config.parallel_config
             self._rows_per_group = rows_per_program(mc.get_num_attention_heads(pc) // mc.get_num_kv_heads(pc))
+            self._row_order = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32,
+                                          device=device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVCompressMetadata:
@@ -136,7 +140,10 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         num_decodes = 0
         while num_decodes < n and query_start_loc[num_decodes + 1] - query_start_loc[num_decodes] == 1:
             num_decodes += 1
-        rows = None
+        rows, order = None, None
+        if self._row_order is not None and num_decodes:
+            from .triton_kernels.decode import longest_first
+            order = longest_first(cam.seq_lens[:num_decodes], out=self._row_order[:num_decodes])
         if self.device.type == "cuda" and num_decodes < n:  # the prefill chunks' tokens, after the decodes
             d, first = num_decodes, query_start_loc[num_decodes]
             rows = token_rows(cam.query_start_loc[d: n + 1] - first, [x - first for x in query_start_loc[d: n + 1]],
@@ -152,6 +159,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             decode_block_table=cam.block_table_tensor[:num_decodes],
             decode_seq_lens=cam.seq_lens[:num_decodes],
             decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
+            decode_row_order=order,
             token_rows=rows,
         )
 
@@ -274,7 +282,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             if slim is not None:
                 self._decode_kernel(*decode_args, slim, out=out[:nd])
             else:
-                self._decode_kernel(*decode_args, out=out[:nd])
+                self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order)
         if nd < len(md.seq_lens):
             start = md.query_start_loc[nd]
             if slim is None and self._decode_kernel is not None and md.token_rows is not None:
