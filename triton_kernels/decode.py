@@ -155,8 +155,8 @@ def _decode_kernel(
     (at most GP // G), as more rows of the tensor-core products, so a chunk of prompt tokens reads
     each page once per group. ORDERED (one token a program), program ``(i * H + h, split)`` takes
     row ``group_start[i]``: the backend lists rows longest first, so that the last programs to
-    start are short ones and the launch ends with fewer SMs idle. Rows are ``(token r, query head g)`` pairs, ``m = r * G + g``; each
-    row has its own context length.
+    start are short ones and the launch ends with fewer SMs idle. Rows are ``(token r, query
+    head g)`` pairs, ``m = r * G + g``; each row has its own context length.
 
     KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
@@ -366,7 +366,7 @@ def rows_per_program(group: int, prompt_rows: int = PROMPT_ROWS) -> int:
 
 
 def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, group_size: int | None,
-                     asm_unpack: bool, ordered: bool = False) -> dict:
+                     asm_unpack: bool, ordered: bool) -> dict:
     """The decode kernel's compile-time constants for a page format, query heads per KV head,
     whether the context is split over programs, the tokens a program takes together (None: one
     token a program, ungrouped), whether codes are unpacked with PTX (on an NVIDIA GPU;
@@ -475,17 +475,14 @@ def longest_first(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> to
     given. On an H200, a serving step's decode rows (144 requests, contexts 16..900, 4/4) took 131.7
     us in this order against 143.7 as drawn (GQA 42.7 against 51.6): a long row launched last keeps
     its SMs busy after the others are done."""
-    order = torch.argsort(seq_lens, descending=True).to(torch.int32)
-    if out is None:
-        return order
-    out.copy_(order)
-    return out
+    order = torch.argsort(seq_lens, descending=True)
+    return order.to(torch.int32) if out is None else out.copy_(order)
 
 
 def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype) -> None:
     """Compile every decode-kernel variant a serving step may launch for this page format: split
-    or not, grouped prompt rows or rows in a given order. vLLM's own warm-up (a large prefill, then decode-only CUDA
-    graphs) reaches only some of them, and each compile in the middle of serving (about half a
+    or not, grouped prompt rows or rows in a given order. vLLM's own warm-up (a large prefill, then
+    decode-only CUDA graphs) reaches only some of them, and each compile in the middle of serving (about half a
     second) stalls every request of that step. Launches one row over page 0; outputs are discarded."""
     dev = cache.device
     query = torch.zeros(1, num_query_heads, fmt.k.head_size, dtype=query_dtype, device=dev)

@@ -291,6 +291,30 @@ def _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D: tl.con
 
 
 @triton.jit
+def _block_window(slot_ptr, num_tokens, i, off, blk, BLOCK: tl.constexpr):
+    """Token i's block ``blk`` seen from i (at block offset ``off``): each offset t, the batch token
+    j that would hold it (a request's new tokens are consecutive), and whether it does."""
+    t = tl.arange(0, BLOCK)
+    j = i + (t - off)
+    in_batch = (j >= 0) & (j < num_tokens)
+    is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
+    return t, j, is_new
+
+
+@triton.jit
+def _encode_chunks(src_ptr, src_stride, t, j, is_new, last, first, step, page, h, D: tl.constexpr,
+                   BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UNITS: tl.constexpr,
+                   PER: tl.constexpr, UC: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
+                   SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """Encode the block's rows up to offset ``last`` (``_block_window``'s t, j, is_new), for the
+    chunks of UC units starting at unit ``first``, every ``step`` units (channels are independent)."""
+    for unit in range(first, UNITS, step):
+        units = unit + tl.arange(0, UC)
+        _encode_rows(src_ptr, src_stride, t, j, is_new, t <= last, page, h, units, units < UNITS, D,
+                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
+
+
+@triton.jit
 def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares, slot, page,
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, OWN: tl.constexpr,
@@ -308,15 +332,12 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
         d = tl.arange(0, D)
         dst = (page + CODES + (off * H + h) * ROW).to(src_ptr.dtype) + d
         tl.store(dst, tl.load(src_ptr + i * src_stride + h * D + d))
-    elif PER_CHANNEL and CS < 0 and DEAL > 1:
+    elif DEAL > 1:  # (set only where statistics are per channel, without ZipCache channel scales)
         # tokens further than DEAL from their block's last new one stop here (a request's new tokens
         # are consecutive in the batch, so the token DEAL ahead on the same block is the DEAL-th next)
         ahead = tl.load(slot_ptr + i + DEAL, mask=i + DEAL < num_tokens, other=-1).to(tl.int64)
         if (ahead != slot + DEAL) | (off + DEAL >= BLOCK):
-            t = tl.arange(0, BLOCK)
-            j = i + (t - off)
-            in_batch = (j >= 0) & (j < num_tokens)
-            is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
+            t, j, is_new = _block_window(slot_ptr, num_tokens, i, off, blk, BLOCK)
             last = tl.max(tl.where(is_new, t, -1), 0)
             count = tl.sum(is_new.to(tl.int32), 0)
             dealers = tl.minimum(count, DEAL)
@@ -326,10 +347,9 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                     _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D, BLOCK, BITS, VALS,
                                   UNITS, PER, UC, OWN, CODES, ROW, SCALE, ZERO, RT)
                 else:
-                    for first in range((rank * shares + share) * UC, UNITS, dealers * shares * UC):
-                        units = first + tl.arange(0, UC)
-                        _encode_rows(src_ptr, src_stride, t, j, is_new, t <= last, page, h, units, units < UNITS, D,
-                                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
+                    _encode_chunks(src_ptr, src_stride, t, j, is_new, last, (rank * shares + share) * UC,
+                                   dealers * shares * UC, page, h, D, BLOCK, BITS, VALS, UNITS, PER, UC, CODES, ROW,
+                                   SCALE, ZERO, CS, PER_CHANNEL)
     elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
         nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
         if (nxt < 0) | (nxt // BLOCK != blk):
@@ -338,14 +358,9 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                 _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D, BLOCK, BITS, VALS,
                               UNITS, PER, UC, OWN, CODES, ROW, SCALE, ZERO, RT)
             else:
-                t = tl.arange(0, BLOCK)
-                j = i - (off - t)
-                in_batch = (j >= 0) & (t <= off)
-                is_new = in_batch & (tl.load(slot_ptr + j, mask=in_batch, other=-1).to(tl.int64) == blk * BLOCK + t)
-                for first in range(share * UC, UNITS, shares * UC):  # channels are independent
-                    units = first + tl.arange(0, UC)
-                    _encode_rows(src_ptr, src_stride, t, j, is_new, t <= off, page, h, units, units < UNITS, D,
-                                 BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
+                t, j, is_new = _block_window(slot_ptr, num_tokens, i, off, blk, BLOCK)
+                _encode_chunks(src_ptr, src_stride, t, j, is_new, off, share * UC, shares * UC, page, h, D, BLOCK,
+                               BITS, VALS, UNITS, PER, UC, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
     else:  # statistics per token: only its own row changes
         one = tl.arange(0, 1)
         all_units = tl.arange(0, UNITS)
@@ -414,7 +429,7 @@ def _tensor_constants(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channel
 
 @functools.cache
 def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, num_warps: int | None,
-                   dealt: bool = False) -> tuple[Variant, int]:
+                   dealt: bool) -> tuple[Variant, int]:
     """The write kernel's variant for a page format, and its programs per (token, head): K's shares
     (V is written in share 0). ``dealt``: for a prefill's many tokens (see DEALT_PROGRAMS)."""
     lay = page_layout(fmt)

@@ -250,10 +250,11 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return
         fmt = self._page_format(layer, kv_cache)
         n = slot_mapping.shape[0]
+        pages = self._pages(kv_cache, fmt)
         if self._write_warm_up is not None and not torch.cuda.is_current_stream_capturing():
-            self._write_warm_up(self._pages(kv_cache, fmt), fmt, key.dtype)
+            self._write_warm_up(pages, fmt, key.dtype)
             self._write_warm_up = None
-        self._write(self._pages(kv_cache, fmt), fmt, key[:n].view(n, self.num_kv_heads, -1),
+        self._write(pages, fmt, key[:n].view(n, self.num_kv_heads, -1),
                     value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
