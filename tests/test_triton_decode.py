@@ -48,8 +48,9 @@ def _fill(fmt, seq_lens, spare_blocks, seed):
 @pytest.mark.parametrize("layer_format", FORMATS, ids=lambda f: f.describe().replace("/", "_").replace(" ", "-"))
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("block,tile", [(16, None), (32, 16)], ids=["tile=page", "2-tiles-per-page"])
-def test_decode_equals_reference_small(layer_format, num_splits, block, tile):
-    B, H, HQ, D = block, 2, 4, 64
+@pytest.mark.parametrize("HQ", [4, 2], ids=["GQA", "MHA"])  # MHA: the softmax of one query row a program
+def test_decode_equals_reference_small(layer_format, num_splits, block, tile, HQ):
+    B, H, D = block, 2, 64
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(layer_format, dtype, B, H, D)
     seq_lens = [1, 17, 40, 16, 70]

@@ -147,7 +147,7 @@ def _decode_kernel(
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
-    V_ZERO: tl.constexpr, V_CS: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr,
+    V_ZERO: tl.constexpr, V_CS: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr, ONE_ROW: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one
     token of a prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group
@@ -156,7 +156,9 @@ def _decode_kernel(
     each page once per group. ORDERED (one token a program), program ``(i * H + h, split)`` takes
     row ``group_start[i]``: the backend lists rows longest first, so that the last programs to
     start are short ones and the launch ends with fewer SMs idle. Rows are ``(token r, query
-    head g)`` pairs, ``m = r * G + g``; each row has its own context length.
+    head g)`` pairs, ``m = r * G + g``; each row has its own context length. ONE_ROW (MHA, one
+    token a program): the products' other GP - 1 rows have zero queries, so the softmax runs on
+    one row of logits, not GP.
 
     KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
@@ -252,24 +254,42 @@ def _decode_kernel(
                     s += tl.dot(qs2, tl.trans(k2))
                     s += tl.dot(qs3, tl.trans(k3))
             s += bias[:, None]
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_ref = m_new
-        if GROUPED:  # a row with no valid position yet (a shorter row of a chunk, in a later split)
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_ref)[:, None]
-        p = tl.exp2(s - m_ref[:, None])
-        l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
-        m = m_new
+        if ONE_ROW:
+            # one query row (MHA): the products' other rows have zero queries and are zero, so the
+            # softmax runs on the tile's one row of logits instead of GP rows
+            s1 = tl.where(valid, tl.sum(s, 0)[None, :], float("-inf"))
+            m_new = tl.maximum(m, tl.max(s1, 1))
+            alpha = tl.exp2(m - m_new)[:, None]
+            p1 = tl.exp2(s1 - tl.max(m_new, 0))
+            l = l * tl.reshape(alpha, (GP,)) + tl.sum(p1, 1)
+            m = m_new
+        else:
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_ref = m_new
+            if GROUPED:  # a row with no valid position yet (a shorter row of a chunk, in a later split)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_ref)[:, None]
+            p = tl.exp2(s - m_ref[:, None])
+            l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
+            m = m_new
         if V_BITS == 16:
             v_row = page + V_CODES + (tok[:, None] * H + h) * V_ROW
+            if ONE_ROW:
+                p = tl.where(gmask, p1, 0.0)
             acc0 = acc0 * alpha + tl.dot(p.to(dtype), tl.load(v_row.to(tl.pointer_type(dtype)) + d))
         else:
             vstat = tl.load(half + h * BLOCK + V_SCALE // 2 + stat * ((V_ZERO - V_SCALE) // 2) + tok[None, :])
             vs, vz = _rows(vstat.to(tl.float32))
-            ps = (p * vs[None, :]).to(tl.float16)
-            pz = tl.sum(p * vz[None, :], 1)[:, None]
-            pm = 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]  # codes enter the dot as 1024 + code
+            if ONE_ROW:
+                ps1 = (p1 * vs[None, :]).to(tl.float16)
+                ps = tl.where(gmask, ps1, 0.0).to(tl.float16)
+                pz = tl.sum(p1 * vz[None, :], 1)
+                pm = 1024.0 * tl.sum(ps1.to(tl.float32), 1)
+            else:
+                ps = (p * vs[None, :]).to(tl.float16)
+                pz = tl.sum(p * vz[None, :], 1)[:, None]
+                pm = 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]  # codes enter the dot as 1024 + code
             if V_CS >= 0:  # ZipCache channel scales
                 c0, c1, c2, c3 = _split_planes(_f32(half + V_CS // 2 + h * D + d), VP)
             else:
@@ -337,6 +357,15 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def default_programs_per_sm(fmt: KVPageFormat) -> int:
+    """Programs a SM should get, which sets the split count: 4 where codes are 8 bits, else 2. An
+    8-bit program's pipeline buffers (72 KB of shared memory) leave room for 3 programs a SM, so one
+    program per (row, KV head) fills whole waves badly: GQA 8/8, batch 64 at 4,096 tokens (512
+    programs), ran 172 us in one split against 165 in two (2 warps, H200)."""
+    lay = page_layout(fmt)
+    return 4 if 8 in (lay.k.bits, lay.v.bits) else 2
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
                       device: torch.device, programs_per_sm: int = 2) -> int:
     """Enough programs to give each SM ``programs_per_sm``, at least one block per split, a power of two."""
@@ -379,25 +408,26 @@ def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, grou
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
         V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale, ASM=asm_unpack, ORDERED=ordered,
+        ONE_ROW=group == 1 and group_size is None,
     )
 
 
-def default_tuning(fmt: KVPageFormat, group: int, grouped: bool) -> dict:
-    """Tokens per tile, pipeline stages and warps, for ``group`` query heads per KV head and programs
-    of one query token or of a group of them (``grouped``). Pages are
+def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
+    """Tokens per tile, pipeline stages and warps, for programs of one query token or of a group of
+    them (``grouped``). Pages are
     read through an indirection (the block table), so the compiler prefetches a tile
     (num_stages - 1) // 2 tiles ahead: 5 stages keep the next tile's loads in flight while this one
     is computed. 3-bit codes are gathered one 32-bit word per channel, too large to stage in shared
     memory, so they are not pipelined. One token's programs run 2 warps (4/4, batch 64 at 4,096
-    tokens: 409 us instead of 501 with 4 warps for MHA, 112 instead of 149 for GQA), except GQA at
-    8 bits, which a serving step's short contexts run faster with 4 (64 us against 78;
-    docs/benchmarks.md). Groups of prompt tokens (PROMPT_ROWS rows) take 4."""
+    tokens: 409 us instead of 501 with 4 warps for MHA, 112 instead of 149 for GQA; GQA 8/8 172 us
+    instead of 184, a serving step's rows 54.8 us either way; docs/benchmarks.md). Groups of prompt
+    tokens (PROMPT_ROWS rows) take 4."""
     lay = page_layout(fmt)
     bits = {lay.k.bits, lay.v.bits}
     if 3 in bits:
         return {"tile": min(lay.block_size, 32), "num_stages": 1, "num_warps": 4}
     tile = 128 if lay.head_size <= 128 else 32
-    warps = 4 if grouped or (8 in bits and group > 1) else 2
+    warps = 4 if grouped else 2
     return {"tile": min(lay.block_size, tile), "num_stages": 5, "num_warps": warps}
 
 
@@ -406,7 +436,7 @@ def _variant(fmt: KVPageFormat, group: int, split: bool, group_size: int | None,
              tile: int | None, num_warps: int | None, num_stages: int | None, ordered: bool) -> Variant:
     """The decode kernel's variant: constants, and the default tuning where ``tile``, ``num_warps``
     or ``num_stages`` is None."""
-    tuning = default_tuning(fmt, group, group_size is not None)
+    tuning = default_tuning(fmt, group_size is not None)
     return Variant(_decode_kernel,
                    kernel_constants(fmt, group, split, tile or tuning["tile"], group_size, asm_unpack, ordered),
                    {"num_warps": num_warps or tuning["num_warps"], "num_stages": num_stages or tuning["num_stages"]})
@@ -429,7 +459,7 @@ def _row_strided(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
                  out: torch.Tensor | None = None, tile: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, programs_per_sm: int = 2,
+                 num_stages: int | None = None, programs_per_sm: int | None = None,
                  groups: TokenGroups | None = None, row_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
@@ -443,7 +473,8 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     n, hq, d = query.shape
     h = fmt.k.num_heads
     if num_splits is None:
-        num_splits = choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device, programs_per_sm)
+        num_splits = choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device,
+                                       programs_per_sm or default_programs_per_sm(fmt))
     max_blocks = max(1, -(-max_seq_len // fmt.block_size))
     blocks_per_split = -(-max_blocks // num_splits)
     if out is None:
