@@ -357,15 +357,6 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def default_programs_per_sm(fmt: KVPageFormat) -> int:
-    """Programs a SM should get, which sets the split count: 4 where codes are 8 bits, else 2. An
-    8-bit program's pipeline buffers (72 KB of shared memory) leave room for 3 programs a SM, so one
-    program per (row, KV head) fills whole waves badly: GQA 8/8, batch 64 at 4,096 tokens (512
-    programs), ran 172 us in one split against 165 in two (2 warps, H200)."""
-    lay = page_layout(fmt)
-    return 4 if 8 in (lay.k.bits, lay.v.bits) else 2
-
-
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
                       device: torch.device, programs_per_sm: int = 2) -> int:
     """Enough programs to give each SM ``programs_per_sm``, at least one block per split, a power of two."""
@@ -412,23 +403,28 @@ def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, grou
     )
 
 
+@functools.cache
 def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
-    """Tokens per tile, pipeline stages and warps, for programs of one query token or of a group of
-    them (``grouped``). Pages are
-    read through an indirection (the block table), so the compiler prefetches a tile
-    (num_stages - 1) // 2 tiles ahead: 5 stages keep the next tile's loads in flight while this one
-    is computed. 3-bit codes are gathered one 32-bit word per channel, too large to stage in shared
-    memory, so they are not pipelined. One token's programs run 2 warps (4/4, batch 64 at 4,096
-    tokens: 409 us instead of 501 with 4 warps for MHA, 112 instead of 149 for GQA; GQA 8/8 172 us
-    instead of 184, a serving step's rows 54.8 us either way; docs/benchmarks.md). Groups of prompt
-    tokens (PROMPT_ROWS rows) take 4."""
+    """Tokens per tile, pipeline stages, warps and programs a SM (which sets the split count), for
+    programs of one query token or of a group of them (``grouped``). Pages are read through an
+    indirection (the block table), so the compiler prefetches a tile (num_stages - 1) // 2 tiles
+    ahead: 5 stages keep the next tile's loads in flight while this one is computed. 3-bit codes
+    are gathered one 32-bit word per channel, too large to stage in shared memory, so they are not
+    pipelined. One token's programs run 2 warps (4/4, batch 64 at 4,096 tokens: 409 us instead of
+    501 with 4 warps for MHA, 112 instead of 149 for GQA; GQA 8/8 172 us instead of 184, a serving
+    step's rows 54.8 us either way; docs/benchmarks.md). Groups of prompt tokens (PROMPT_ROWS rows)
+    take 4. Splits give each SM 2 programs, or 4 where codes are 8 bits: an 8-bit program's
+    pipeline buffers (72 KB of shared memory) leave room for 3 a SM, so one program per (row, KV
+    head) fills whole waves badly (GQA 8/8, batch 64 at 4,096 tokens, 512 programs: 172 us in one
+    split against 165 in two, H200)."""
     lay = page_layout(fmt)
     bits = {lay.k.bits, lay.v.bits}
+    programs_per_sm = 4 if 8 in bits else 2
     if 3 in bits:
-        return {"tile": min(lay.block_size, 32), "num_stages": 1, "num_warps": 4}
+        return {"tile": min(lay.block_size, 32), "num_stages": 1, "num_warps": 4, "programs_per_sm": programs_per_sm}
     tile = 128 if lay.head_size <= 128 else 32
     warps = 4 if grouped else 2
-    return {"tile": min(lay.block_size, tile), "num_stages": 5, "num_warps": warps}
+    return {"tile": min(lay.block_size, tile), "num_stages": 5, "num_warps": warps, "programs_per_sm": programs_per_sm}
 
 
 @functools.cache
@@ -474,7 +470,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     h = fmt.k.num_heads
     if num_splits is None:
         num_splits = choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device,
-                                       programs_per_sm or default_programs_per_sm(fmt))
+                                       programs_per_sm or default_tuning(fmt, groups is not None)["programs_per_sm"])
     max_blocks = max(1, -(-max_seq_len // fmt.block_size))
     blocks_per_split = -(-max_blocks // num_splits)
     if out is None:
