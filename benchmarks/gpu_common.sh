@@ -10,13 +10,17 @@ sys.exit(not any(p.value.startswith('vllm_kvcompress') for p in e(group='vllm.ge
 MODEL=${MODELS_DIR:-/tmp/models}/$SHAPE
 [ -f "$MODEL/config.json" ] || python "$REPO/benchmarks/dummy_models.py" "$SHAPE" "$TOKENIZER" "$MODEL" >/dev/null
 
-# kv_flags SETTING: sets kv (vLLM flags) and name (for file names). vLLM's own cache dtypes (auto,
-# fp8, int4_per_token_head) or our configs (a preset name or a YAML path in the checkout).
+# kv_flags SETTING[:BLOCK]: sets kv (vLLM flags) and name (for file names). vLLM's own cache dtypes
+# (auto, fp8, int4_per_token_head) or our configs (a preset name or a YAML path in the checkout);
+# :BLOCK adds --block-size BLOCK (tokens a page), e.g. quant-k4v4:64.
 kv_flags() {
-  case $1 in
-    auto|fp8|int4_per_token_head) kv=(--kv-cache-dtype "$1") ;;
-    *.yaml) kv=(--kv-compression "$REPO/$1") ;;
-    *) kv=(--kv-compression "$1") ;;
+  local setting=${1%%:*} block=""
+  [ "$setting" = "$1" ] || block=${1#*:}
+  case $setting in
+    auto|fp8|int4_per_token_head) kv=(--kv-cache-dtype "$setting") ;;
+    *.yaml) kv=(--kv-compression "$REPO/$setting") ;;
+    *) kv=(--kv-compression "$setting") ;;
   esac
-  name=$(basename "$1" .yaml)
+  name=$(basename "$setting" .yaml)
+  if [ -n "$block" ]; then kv+=(--block-size "$block"); name="$name-b$block"; fi
 }

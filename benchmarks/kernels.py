@@ -220,6 +220,32 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
+def bench_write_mixed(bits: int, num_seqs: int, prompts: int, prompt_len: int, hkv: int, d: int,
+                      block: int = 128) -> dict:
+    """A mixed step's cache write: ``num_seqs`` decodes appending to last pages that hold 1 to
+    block-1 earlier tokens (as in ``bench_write``), then ``prompts`` prompts of ``prompt_len``
+    tokens into empty pages; pages restored before every write."""
+    from vllm_kvcompress.triton_kernels.write import write_tokens
+
+    fmt = _format(bits, hkv, d, block)
+    fills = [1 + s * (block - 2) // max(1, num_seqs - 1) for s in range(num_seqs)]
+    pages = -(-prompt_len // block)
+    cache = torch.zeros(num_seqs + prompts * pages, fmt.page_bytes, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    earlier = torch.cat([s * block + torch.arange(n, device="cuda") for s, n in enumerate(fills)])
+    k0, v0 = (torch.randn(len(earlier), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    write_tokens(cache, fmt, k0, v0, earlier)
+    saved = cache.clone()
+    slots = torch.cat([torch.tensor([s * block + n for s, n in enumerate(fills)], device="cuda")]
+                      + [(num_seqs + p * pages) * block + torch.arange(prompt_len, device="cuda")
+                         for p in range(prompts)])
+    k, v = (torch.randn(len(slots), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    ms = _time_after_ms(lambda: cache.copy_(saved), lambda: write_tokens(cache, fmt, k, v, slots))
+    nbytes = 2 * len(saved) * fmt.page_bytes + 2 * k.numel() * k.element_size()
+    return {"kernel": f"write k{bits}v{bits} {num_seqs} decodes + {prompts}x{prompt_len}", "block": block,
+            "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+
+
 def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int = 128,
                         dealt: bool | None = None) -> dict:
     """A prefill chunk's cache write: ``num_blocks`` whole blocks of new tokens (one long prompt's
@@ -364,6 +390,7 @@ def main() -> None:
         for bits in (4, 8, 2):
             rows.append(bench_write(bits, args.batch, hkv, d) | {"shape": name})
         rows.append(bench_write_prefill(4, 16, hkv, d) | {"shape": name})
+        rows.append(bench_write_mixed(4, 144, 2, 450, hkv, d) | {"shape": name})
         if args.write_cuda:
             for bits in (4, 8, 2):
                 rows.append(bench_write(bits, args.batch, hkv, d, cuda=True) | {"shape": name})

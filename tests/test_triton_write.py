@@ -52,15 +52,16 @@ def test_write_matches_reference_bytes(layer_format, dealt):
         torch.testing.assert_close(vo[used], vr[used], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits,fills,chunk_channels,dealt", [(4, (90, 100), 32, False), (3, (90, 100), 32, False),
-                                                              (4, (2, 5), 8, False), (2, (3, 1), 8, False),
-                                                              (4, (90, 100), 32, True), (2, (3, 1), 8, True)])
-def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels, dealt):
+@pytest.mark.parametrize("bits,fills,chunk_channels,append_units,dealt", [
+    (4, (90, 100), 32, 8, False), (3, (90, 100), 32, 8, False), (4, (2, 5), 8, 8, False), (2, (3, 1), 8, 8, False),
+    (4, (90, 100), 32, 8, True), (2, (3, 1), 8, 2, True), (4, (2, 5), 4, 8, True)])
+def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels, append_units, dealt):
     """Decoding into 128-token blocks: twenty steps of two requests, identical pages after each step.
     Well filled, most new tokens fit their channels' stored grids and some widen one, and both
     outcomes occur (a step either leaves every earlier code and the statistics in place or rewrites
-    some of them). Nearly empty, with small chunks, a token widens more channels than one chunk
-    re-encodes. Dealt (a decode row in a prefill's step), the block's last token does the append."""
+    some of them). Nearly empty, a token widens more channels than one re-encode takes (a chunk in
+    shares, ``append_units`` units where dealt). Dealt (a decode row in a prefill's step), the
+    block's last token does the append."""
     B, H, D = 128, 2, 64
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.float32, B, H, D)
     gen = torch.Generator().manual_seed(bits)
@@ -79,7 +80,7 @@ def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels, dealt
         before = ref.clone()
         paged_torch.write_tokens(ref, fmt, k, v, slots)
         write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), chunk_channels=chunk_channels,
-                     dealt=dealt)
+                     append_units=append_units, dealt=dealt)
         assert torch.equal(ours.cpu(), ref), f"step {step}"
         for blk, n in ((1, fills[0] + step), (3, fills[1] + step)):
             earlier = slice(0, n * k_codes // (H * B))  # the earlier tokens' rows of each head
@@ -92,7 +93,7 @@ def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels, dealt
     if min(fills) > 32:
         assert earlier_kept > 0 and earlier_rewritten > 0
     else:
-        assert most_widened > chunk_channels
+        assert most_widened > (append_units * 8 // bits if dealt else chunk_channels)
 
 
 def _record_launches(monkeypatch) -> list:
@@ -158,6 +159,6 @@ def test_the_per_channel_write_keeps_to_its_register_cap(bits):
     k, v = (torch.randn(3, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
     for dealt in (False, True):
         write.write_tokens(cache, fmt, k, v, torch.tensor([0, 1, 130], device="cuda"), dealt=dealt)
-        variant, _ = write._write_variant(fmt, write.CHUNK_CHANNELS, write.SPREAD, None, dealt)
+        variant, _ = write._write_variant(fmt, write.CHUNK_CHANNELS, write.SPREAD, write.APPEND_UNITS, None, dealt)
         kept = [compiled for (v_, _), (compiled, _) in launch._compiled.items() if v_ is variant]
         assert kept and all(0 < c.n_regs <= write.REGISTER_CAP for c in kept)

@@ -60,6 +60,11 @@ REGISTER_CAP = 40
 # block's last new tokens, one program a (token, head), instead of over SPREAD programs of every
 # token: in a prefill most tokens have no K work, and their empty programs cost more than the work
 DEALT_PROGRAMS = 8192
+# a decoding token's re-encode in a dealt step (a decode row beside prompts), where one program does
+# the work of SPREAD shares: storage units gathered into one re-encode (in shares, a chunk's units).
+# H200, 4/4, a step of 144 decodes and 2 prompts of 450 tokens: MHA 145.4 -> 138.3 us, GQA 53.9 ->
+# 45.0. In shares, wider gathers were slower (a decode step of 144, MHA: 45.9 us; 71.0 with 8 units)
+APPEND_UNITS = 8
 
 
 @triton.jit
@@ -273,18 +278,19 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
 def _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D: tl.constexpr, BLOCK: tl.constexpr,
                   BITS: tl.constexpr, VALS: tl.constexpr, UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr,
                   OWN: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr,
-                  RT: tl.constexpr):
+                  AG: tl.constexpr, RT: tl.constexpr):
     """One token appended to stored ones under per-channel statistics (decoding): token i at block
-    offset ``off`` goes onto its channels' stored grids, and only share ``share``'s units where a
-    value left its grid are re-encoded, UC at a time (gathered by rank among them)."""
+    offset ``off`` goes onto its channels' stored grids, and only share ``share``'s units (its
+    chunks of UC) where a value left its grid are re-encoded, AG at a time (gathered by rank among
+    them), RT rows at a time."""
     k = tl.arange(0, OWN)
     own_units = (k // UC) * (shares * UC) + share * UC + k % UC
     misfit = _append_on_grid(src_ptr, src_stride, i, off, page, h, own_units, D, BLOCK, BITS, VALS, PER,
                              CODES, ROW, SCALE, ZERO)
     count = tl.sum(misfit)
     rank = tl.cumsum(misfit, 0) - misfit
-    for first in range(0, count, UC):
-        want = first + tl.arange(0, UC)
+    for first in range(0, count, AG):
+        want = first + tl.arange(0, AG)
         units = tl.sum(tl.where((rank[None, :] == want[:, None]) & (misfit[None, :] == 1), own_units[None, :], 0), 1)
         _widen_units(src_ptr, src_stride, i, off, page, h, units, want < count, D, BLOCK, BITS,
                      VALS, PER, CODES, ROW, SCALE, ZERO, RT)
@@ -319,11 +325,12 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, OWN: tl.constexpr,
                   CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr,
-                  PER_CHANNEL: tl.constexpr, RT: tl.constexpr, DEAL: tl.constexpr):
+                  PER_CHANNEL: tl.constexpr, AG: tl.constexpr, RT: tl.constexpr, DEAL: tl.constexpr):
     """Token i's write of one tensor (K or V) for head h, as share ``share`` of ``shares``. Where
     statistics are per channel, the block's chunks of UC units are dealt out over the shares (share
     s takes every shares-th chunk, OWN units in all), so a block's re-encoding runs in that many
-    programs at once; a decoding token's widened units are requantized RT rows at a time. With
+    programs at once; a decoding token's widened units are requantized AG units and RT rows at a
+    time. With
     DEAL > 1 (a prefill's write, one share), the chunks are dealt out over the programs of the
     block's last DEAL new tokens instead."""
     blk = slot // BLOCK
@@ -345,7 +352,7 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
             if rank < dealers:
                 if (count == 1) & (off > 0):
                     _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D, BLOCK, BITS, VALS,
-                                  UNITS, PER, UC, OWN, CODES, ROW, SCALE, ZERO, RT)
+                                  UNITS, PER, UC, OWN, CODES, ROW, SCALE, ZERO, AG, RT)
                 else:
                     _encode_chunks(src_ptr, src_stride, t, j, is_new, last, (rank * shares + share) * UC,
                                    dealers * shares * UC, page, h, D, BLOCK, BITS, VALS, UNITS, PER, UC, CODES, ROW,
@@ -356,7 +363,7 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
             prev = tl.load(slot_ptr + i - 1, mask=i > 0, other=-1).to(tl.int64)
             if (off > 0) & (prev != slot - 1) & (CS < 0):  # (CS < 0 here: statistics per channel)
                 _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D, BLOCK, BITS, VALS,
-                              UNITS, PER, UC, OWN, CODES, ROW, SCALE, ZERO, RT)
+                              UNITS, PER, UC, OWN, CODES, ROW, SCALE, ZERO, AG, RT)
             else:
                 t, j, is_new = _block_window(slot_ptr, num_tokens, i, off, blk, BLOCK)
                 _encode_chunks(src_ptr, src_stride, t, j, is_new, off, share * UC, shares * UC, page, h, D, BLOCK,
@@ -376,11 +383,11 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_s
                   K_BITS: tl.constexpr, K_VALS: tl.constexpr, K_UNITS: tl.constexpr, K_PER: tl.constexpr,
                   K_UC: tl.constexpr, K_OWN: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr,
                   K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, K_CS: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
-                  K_RT: tl.constexpr, K_DEAL: tl.constexpr, HAS_V: tl.constexpr,
+                  K_AG: tl.constexpr, K_RT: tl.constexpr, K_DEAL: tl.constexpr, HAS_V: tl.constexpr,
                   V_BITS: tl.constexpr, V_VALS: tl.constexpr, V_UNITS: tl.constexpr, V_PER: tl.constexpr,
                   V_UC: tl.constexpr, V_OWN: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr,
                   V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
-                  V_RT: tl.constexpr, V_DEAL: tl.constexpr):
+                  V_AG: tl.constexpr, V_RT: tl.constexpr, V_DEAL: tl.constexpr):
     """Program (token i, head h, share s) writes K as share s of the grid's third axis, and, in
     share 0, V (one launch for both: V's own launch cost a decode step of 144 requests 15.6 us on
     an H200, MHA 4/4)."""
@@ -392,12 +399,12 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_s
         page = cache_ptr + (slot // BLOCK) * page_bytes
         _write_tensor(k_ptr, k_stride, slot_ptr, num_tokens, i, h, share, tl.num_programs(2), slot, page, H, D, BLOCK,
                       K_BITS, K_VALS, K_UNITS, K_PER, K_UC, K_OWN, K_CODES, K_ROW, K_SCALE, K_ZERO, K_CS,
-                      K_PER_CHANNEL, K_RT, K_DEAL)
+                      K_PER_CHANNEL, K_AG, K_RT, K_DEAL)
         if HAS_V:
             if share == 0:
                 _write_tensor(v_ptr, v_stride, slot_ptr, num_tokens, i, h, 0, 1, slot, page, H, D, BLOCK,
                               V_BITS, V_VALS, V_UNITS, V_PER, V_UC, V_OWN, V_CODES, V_ROW, V_SCALE, V_ZERO, V_CS,
-                              V_PER_CHANNEL, V_RT, V_DEAL)
+                              V_PER_CHANNEL, V_AG, V_RT, V_DEAL)
 
 
 def _geometry(bits: int, d: int) -> tuple[int, int, int]:
@@ -409,7 +416,7 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
 
 
 def _tensor_constants(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channels: int, spread: int,
-                      warps: int, dealt: bool) -> tuple[dict, int]:
+                      append_units: int, warps: int, dealt: bool) -> tuple[dict, int]:
     """One tensor's constants of the write kernel (unprefixed), and how many shares its work takes.
     ``dealt``: a block's chunks go to the programs of its last new tokens, one share each."""
     per_channel = codec.bits != 16 and codec.axis == "channel"
@@ -421,22 +428,23 @@ def _tensor_constants(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channel
             deal = units // chunk
         else:
             shares = min(spread, units // chunk)
-    rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread
+    gathered = max(chunk, min(units, triton.next_power_of_2(append_units))) if dealt else chunk
+    rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread a chunk
     return dict(BITS=lay.bits, VALS=vals, UNITS=units, PER=per, UC=chunk, OWN=units // shares, CODES=lay.codes,
                 ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale, PER_CHANNEL=per_channel,
-                RT=rows_per_tile, DEAL=deal), shares
+                AG=gathered, RT=rows_per_tile, DEAL=deal), shares
 
 
 @functools.cache
-def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, num_warps: int | None,
+def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, append_units: int, num_warps: int | None,
                    dealt: bool) -> tuple[Variant, int]:
     """The write kernel's variant for a page format, and its programs per (token, head): K's shares
     (V is written in share 0). ``dealt``: for a prefill's many tokens (see DEALT_PROGRAMS)."""
     lay = page_layout(fmt)
     quantized = lay.k.bits != 16 or (lay.v is not None and lay.v.bits != 16)
     warps = num_warps or (2 if quantized else 1)  # 16-bit rows only copy
-    k, shares = _tensor_constants(fmt, fmt.k, lay.k, chunk_channels, spread, warps, dealt)
-    v = k if lay.v is None else _tensor_constants(fmt, fmt.v, lay.v, chunk_channels, 1, warps, dealt)[0]
+    k, shares = _tensor_constants(fmt, fmt.k, lay.k, chunk_channels, spread, append_units, warps, dealt)
+    v = k if lay.v is None else _tensor_constants(fmt, fmt.v, lay.v, chunk_channels, 1, append_units, warps, dealt)[0]
     constants = dict(H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, HAS_V=lay.v is not None,
                      **{f"K_{name}": value for name, value in k.items()},
                      **{f"V_{name}": value for name, value in v.items()})
@@ -450,12 +458,13 @@ def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, num_warp
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor, chunk_channels: int = CHUNK_CHANNELS, spread: int = SPREAD,
-                 num_warps: int | None = None, dealt: bool | None = None) -> None:
+                 append_units: int = APPEND_UNITS, num_warps: int | None = None, dealt: bool | None = None) -> None:
     """Same contract as ``paged_torch.write_tokens``; key/value [N, H, D] (row-strided views allowed).
     Where statistics are per channel: ``chunk_channels`` channels are re-encoded together, and a
     block's chunks are dealt out over ``spread`` programs, or with ``dealt`` over the programs of
-    its last new tokens (None: where N * H exceeds DEALT_PROGRAMS); ``num_warps`` per program (all
-    but the first five are for benchmarks and tests)."""
+    its last new tokens (None: where N * H exceeds DEALT_PROGRAMS), where a decoding token's widened
+    storage units are re-encoded ``append_units`` at a time; ``num_warps`` per program (all but the
+    first five are for benchmarks and tests)."""
     if spread < 1 or spread & (spread - 1):
         raise ValueError(f"spread={spread}: a block's chunks are dealt out over a power of two of programs")
     n = slot_mapping.shape[0]
@@ -463,7 +472,7 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
         return
     if dealt is None:
         dealt = n * fmt.k.num_heads > DEALT_PROGRAMS
-    variant, shares = _write_variant(fmt, chunk_channels, spread, num_warps, dealt)
+    variant, shares = _write_variant(fmt, chunk_channels, spread, append_units, num_warps, dealt)
     if fmt.v is None:  # K-only pages: nothing reads V's arguments
         value = key
     launch(variant, (n, fmt.k.num_heads, shares),
