@@ -185,14 +185,27 @@ def bench_flash_prefill_bf16(num_prompts: int, hq: int, hkv: int, d: int, prompt
             "GB/s": nbytes / ms / 1e6}
 
 
+def _appending_pages(write_tokens, fmt, num_seqs: int, spare: int, gen: torch.Generator):
+    """Pages of ``num_seqs`` requests whose last page holds 1 to block-1 earlier tokens (spread
+    evenly over the batch, as in a serving batch), written with ``write_tokens``, then ``spare``
+    empty pages; and each request's next slot."""
+    block, hkv, d = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
+    fills = [1 + s * (block - 2) // max(1, num_seqs - 1) for s in range(num_seqs)]
+    cache = torch.zeros(num_seqs + spare, fmt.page_bytes, dtype=torch.uint8, device="cuda")
+    earlier = torch.cat([s * block + torch.arange(n, device="cuda") for s, n in enumerate(fills)])
+    k0, v0 = (torch.randn(len(earlier), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    write_tokens(cache, fmt, k0, v0, earlier)
+    return cache, torch.tensor([s * block + n for s, n in enumerate(fills)], device="cuda")
+
+
 def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, chunk_channels: int | None = None,
                 spread: int | None = None, num_warps: int | None = None, cuda: bool = False,
                 dealt: bool | None = None) -> dict:
-    """One decode step's cache write: each request appends a token to its last page, which holds
-    1 to block-1 earlier tokens (spread evenly over the batch, as in a serving batch) from the same
-    distribution. The pages are restored before every write and only the write is timed, so
-    every write meets the same page state: a token that fits its channels' grids writes one row, one
-    that widens a channel re-encodes that chunk of channels (the restored pages may sit in L2).
+    """One decode step's cache write: each request appends a token to its last page
+    (``_appending_pages``), from the same distribution. The pages are restored before every write
+    and only the write is timed, so every write meets the same page state: a token that fits its
+    channels' grids writes one row, one that widens a channel re-encodes that chunk of channels
+    (the restored pages may sit in L2).
     ``cuda``: the CUDA kernel (csrc/) instead of the Triton one; ``dealt``: force the Triton write's
     mode (None: its own choice by the step's size)."""
     if cuda:
@@ -201,14 +214,9 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
         from vllm_kvcompress.triton_kernels.write import write_tokens
 
     fmt = _format(bits, hkv, d, block)
-    fills = [1 + s * (block - 2) // max(1, num_seqs - 1) for s in range(num_seqs)]
-    cache = torch.zeros(num_seqs, fmt.page_bytes, dtype=torch.uint8, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    earlier = torch.cat([s * block + torch.arange(n, device="cuda") for s, n in enumerate(fills)])
-    k0, v0 = (torch.randn(len(earlier), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-    write_tokens(cache, fmt, k0, v0, earlier)
+    cache, slots = _appending_pages(write_tokens, fmt, num_seqs, 0, gen)
     saved = cache.clone()
-    slots = torch.tensor([s * block + n for s, n in enumerate(fills)], device="cuda")
     k, v = (torch.randn(num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     tuning = {key: val for key, val in (("chunk_channels", chunk_channels), ("spread", spread), ("num_warps", num_warps))
               if val} | ({} if dealt is None else {"dealt": dealt})
@@ -222,21 +230,17 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
 
 def bench_write_mixed(bits: int, num_seqs: int, prompts: int, prompt_len: int, hkv: int, d: int,
                       block: int = 128) -> dict:
-    """A mixed step's cache write: ``num_seqs`` decodes appending to last pages that hold 1 to
-    block-1 earlier tokens (as in ``bench_write``), then ``prompts`` prompts of ``prompt_len``
-    tokens into empty pages; pages restored before every write."""
+    """A mixed step's cache write: ``num_seqs`` decodes appending to their last pages
+    (``_appending_pages``), then ``prompts`` prompts of ``prompt_len`` tokens into empty pages;
+    pages restored before every write."""
     from vllm_kvcompress.triton_kernels.write import write_tokens
 
     fmt = _format(bits, hkv, d, block)
-    fills = [1 + s * (block - 2) // max(1, num_seqs - 1) for s in range(num_seqs)]
     pages = -(-prompt_len // block)
-    cache = torch.zeros(num_seqs + prompts * pages, fmt.page_bytes, dtype=torch.uint8, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    earlier = torch.cat([s * block + torch.arange(n, device="cuda") for s, n in enumerate(fills)])
-    k0, v0 = (torch.randn(len(earlier), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-    write_tokens(cache, fmt, k0, v0, earlier)
+    cache, decodes = _appending_pages(write_tokens, fmt, num_seqs, prompts * pages, gen)
     saved = cache.clone()
-    slots = torch.cat([torch.tensor([s * block + n for s, n in enumerate(fills)], device="cuda")]
+    slots = torch.cat([decodes]
                       + [(num_seqs + p * pages) * block + torch.arange(prompt_len, device="cuda")
                          for p in range(prompts)])
     k, v = (torch.randn(len(slots), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))

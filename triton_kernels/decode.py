@@ -419,12 +419,12 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
     split against 165 in two, H200)."""
     lay = page_layout(fmt)
     bits = {lay.k.bits, lay.v.bits}
-    programs_per_sm = 4 if 8 in bits else 2
     if 3 in bits:
-        return {"tile": min(lay.block_size, 32), "num_stages": 1, "num_warps": 4, "programs_per_sm": programs_per_sm}
-    tile = 128 if lay.head_size <= 128 else 32
-    warps = 4 if grouped else 2
-    return {"tile": min(lay.block_size, tile), "num_stages": 5, "num_warps": warps, "programs_per_sm": programs_per_sm}
+        tile, stages, warps = 32, 1, 4
+    else:
+        tile, stages, warps = (128 if lay.head_size <= 128 else 32), 5, (4 if grouped else 2)
+    return {"tile": min(lay.block_size, tile), "num_stages": stages, "num_warps": warps,
+            "programs_per_sm": 4 if 8 in bits else 2}
 
 
 @functools.cache

@@ -330,9 +330,8 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
     statistics are per channel, the block's chunks of UC units are dealt out over the shares (share
     s takes every shares-th chunk, OWN units in all), so a block's re-encoding runs in that many
     programs at once; a decoding token's widened units are requantized AG units and RT rows at a
-    time. With
-    DEAL > 1 (a prefill's write, one share), the chunks are dealt out over the programs of the
-    block's last DEAL new tokens instead."""
+    time. With DEAL > 1 (a prefill's write, one share), the chunks are dealt out over the programs
+    of the block's last DEAL new tokens instead."""
     blk = slot // BLOCK
     off = slot % BLOCK
     if BITS == 16:  # the model's own values
@@ -429,7 +428,7 @@ def _tensor_constants(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channel
         else:
             shares = min(spread, units // chunk)
     gathered = max(chunk, min(units, triton.next_power_of_2(append_units))) if dealt else chunk
-    rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread a chunk
+    rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread in a chunk
     return dict(BITS=lay.bits, VALS=vals, UNITS=units, PER=per, UC=chunk, OWN=units // shares, CODES=lay.codes,
                 ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale, PER_CHANNEL=per_channel,
                 AG=gathered, RT=rows_per_tile, DEAL=deal), shares
