@@ -413,18 +413,20 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
     pipelined. One token's programs run 2 warps (4/4, batch 64 at 4,096 tokens: 409 us instead of
     501 with 4 warps for MHA, 112 instead of 149 for GQA; GQA 8/8 172 us instead of 184, a serving
     step's rows 54.8 us either way; docs/benchmarks.md). Groups of prompt tokens (PROMPT_ROWS rows)
-    take 4. Splits give each SM 2 programs, or 4 where codes are 8 bits: an 8-bit program's
-    pipeline buffers (72 KB of shared memory) leave room for 3 a SM, so one program per (row, KV
-    head) fills whole waves badly (GQA 8/8, batch 64 at 4,096 tokens, 512 programs: 172 us in one
-    split against 165 in two, H200)."""
+    take 4. Splits give each SM 2 programs. A token's programs over 8-bit codes run 3 stages:
+    their tiles (32 KB of codes) keep enough bytes in flight with fewer buffers, which leaves
+    room for more programs a SM (H200, batch 64 at 4,096 tokens: GQA 8/8
+    145.5 us in one split against 165.2 with 5 stages in two, MHA 523.0 against 527.1; a serving
+    step's rows 163.3 against 168.5 MHA, 53.2 against 55.0 GQA; docs/benchmarks.md)."""
     lay = page_layout(fmt)
     bits = {lay.k.bits, lay.v.bits}
     if 3 in bits:
         tile, stages, warps = 32, 1, 4
     else:
         tile, stages, warps = (128 if lay.head_size <= 128 else 32), 5, (4 if grouped else 2)
-    return {"tile": min(lay.block_size, tile), "num_stages": stages, "num_warps": warps,
-            "programs_per_sm": 4 if 8 in bits else 2}
+        if 8 in bits and not grouped:
+            stages = 3
+    return {"tile": min(lay.block_size, tile), "num_stages": stages, "num_warps": warps, "programs_per_sm": 2}
 
 
 @functools.cache
