@@ -349,6 +349,9 @@ def _decode_kernel(
 
 
 MAX_SPLITS = 64
+# programs a SM that the split count aims for, at every code width (docs/benchmarks.md: 8-bit codes
+# asked for 4 until their programs ran 3 stages)
+PROGRAMS_PER_SM = 2
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -377,7 +380,7 @@ def _multiprocessors(device_index: int) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
-                      device: torch.device, programs_per_sm: int = 2) -> int:
+                      device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Enough programs to give each SM ``programs_per_sm``, at least one block per split, a power of two."""
     if device.type != "cuda":
         return 1
@@ -411,6 +414,7 @@ def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, grou
     token a program, ungrouped), whether codes are unpacked with PTX (on an NVIDIA GPU;
     Triton's interpreter runs no PTX), and whether ungrouped rows come in a given order."""
     lay = page_layout(fmt)
+    one_row = group == 1 and group_size is None
     return dict(
         H=lay.num_kv_heads, G=group, GP=_padded_rows(group, group_size or 1), D=lay.head_size,
         BLOCK=lay.block_size, TILE=tile, SPLIT=split, GROUPED=group_size is not None,
@@ -418,29 +422,29 @@ def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, grou
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
         V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale, ASM=asm_unpack, ORDERED=ordered,
-        ONE_ROW=group == 1 and group_size is None,
+        ONE_ROW=one_row,
         # 2-bit K only: scaling four planes of one row saves most (H200, MHA 2/2, batch 64 at 4,096
         # tokens 382.8 -> 369.4 us, a serving step's rows 122.4 -> 113.6); at 4 and 8 bits the
         # compiled loop came out no faster (4/4 402.0 against 399.1, serving 131.2 against 128.1)
-        ROW_QUERY=group == 1 and group_size is None and lay.k.bits == 2,
+        ROW_QUERY=one_row and lay.k.bits == 2,
     )
 
 
 @functools.cache
 def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
-    """Tokens per tile, pipeline stages, warps and programs a SM (which sets the split count), for
-    programs of one query token or of a group of them (``grouped``). Pages are read through an
-    indirection (the block table), so the compiler prefetches a tile (num_stages - 1) // 2 tiles
-    ahead: 5 stages keep the next tile's loads in flight while this one is computed. 3-bit codes
-    are gathered one 32-bit word per channel, too large to stage in shared memory, so they are not
-    pipelined. One token's programs run 2 warps (4/4, batch 64 at 4,096 tokens: 409 us instead of
-    501 with 4 warps for MHA, 112 instead of 149 for GQA; GQA 8/8 172 us instead of 184, a serving
-    step's rows 54.8 us either way; docs/benchmarks.md). Groups of prompt tokens (PROMPT_ROWS rows)
-    take 4. Splits give each SM 2 programs. A token's programs over 8-bit codes run 3 stages:
-    their tiles (32 KB of codes) keep enough bytes in flight with fewer buffers, which leaves
-    room for more programs a SM (H200, batch 64 at 4,096 tokens: GQA 8/8
+    """Tokens per tile, pipeline stages and warps, for programs of one query token or of a group of
+    them (``grouped``). Pages are read through an indirection (the block table), so the compiler
+    prefetches a tile (num_stages - 1) // 2 tiles ahead: 5 stages keep the next tile's loads in
+    flight while this one is computed. 3-bit codes are gathered one 32-bit word per channel, too
+    large to stage in shared memory, so they are not pipelined. One token's programs run 2 warps
+    (4/4, batch 64 at 4,096 tokens: 409 us instead of 501 with 4 warps for MHA, 112 instead of 149
+    for GQA; GQA 8/8 172 us instead of 184, a serving step's rows 54.8 us either way;
+    docs/benchmarks.md). Groups of prompt tokens (PROMPT_ROWS rows) take 4. A token's programs over
+    8-bit codes run 3 stages: their tiles (32 KB of codes) keep enough bytes in flight with fewer
+    buffers, which leaves room for more programs a SM (H200, batch 64 at 4,096 tokens: GQA 8/8
     145.5 us in one split against 165.2 with 5 stages in two, MHA 523.0 against 527.1; a serving
-    step's rows 163.3 against 168.5 MHA, 53.2 against 55.0 GQA; docs/benchmarks.md)."""
+    step's rows 163.3 against 168.5 MHA, 53.2 against 55.0 GQA; docs/benchmarks.md). The split
+    count is ``choose_num_splits``'s."""
     lay = page_layout(fmt)
     bits = {lay.k.bits, lay.v.bits}
     if 3 in bits:
@@ -449,7 +453,7 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
         tile, stages, warps = (128 if lay.head_size <= 128 else 32), 5, (4 if grouped else 2)
         if 8 in bits and not grouped:
             stages = 3
-    return {"tile": min(lay.block_size, tile), "num_stages": stages, "num_warps": warps, "programs_per_sm": 2}
+    return {"tile": min(lay.block_size, tile), "num_stages": stages, "num_warps": warps}
 
 
 @functools.cache
@@ -495,7 +499,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     h = fmt.k.num_heads
     if num_splits is None:
         num_splits = choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device,
-                                       programs_per_sm or default_tuning(fmt, groups is not None)["programs_per_sm"])
+                                       programs_per_sm or PROGRAMS_PER_SM)
     max_blocks = max(1, -(-max_seq_len // fmt.block_size))
     blocks_per_split = -(-max_blocks // num_splits)
     if out is None:
