@@ -101,17 +101,20 @@ def _decode_case(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, 
 
 
 def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 128,
-               lens: list[int] | None = None, as_drawn: bool = False, **tuning) -> dict:
+               lens: list[int] | None = None, as_drawn: bool = False, cuda: bool = False, **tuning) -> dict:
     """``lens``: each row's context length (at most ctx); all ctx without. Rows go to programs longest
-    first, as the backend orders them, or with ``as_drawn`` in their own order."""
+    first, as the backend orders them, or with ``as_drawn`` in their own order. ``cuda``: the CUDA
+    kernel (``vllm_kvcompress.cuda_decode``; 4/4 MHA) instead of the Triton one."""
     from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode
+    if cuda:
+        from vllm_kvcompress.cuda_decode import paged_decode
 
     fmt, cache, table, q, seq_lens, nbytes = _decode_case(bits, num_seqs, hq, hkv, d, ctx, block, lens)
     out = torch.empty_like(q)
     order = None if as_drawn else longest_first(seq_lens)
     ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out, row_order=order,
                                        **tuning))
-    name = f"ours k{bits}v{bits}" + " as drawn" * as_drawn + "".join(f" {k}={v}" for k, v in tuning.items())
+    name = f"ours k{bits}v{bits}" + " CUDA" * cuda + " as drawn" * as_drawn + "".join(f" {k}={v}" for k, v in tuning.items())
     return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 

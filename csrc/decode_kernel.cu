@@ -1,0 +1,386 @@
+// Decode attention of one query token per (request, head) over 4/4-bit "quant" pages, for
+// multi-head attention (one query head per KV head), head size 128, pages of 128 tokens.
+// Same contract and outputs as triton_kernels/decode.py's paged_decode (its ungrouped rows,
+// with or without row_order and splits); the torch reference is paged_torch.attend.
+//
+// Why a CUDA kernel: the Triton kernel spends most of a tile's instructions placing unpacked codes
+// into the tensor cores' operand registers and working on 16 padded query rows of which one is
+// real (docs/benchmarks.md). Here the codes are the products' left operand (16 tokens or channels
+// by 16, no padding) and the query or the probabilities the right one, copied to all 8 columns;
+// codes go from 16-byte loads into mma.sync fragments with one shift and four LOP3s a 32-bit word.
+// The sum over channels (q.K) and over tokens (p.V) does not care in which order its terms come,
+// so each product's k axis is permuted to match where the LOP3s leave the codes: channels (0, 4)
+// and (2, 6) of a K word, tokens (0, 2) and (1, 3) of a V word. The query, scaled by K's channel
+// scales once a page, is permuted the same way.
+//
+// Page format (docs/formats.md): K codes row by row, [H, BLOCK, 64 bytes], two channels a byte
+// (the low nibble the even one), scale and zero per channel [H, 128] float16; V codes unit-major,
+// [H, 64 units, BLOCK], scale and zero per token [H, BLOCK] float16. Codes enter the products as
+// float16 1024 + code (OR'd into 1024's mantissa); the offset is taken out with sums of the right
+// operand. Logits are in base-2 units (log2(e) folded into the query scale).
+//
+// A thread block of 2 warps takes one (row, head, split); warp w takes tokens 64w..64w+63 of
+// every page, with its own running maximum, sum and output, merged at the end.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kHead = 128;    // head size
+constexpr int kBlock = 128;   // tokens a page
+constexpr int kRow = 64;      // bytes of one token's K codes
+constexpr int kUnits = 64;    // V storage units (bytes) a token
+constexpr int kSlice = 64;    // tokens of a page one warp takes
+constexpr int kWarps = kBlock / kSlice;
+constexpr uint32_t kMagic = 0x64006400u;  // float16 1024.0, twice
+constexpr unsigned kAll = 0xffffffffu;
+
+__device__ __forceinline__ uint4 load16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// d += a . b, m16n8k16, float16 operands (a: 16 rows of codes; b: one column, repeated in all 8),
+// float32 accumulator: d[0] is row g's sum (lane g * 4 + c), d[2] row g + 8's; d[1], d[3] repeat them.
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Codes of plane P (the low or high nibble) of bytes 0 and 2 as float16 1024 + code (times 16 for
+// the high nibble): (x & mask) | 1024.0h as one LOP3 (written as two operations, the compiler
+// emits two)
+template <int P>
+__device__ __forceinline__ uint32_t codes(uint32_t x) {
+  uint32_t y;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(y) : "r"(x), "n"(P ? 0x00F000F0u : 0x000F000Fu), "r"(kMagic));
+  return y;
+}
+
+// k-step of plane P: d += codes . b, the codes of rows g and g + 8 from words r0 and r1
+template <int P>
+__device__ __forceinline__ void mma_codes(float (&d)[4], uint32_t r0, uint32_t r1, uint32_t b0, uint32_t b1) {
+  mma(d, codes<P>(r0), codes<P>(r1), codes<P>(r0 >> 8), codes<P>(r1 >> 8), b0, b1);
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float2 unpack_half2(uint32_t x) {
+  return __half22float2(*reinterpret_cast<__half2*>(&x));
+}
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ __half from_float(float x, __half*) { return __float2half_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
+
+struct Offsets {  // byte offsets of a page's regions
+  int k_codes, k_scale, k_zero, v_codes, v_scale, v_zero;
+};
+
+// A page's bytes that one lane (g = lane / 4, c = lane % 4) reads, for its warp's slice of 64 tokens.
+struct PageLoads {
+  uint4 k[4][2];       // K codes, channels 32c..32c+31, of tokens 8g + i and 8g + 4 + i (product rows g, g + 8)
+  uint4 v[4][2];       // V codes of units 16i + g and 16i + g + 8, tokens 16c..16c+15
+  uint4 ks, kz;        // K scale, zero of channels 8W..8W+7, W = lane / 2
+  uint4 vs[2], vz[2];  // V scale, zero of tokens 16c..16c+15
+};
+
+__device__ __forceinline__ void load_k(PageLoads& in, const uint8_t* page, const Offsets& o, int h, int lane,
+                                       int slice0) {
+  const int g = lane >> 2, c = lane & 3;
+  const uint8_t* rows = page + o.k_codes + (size_t(h) * kBlock + slice0 + 8 * g) * kRow + 16 * c;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    in.k[i][0] = load16(rows + i * kRow);
+    in.k[i][1] = load16(rows + (4 + i) * kRow);
+  }
+  const int ch = 8 * (lane >> 1);
+  in.ks = load16(page + o.k_scale + (h * kHead + ch) * 2);
+  in.kz = load16(page + o.k_zero + (h * kHead + ch) * 2);
+}
+
+__device__ __forceinline__ void load_v(PageLoads& in, const uint8_t* page, const Offsets& o, int h, int lane,
+                                       int slice0) {
+  const int g = lane >> 2, c = lane & 3;
+  const uint8_t* units = page + o.v_codes + (size_t(h) * kUnits + g) * kBlock + slice0 + 16 * c;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    in.v[i][0] = load16(units + (16 * i) * kBlock);
+    in.v[i][1] = load16(units + (16 * i + 8) * kBlock);
+  }
+  const uint8_t* stats = page + (h * kBlock + slice0 + 16 * c) * 2;
+  in.vs[0] = load16(stats + o.v_scale);
+  in.vs[1] = load16(stats + o.v_scale + 16);
+  in.vz[0] = load16(stats + o.v_zero);
+  in.vz[1] = load16(stats + o.v_zero + 16);
+}
+
+// Float16 number t of 16 consecutive ones (two uint4), as float
+__device__ __forceinline__ float half_at(const uint4 (&v)[2], int t) {
+  const uint32_t w = word(v[t >> 3], (t >> 1) & 3);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>((t & 1) ? (w >> 16) : (w & 0xFFFF))));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32) decode_mha_4_4(
+    const T* __restrict__ query, const uint8_t* __restrict__ cache, const int32_t* __restrict__ block_table,
+    const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ row_order, T* __restrict__ out,
+    float* __restrict__ part, float q_scale, int64_t q_stride, int64_t out_stride, int64_t bt_stride,
+    int64_t page_bytes, int blocks_per_split, int num_splits, int num_heads, Offsets o) {
+  __shared__ float4 probs[kWarps][kSlice / 4];  // a warp's probabilities, from the logits' lanes to the products'
+  __shared__ float other_out[kHead];            // warp 1's output, merged by warp 0
+  __shared__ float other_ml[2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int h = blockIdx.x % num_heads;
+  const int row = row_order != nullptr ? row_order[blockIdx.x / num_heads] : blockIdx.x / num_heads;
+  const int split = blockIdx.y;
+  const int L = seq_lens[row];
+  const int b_start = split * blocks_per_split;
+  const int b_end = min(b_start + blocks_per_split, (L + kBlock - 1) / kBlock);
+  const int slice0 = warp * kSlice;
+  const int32_t* table = block_table + row * bt_stride;
+
+  // This lane's share of the query's scaling: channels 8W + p + {0, 4, 2, 6}, W = lane / 2, plane
+  // p = lane % 2 (whose codes enter the products times 16^p, so its query is divided by 16^p)
+  const int p = lane & 1;
+  float qf[4];
+  {
+    const T* qrow = query + row * q_stride + h * kHead + 8 * (lane >> 1) + p;
+    const int at[4] = {0, 4, 2, 6};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) qf[i] = to_float(qrow[at[i]]) * q_scale;
+  }
+  const float plane_div = p ? 1.f / 16.f : 1.f;
+
+  float m = -INFINITY, l = 0.f, pz = 0.f;  // running max (base 2); lane partials of sum p, sum p * zero
+  float acc[4][2][4];  // output of plane p, rows g, g + 8 of n-tile i: channels 2 * (16i + g (+ 8)) + p
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int pl = 0; pl < 2; ++pl)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][pl][r] = 0.f;
+
+  PageLoads in;
+  if (b_start < b_end) {
+    const uint8_t* page = cache + int64_t(table[b_start]) * page_bytes;
+    load_k(in, page, o, h, lane, slice0);
+    load_v(in, page, o, h, lane, slice0);
+  }
+  for (int b = b_start; b < b_end; ++b) {
+    const uint8_t* next = b + 1 < b_end ? cache + int64_t(table[b + 1]) * page_bytes : nullptr;
+
+    // the query scaled by K's channel scales: this lane's two registers, then gathered into the
+    // product's operand order: k-step (w, plane) of lane c takes channels 32c + 8w + plane + (0, 4), (2, 6)
+    uint32_t qa[4][2], qb[4][2];
+    float bias;  // sum q * zero - 1024 * sum(scaled query), over all channels
+    {
+      const uint32_t sel = p ? 0x7632 : 0x5410;  // half p of two words
+      const float2 ksx = unpack_half2(__byte_perm(in.ks.x, in.ks.z, sel));
+      const float2 ksy = unpack_half2(__byte_perm(in.ks.y, in.ks.w, sel));
+      const float2 kzx = unpack_half2(__byte_perm(in.kz.x, in.kz.z, sel));
+      const float2 kzy = unpack_half2(__byte_perm(in.kz.y, in.kz.w, sel));
+      const uint32_t x = pack_half2(qf[0] * plane_div * ksx.x, qf[1] * plane_div * ksx.y);
+      const uint32_t y = pack_half2(qf[2] * plane_div * ksy.x, qf[3] * plane_div * ksy.y);
+      const float2 xr = unpack_half2(x), yr = unpack_half2(y);
+      bias = qf[0] * kzx.x + qf[1] * kzx.y + qf[2] * kzy.x + qf[3] * kzy.y - 1024.f * ((xr.x + xr.y) + (yr.x + yr.y));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) bias += __shfl_xor_sync(kAll, bias, off);
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int pl = 0; pl < 2; ++pl) {
+          const int src = 8 * c + 2 * w + pl;
+          qa[w][pl] = __shfl_sync(kAll, x, src);
+          qb[w][pl] = __shfl_sync(kAll, y, src);
+        }
+    }
+
+    // logits: s[i][0] of token 8g + i, s[i][2] of token 8g + 4 + i
+    float s[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) s[i][r] = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const uint32_t r0 = word(in.k[i][0], w), r1 = word(in.k[i][1], w);  // rows g, g + 8
+        mma_codes<0>(s[i], r0, r1, qa[w][0], qb[w][0]);
+        mma_codes<1>(s[i], r0, r1, qa[w][1], qb[w][1]);
+      }
+    }
+    if (next != nullptr) load_k(in, next, o, h, lane, slice0);  // K's registers are free
+
+    // softmax over the slice: tokens at or past L (on the last page) get no weight
+    const int pos = b * kBlock + slice0;  // position of the slice's token 0
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int r = 0; r < 4; r += 2) {
+        s[i][r] += bias;
+        if (pos + 8 * g + 2 * r + i >= L) s[i][r] = -INFINITY;
+        mx = fmaxf(mx, s[i][r]);
+      }
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, off));
+    const float m_new = fmaxf(m, mx);
+    const float m_ref = m_new == -INFINITY ? 0.f : m_new;  // a slice with no token yet
+    const float alpha = ex2(m - m_ref);
+    m = m_new;
+
+    // probabilities to the products' layout: lane c takes tokens 16c..16c+15; lane (g, c) here
+    // writes tokens 8g + 2c, 8g + 2c + 1 (registers s[2c % 4 + e][c / 2 * 2])
+    {
+      const float s0 = c == 0 ? s[0][0] : c == 1 ? s[2][0] : c == 2 ? s[0][2] : s[2][2];
+      const float s1 = c == 0 ? s[1][0] : c == 1 ? s[3][0] : c == 2 ? s[1][2] : s[3][2];
+      reinterpret_cast<float2*>(probs[warp])[4 * g + c] = make_float2(ex2(s0 - m_ref), ex2(s1 - m_ref));
+    }
+    __syncwarp();
+    float pr[16];
+#pragma unroll
+    for (int q4 = 0; q4 < 4; ++q4) {
+      const float4 v4 = probs[warp][4 * c + q4];
+      pr[4 * q4] = v4.x;
+      pr[4 * q4 + 1] = v4.y;
+      pr[4 * q4 + 2] = v4.z;
+      pr[4 * q4 + 3] = v4.w;
+    }
+    __syncwarp();
+
+    // p * V's token scale as the right operand: k-step s takes tokens 16c + 4s + (0, 2), (1, 3)
+    uint32_t pa[4], pb[4];
+    float lsum = 0.f, zsum = 0.f, psum = 0.f;
+    const bool tail = pos + kSlice > L;
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      float vs = half_at(in.vs, t), vz = half_at(in.vz, t);
+      if (tail && pos + 16 * c + t >= L) vs = vz = 0.f;  // an unwritten slot's statistics may be anything
+      lsum += pr[t];
+      zsum += pr[t] * vz;
+      pr[t] *= vs;
+    }
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      pa[st] = pack_half2(pr[4 * st], pr[4 * st + 2]);
+      pb[st] = pack_half2(pr[4 * st + 1], pr[4 * st + 3]);
+      const float2 ra = unpack_half2(pa[st]), rb = unpack_half2(pb[st]);
+      psum += (ra.x + ra.y) + (rb.x + rb.y);
+    }
+    l = l * alpha + lsum;
+    pz = pz * alpha + zsum;
+    psum += __shfl_xor_sync(kAll, psum, 1);
+    psum += __shfl_xor_sync(kAll, psum, 2);
+    const float offset = 1024.f * psum;  // what the codes' 1024 adds to every channel
+
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+    {
+#pragma unroll
+      for (int pl = 0; pl < 2; ++pl) {
+        acc[i][pl][0] = fmaf(acc[i][pl][0], alpha, -offset);
+        acc[i][pl][2] = fmaf(acc[i][pl][2], alpha, -offset);
+      }
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        const uint32_t u0 = word(in.v[i][0], st), u1 = word(in.v[i][1], st);  // rows g, g + 8
+        mma_codes<0>(acc[i][0], u0, u1, pa[st], pb[st]);
+        mma_codes<1>(acc[i][1], u0, u1, pa[st], pb[st]);
+      }
+    }
+    if (next != nullptr) load_v(in, next, o, h, lane, slice0);
+  }
+
+  // lane partials -> the warp's (lanes of one g hold its 64 tokens); then the warps merged
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l += __shfl_xor_sync(kAll, l, off);
+    pz += __shfl_xor_sync(kAll, pz, off);
+  }
+  // lane (g, 0) holds channels 2 * (16i + g) + plane and 2 * (16i + g + 8) + plane; plane 1 came times 16
+  if (warp == 1 && c == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int pl = 0; pl < 2; ++pl)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2)
+          other_out[2 * (16 * i + g + 4 * r) + pl] = acc[i][pl][r] * (pl ? 1.f / 16.f : 1.f) + pz;
+    if (g == 0) {
+      other_ml[0] = m;
+      other_ml[1] = l;
+    }
+  }
+  __syncthreads();
+  if (warp != 0 || c != 0) return;
+  const float m1 = other_ml[0], l1 = other_ml[1];
+  const float mm = fmaxf(m, m1);
+  const float w0 = m == -INFINITY ? 0.f : ex2(m - mm);
+  const float w1 = m1 == -INFINITY ? 0.f : ex2(m1 - mm);
+  const float lt = l * w0 + l1 * w1;
+  const float scale = num_splits == 1 ? 1.f / lt : 1.f;
+  float* partial = part + ((int64_t(row) * num_heads + h) * num_splits + split) * (kHead + 2);
+  T* dst = out + row * out_stride + h * kHead;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int pl = 0; pl < 2; ++pl)
+#pragma unroll
+      for (int r = 0; r < 4; r += 2) {
+        const int ch = 2 * (16 * i + g + 4 * r) + pl;
+        const float v = ((acc[i][pl][r] * (pl ? 1.f / 16.f : 1.f) + pz) * w0 + other_out[ch] * w1) * scale;
+        if (num_splits == 1)
+          dst[ch] = from_float(v, static_cast<T*>(nullptr));
+        else
+          partial[ch] = v;  // unnormalized output of this split
+      }
+  if (num_splits > 1 && g == 0) {
+    partial[kHead] = mm;
+    partial[kHead + 1] = lt;
+  }
+}
+
+}  // namespace
+
+// Launches on `stream` (a cudaStream_t); returns the launch's cudaError_t.
+extern "C" int kvc_decode_mha_4_4(const void* query, const void* cache, const void* block_table, const void* seq_lens,
+                                  const void* row_order, void* out, void* part, float q_scale, int64_t q_stride,
+                                  int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split,
+                                  int num_splits, int num_rows, int num_heads, int k_codes, int k_scale, int k_zero,
+                                  int v_codes, int v_scale, int v_zero, int bf16, void* stream) {
+  const Offsets o{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero};
+  const dim3 grid(num_rows * num_heads, num_splits), block(kWarps * 32);
+  auto s = static_cast<cudaStream_t>(stream);
+  const auto* c = static_cast<const uint8_t*>(cache);
+  const auto* bt = static_cast<const int32_t*>(block_table);
+  const auto* sl = static_cast<const int32_t*>(seq_lens);
+  const auto* ro = static_cast<const int32_t*>(row_order);
+  if (bf16) {
+    decode_mha_4_4<__nv_bfloat16><<<grid, block, 0, s>>>(
+        static_cast<const __nv_bfloat16*>(query), c, bt, sl, ro, static_cast<__nv_bfloat16*>(out),
+        static_cast<float*>(part), q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits,
+        num_heads, o);
+  } else {
+    decode_mha_4_4<__half><<<grid, block, 0, s>>>(
+        static_cast<const __half*>(query), c, bt, sl, ro, static_cast<__half*>(out), static_cast<float*>(part),
+        q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
+  }
+  return static_cast<int>(cudaGetLastError());
+}

@@ -1,0 +1,125 @@
+"""The CUDA decode kernel (4/4-bit pages, MHA) against the torch reference of the same pages.
+
+Runs where a CUDA GPU and nvcc are present (the kernel is built just in time); the format checks
+run everywhere.
+"""
+
+import pytest
+import torch
+
+from vllm_kvcompress import cuda_decode, paged_torch
+from vllm_kvcompress.config import LayerFormat
+from vllm_kvcompress.formats import KVPageFormat
+
+FOUR = LayerFormat(k_bits=4, v_bits=4)
+
+
+def _fmt(layer_format=FOUR, block=128, heads=4, head_size=128, dtype=torch.bfloat16):
+    return KVPageFormat.from_layer_format(layer_format, dtype, block, heads, head_size)
+
+
+@pytest.mark.parametrize("layer_format,block,head_size,query_heads,dtype,reason", [
+    (FOUR, 128, 128, 4, torch.bfloat16, None),
+    (FOUR, 128, 128, 4, torch.float16, None),
+    (FOUR, 128, 128, 8, torch.bfloat16, "8 query heads for 4 KV heads"),
+    (FOUR, 64, 128, 4, torch.bfloat16, "pages of 64 tokens"),
+    (FOUR, 128, 64, 4, torch.bfloat16, "head size 64"),
+    (FOUR, 128, 128, 4, torch.float32, "queries in torch.float32"),
+    (LayerFormat(k_bits=2, v_bits=2), 128, 128, 4, torch.bfloat16, "K not at 4 bits"),
+    (LayerFormat(k_bits=4, v_bits=8), 128, 128, 4, torch.bfloat16, "V not at 4 bits"),
+    (LayerFormat(k_bits=4, v_bits=4, v_channel_scaling=True), 128, 128, 4, torch.bfloat16, "ZipCache"),
+])
+def test_supports_names_what_it_cannot_read(layer_format, block, head_size, query_heads, dtype, reason):
+    why = cuda_decode.supports(_fmt(layer_format, block, 4, head_size), query_heads, dtype)
+    if reason is None:
+        assert why is None
+    else:
+        assert why is not None and reason in why
+
+
+def _gpu_ready() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    return cuda_decode.device_supported(torch.device("cuda")) or (
+        None if cuda_decode.nvcc_available() else "no nvcc to build the kernel")
+
+
+gpu = pytest.mark.skipif(_gpu_ready() is not None, reason=str(_gpu_ready()))
+
+
+def _fill(fmt, seq_lens, spare_blocks, seed, garbage=True):
+    """Random (never zero) K/V written through the reference into scattered pages. With
+    ``garbage``, spare pages and the unwritten rest of a last page hold random bytes (float16
+    infinities and NaNs among them), to which the kernel must give no weight."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
+    max_blocks = max(-(-L // B) for L in seq_lens)
+    num_blocks = sum(-(-L // B) for L in seq_lens) + spare_blocks
+    cache = (torch.randint(0, 256, (num_blocks, fmt.page_bytes), dtype=torch.uint8, generator=gen) if garbage
+             else torch.zeros(num_blocks, fmt.page_bytes, dtype=torch.uint8))
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max_blocks + 1, dtype=torch.int32)
+    used = 0
+    for i, L in enumerate(seq_lens):
+        nb = -(-L // B)
+        table[i, :nb] = perm[used:used + nb]
+        used += nb
+        k = torch.randn(L, H, D, generator=gen) * 1.5 + 0.3
+        v = torch.randn(L, H, D, generator=gen) - 0.2
+        slots = table[i, torch.arange(L) // B].long() * B + torch.arange(L) % B
+        paged_torch.write_tokens(cache, fmt, k, v, slots)
+    return cache, table
+
+
+def _reference(q, cache, fmt, table, seq_lens, scale):
+    return paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, scale)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, None])
+@pytest.mark.parametrize("seq_lens", [[1, 63, 64, 65, 127, 128, 129, 300], [1000, 17, 2049, 4096, 256]],
+                         ids=["short", "long"])
+def test_decode_equals_reference(dtype, num_splits, seq_lens):
+    fmt = _fmt(heads=4, dtype=dtype)
+    cache, table = _fill(fmt, seq_lens, 3, seed=len(seq_lens))
+    q = torch.randn(len(seq_lens), 4, 128, generator=torch.Generator().manual_seed(5)).to(dtype)
+    ref = _reference(q, cache, fmt, table, seq_lens, 128 ** -0.5)
+    got = cuda_decode.paged_decode(q.cuda(), cache.cuda(), fmt, table.cuda(),
+                                   torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), 128 ** -0.5,
+                                   max(seq_lens), num_splits=num_splits)
+    # fp16 products of (q * scale) with integer codes, as the Triton kernel: ~1e-3 relative
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+@gpu
+def test_rows_in_given_order_and_strided_views():
+    """``row_order`` (rows longest first, as the backend passes them) and a query and output that
+    are views into wider rows (the fused QKV output) land each row in its own place."""
+    seq_lens = [5, 700, 130, 1]
+    fmt = _fmt(heads=2)
+    cache, table = _fill(fmt, seq_lens, 2, seed=9)
+    qkv = torch.randn(len(seq_lens), 3 * 2 * 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q = qkv[:, :256].view(len(seq_lens), 2, 128)
+    ref = _reference(q, cache, fmt, table, seq_lens, 0.1)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out_rows = torch.zeros(len(seq_lens), 3 * 256, dtype=torch.bfloat16, device="cuda")
+    out = out_rows[:, 256:512].view(len(seq_lens), 2, 128)
+    cuda_decode.paged_decode(qkv.cuda()[:, :256].view(len(seq_lens), 2, 128), cache.cuda(), fmt, table.cuda(), lens,
+                             0.1, max(seq_lens), out=out, row_order=torch.argsort(lens, descending=True).int())
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    assert out_rows[:, :256].abs().sum() == 0 and out_rows[:, 512:].abs().sum() == 0
+
+
+@gpu
+def test_matches_triton_kernel_closely():
+    """Both kernels compute the same fp16 products of the same scaled query and codes; they differ
+    only in the order of float32 sums. (Unwritten slots hold zeros here, as in vLLM's cache.)"""
+    from vllm_kvcompress.triton_kernels.decode import paged_decode
+    seq_lens = [4096, 333, 1290, 77, 2000, 640]
+    fmt = _fmt(heads=8)
+    cache, table = _fill(fmt, seq_lens, 1, seed=3, garbage=False)
+    args = (torch.randn(len(seq_lens), 8, 128).to(torch.bfloat16).cuda(), cache.cuda(), fmt, table.cuda(),
+            torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), 128 ** -0.5, max(seq_lens))
+    torch.testing.assert_close(cuda_decode.paged_decode(*args).float(), paged_decode(*args).float(),
+                               rtol=1e-2, atol=1e-2)

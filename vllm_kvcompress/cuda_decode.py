@@ -1,0 +1,135 @@
+"""Decode attention as a CUDA kernel (``csrc/decode_kernel.cu``) for the format where the Triton
+kernel leaves most speed behind: multi-head attention over 4/4-bit pages (head size 128, pages of
+128 tokens). Built just in time with nvcc through ``torch.utils.cpp_extension`` (cached by torch
+under ``TORCH_EXTENSIONS_DIR``) and called through ctypes, so the build includes no torch headers
+(a few seconds).
+
+``paged_decode`` has the Triton kernel's signature: decode rows (one token a request) go to the
+CUDA kernel, prompt tokens taken in groups (``groups``) to the Triton kernel. Splits of a long
+context are merged by the Triton kernel's merge.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
+from vllm_kvcompress.token_rows import TokenGroups
+
+from .triton_kernels.layout import page_layout
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_kernel.cu"
+_LOG2E = 1.4426950408889634
+
+
+def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str | None:
+    """None if the CUDA decode kernel reads this format's decode rows for queries of ``dtype``,
+    else why not."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"queries in {dtype} (bfloat16 or float16 only)"
+    if fmt.recent is not None:
+        return "recent 16-bit window (KVmix RPC)"
+    if fmt.v is None:
+        return "K-only pages (slim attention)"
+    if num_query_heads != fmt.k.num_heads:
+        return f"{num_query_heads} query heads for {fmt.k.num_heads} KV heads (one query head a KV head only)"
+    for name, codec, axis in (("K", fmt.k, "channel"), ("V", fmt.v, "token")):
+        if not isinstance(codec, MinMaxCodec) or codec.bits != 4:
+            return f"{name} not at 4 bits"
+        if codec.axis != axis:
+            return f"{name} quantized per {codec.axis}"
+        if codec.channel_scaling:
+            return f"{name} with ZipCache channel scales"
+    if fmt.k.head_size != 128:
+        return f"head size {fmt.k.head_size} (128 only)"
+    if fmt.block_size != 128:
+        return f"pages of {fmt.block_size} tokens (128 only)"
+    lay = page_layout(fmt)
+    offsets = (fmt.page_bytes, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero)
+    if any(x % 16 for x in offsets):
+        return "page regions not on 16-byte boundaries"
+    return None
+
+
+def nvcc_available() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+    return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists()
+
+
+def device_supported(device: torch.device) -> str | None:
+    """None if this GPU runs the kernel (NVIDIA, compute capability 8.0 or later: mma.sync m16n8k16)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return "not an NVIDIA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"compute capability {major}.{minor} (8.0 or later)"
+    return None
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    from torch.utils.cpp_extension import load
+    path = load(name="kvcompress_decode", sources=[str(SOURCE)], extra_cuda_cflags=["-O3"],
+                is_python_module=False, verbose=False)
+    lib = ctypes.CDLL(path)
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.kvc_decode_mha_4_4.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, i64, i64, i64, i64, i32, i32, i32, i32,
+                                       i32, i32, i32, i32, i32, i32, i32, p]
+    lib.kvc_decode_mha_4_4.restype = i32
+    return lib
+
+
+def build() -> None:
+    """Build (or load the cached build of) the kernel: at startup, not in the middle of serving."""
+    _library()
+
+
+def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
+                 out: torch.Tensor | None = None, groups: TokenGroups | None = None,
+                 row_order: torch.Tensor | None = None) -> torch.Tensor:
+    """``triton_kernels.decode.paged_decode``'s contract, for formats where ``supports`` is None;
+    ``groups`` (prompt tokens) go to the Triton kernel."""
+    from .triton_kernels import decode as triton_decode
+    if groups is not None:
+        return triton_decode.paged_decode(query, cache, fmt, block_table, seq_lens, sm_scale, max_seq_len,
+                                          num_splits=num_splits, out=out, groups=groups)
+    query, q_stride = triton_decode._row_strided(query)
+    n, hq, d = query.shape
+    if num_splits is None:
+        num_splits = triton_decode.choose_num_splits(n, hq, max_seq_len, fmt.block_size, query.device)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.stride(2) != 1 or out.stride(1) != d:
+        raise ValueError(f"out: strides {out.stride()}; heads and channels must be contiguous within a row")
+    if n == 0:
+        return out
+    blocks_per_split = -(-max(1, -(-max_seq_len // fmt.block_size)) // num_splits)
+    part = out
+    if num_splits > 1:
+        part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
+    lay = page_layout(fmt)
+    err = _library().kvc_decode_mha_4_4(
+        query.data_ptr(), cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
+        None if row_order is None else row_order.data_ptr(), out.data_ptr(), part.data_ptr(),
+        sm_scale * _LOG2E, q_stride, out.stride(0), block_table.stride(0), fmt.page_bytes, blocks_per_split,
+        num_splits, n, hq, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero,
+        int(query.dtype == torch.bfloat16), torch.cuda.current_stream(query.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")
+    if num_splits > 1:
+        triton_decode.launch(triton_decode._merge_variant(hq, d), (n, hq), (part, out, out.stride(0), num_splits))
+    return out
+
+
+def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype) -> None:
+    """Build the kernel and compile the Triton kernel's variants that prompt groups and split
+    merges launch (see ``triton_kernels.decode.warm_up``)."""
+    from .triton_kernels import decode as triton_decode
+    build()
+    triton_decode.warm_up(cache, fmt, num_query_heads, query_dtype)
+
