@@ -51,12 +51,14 @@ def main() -> None:
     ap.add_argument("--compare-only", action="store_true", help="only Triton kernels vs the torch path")
     ap.add_argument("--compare", nargs="+", default=["quant-k4v4", "quant-k2v2"],
                     help="settings whose Triton path is compared with the torch path")
+    ap.add_argument("--mha", action="store_true",
+                    help="a model with one query head a KV head (whose 4/4 decode rows go to the CUDA kernel)")
     args = ap.parse_args()
     from engine_utils import prose
     from tiny_models import build_llama
 
-    model = str(build_llama(Path(tempfile.mkdtemp()) / "llama-d128", num_kv_heads=2, num_heads=8, hidden=1024,
-                            layers=4))
+    model = str(build_llama(Path(tempfile.mkdtemp()) / "llama-d128", num_kv_heads=8 if args.mha else 2, num_heads=8,
+                            hidden=1024, layers=4))
     prompts = [prose(400, i) for i in range(6)] + ["The quick brown fox"]
     report = {}
     settings = () if args.compare_only else (
@@ -73,8 +75,8 @@ def main() -> None:
         report[key] = {"greedy_same": f"{same}/{32 * len(prompts)}", "max_logprob_diff_vs_stock": dl,
                        "kv_tokens_vs_stock": r["kv_tokens"] / stock["kv_tokens"], "generate_s": r["generate_s"]}
         print(key, report[key], flush=True)
-    # the Triton kernels (prefill as one row per token; decode in full CUDA graphs) against the
-    # backend's torch reference path, eager, on the same pages
+    # our kernels (prefill as rows of prompt tokens; decode in full CUDA graphs; with --mha, 4/4 decode
+    # rows in the CUDA kernel) against the backend's torch reference path, eager, on the same pages
     for setting in args.compare:
         ref = run(model, setting, True, prompts, torch_path=True)
         for eager in (False, True):

@@ -37,6 +37,17 @@ def test_supports_names_what_it_cannot_read(layer_format, block, head_size, quer
         assert why is not None and reason in why
 
 
+def test_mode_is_checked_and_cuda_refused_where_it_cannot_run():
+    fmt = _fmt()
+    with pytest.raises(ValueError, match="KVCOMPRESS_DECODE='fast'.*allowed are 'auto'"):
+        cuda_decode.choose("fast", fmt, 4, torch.bfloat16, torch.device("cpu"))
+    assert cuda_decode.choose("triton", fmt, 4, torch.bfloat16, torch.device("cpu")) == "KVCOMPRESS_DECODE=triton"
+    assert cuda_decode.choose("auto", fmt, 4, torch.bfloat16, torch.device("cpu")) == "not an NVIDIA GPU"
+    assert "8 query heads" in cuda_decode.choose("auto", fmt, 8, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="KVCOMPRESS_DECODE=cuda: .*not an NVIDIA GPU"):
+        cuda_decode.choose("cuda", fmt, 4, torch.bfloat16, torch.device("cpu"))
+
+
 def _gpu_ready() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"

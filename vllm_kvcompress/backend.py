@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from . import paged_torch
+from . import cuda_decode, paged_torch
 from .engine_config import active_config, layer_page_format
 from .formats import KVPageFormat
 from .slim_loader import ATTRIBUTE
@@ -201,6 +201,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         write = os.environ.get("KVCOMPRESS_WRITE", "triton")
         if write not in ("triton", "cuda"):
             raise ValueError(f"KVCOMPRESS_WRITE={write!r}: allowed are 'triton' (default) and 'cuda'")
+        decode = os.environ.get("KVCOMPRESS_DECODE", "auto")
+        cuda_decode.check_mode(decode)
         if device.type != "cuda" or os.environ.get("KVCOMPRESS_KERNELS") == "torch":
             if write == "cuda":
                 raise ValueError(f"KVCOMPRESS_WRITE=cuda: the cache is on {device.type}, the CUDA write kernel "
@@ -224,6 +226,13 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             from .triton_kernels.decode import paged_decode, warm_up
             self._decode_kernel = paged_decode
             self._warm_up = warm_up
+            why_not = cuda_decode.choose(decode, fmt, self.num_heads, self._dtype, device)
+            if why_not is None:
+                cuda_decode.build()
+                self._decode_kernel = cuda_decode.paged_decode
+                self._warm_up = cuda_decode.warm_up
+            else:
+                logger.info_once("kv-compression: decode rows with the Triton kernel; the CUDA kernel: %s", why_not)
 
     def _page_format(self, layer, kv_cache: torch.Tensor) -> KVPageFormat:
         if self._format is None:
@@ -233,7 +242,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             logger.info_once(
                 "kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens); decode with %s",
                 kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}",
-                "the torch reference" if self._decode_kernel is None else self._decode_kernel.__name__)
+                "the torch reference" if self._decode_kernel is None
+                else f"{self._decode_kernel.__module__}.{self._decode_kernel.__name__}")
         return self._format
 
     def _pages(self, kv_cache: torch.Tensor, fmt: KVPageFormat) -> torch.Tensor:

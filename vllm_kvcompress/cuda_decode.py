@@ -70,6 +70,30 @@ def device_supported(device: torch.device) -> str | None:
     return None
 
 
+MODES = ("auto", "triton", "cuda")
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"KVCOMPRESS_DECODE={mode!r}: allowed are 'auto' (the default: the CUDA decode kernel "
+                         "where it reads the format and nvcc exists, else the Triton one), 'triton' and 'cuda'")
+
+
+def choose(mode: str, fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype,
+           device: torch.device) -> str | None:
+    """Under ``KVCOMPRESS_DECODE=mode``: None if decode rows go to the CUDA kernel, else why they go
+    to the Triton one. ``cuda`` where the CUDA kernel cannot be used is refused."""
+    check_mode(mode)
+    if mode == "triton":
+        return "KVCOMPRESS_DECODE=triton"
+    why = (supports(fmt, num_query_heads, dtype) or device_supported(device)
+           or (None if nvcc_available() else "no nvcc (set CUDA_HOME to a CUDA toolkit)"))
+    if why is not None and mode == "cuda":
+        raise ValueError(f"KVCOMPRESS_DECODE=cuda: the CUDA decode kernel cannot be used: {why}; "
+                         "allowed: 'auto' or 'triton' (the Triton kernel)")
+    return why
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     from torch.utils.cpp_extension import load
@@ -85,7 +109,11 @@ def _library() -> ctypes.CDLL:
 
 def build() -> None:
     """Build (or load the cached build of) the kernel: at startup, not in the middle of serving."""
-    _library()
+    try:
+        _library()
+    except Exception as e:
+        raise RuntimeError(f"the CUDA decode kernel did not build ({e}); KVCOMPRESS_DECODE=triton decodes with "
+                           "the Triton kernel instead") from e
 
 
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
