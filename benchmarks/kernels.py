@@ -105,9 +105,11 @@ def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, bl
     """``lens``: each row's context length (at most ctx); all ctx without. Rows go to programs longest
     first, as the backend orders them, or with ``as_drawn`` in their own order. ``cuda``: the CUDA
     kernel (``vllm_kvcompress.cuda_decode``; 4/4 MHA) instead of the Triton one."""
-    from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode
+    from vllm_kvcompress.triton_kernels.decode import longest_first
     if cuda:
         from vllm_kvcompress.cuda_decode import paged_decode
+    else:
+        from vllm_kvcompress.triton_kernels.decode import paged_decode
 
     fmt, cache, table, q, seq_lens, nbytes = _decode_case(bits, num_seqs, hq, hkv, d, ctx, block, lens)
     out = torch.empty_like(q)
