@@ -1,4 +1,4 @@
-// Decode attention of one query token per (request, head) over 4/4-bit "quant" pages, for
+// Decode attention of one query token per (request, head) over 4/4- or 2/2-bit "quant" pages, for
 // multi-head attention (one query head per KV head), head size 128, pages of 128 tokens.
 // Same contract and outputs as triton_kernels/decode.py's paged_decode (its ungrouped rows,
 // with or without row_order and splits); the torch reference is paged_torch.attend.
@@ -7,15 +7,16 @@
 // into the tensor cores' operand registers and working on 16 padded query rows of which one is
 // real (docs/benchmarks.md). Here the codes are the products' left operand (16 tokens or channels
 // by 16, no padding) and the query or the probabilities the right one, copied to all 8 columns;
-// codes go from 16-byte loads into mma.sync fragments with one shift and four LOP3s a 32-bit word.
+// codes go from 8- or 16-byte loads into mma.sync fragments with one shift and one LOP3 per plane
+// and half word (a plane: the codes at one bit offset of every byte; 2 planes at 4 bits, 4 at 2).
 // The sum over channels (q.K) and over tokens (p.V) does not care in which order its terms come,
-// so each product's k axis is permuted to match where the LOP3s leave the codes: channels (0, 4)
-// and (2, 6) of a K word, tokens (0, 2) and (1, 3) of a V word. The query, scaled by K's channel
-// scales once a page, is permuted the same way.
+// so each product's k axis is permuted to match where the LOP3s leave the codes: bytes (0, 2) and
+// (1, 3) of a word, so channels (0, 4), (2, 6) of a 4-bit K word for plane 0, tokens (0, 2), (1, 3)
+// of a V word. The query, scaled by K's channel scales once a page, is permuted the same way.
 //
-// Page format (docs/formats.md): K codes row by row, [H, BLOCK, 64 bytes], two channels a byte
-// (the low nibble the even one), scale and zero per channel [H, 128] float16; V codes unit-major,
-// [H, 64 units, BLOCK], scale and zero per token [H, BLOCK] float16. Codes enter the products as
+// Page format (docs/formats.md): K codes row by row, [H, BLOCK, 16 * BITS bytes], 8 / BITS channels
+// a byte (channel j * planes + k in bits k * BITS), scale and zero per channel [H, 128] float16; V
+// codes unit-major, [H, 16 * BITS units, BLOCK], scale and zero per token [H, BLOCK] float16. Codes enter the products as
 // float16 1024 + code (OR'd into 1024's mantissa); the offset is taken out with sums of the right
 // operand. Logits are in base-2 units (log2(e) folded into the query scale).
 //
@@ -30,8 +31,6 @@ namespace {
 
 constexpr int kHead = 128;    // head size
 constexpr int kBlock = 128;   // tokens a page
-constexpr int kRow = 64;      // bytes of one token's K codes
-constexpr int kUnits = 64;    // V storage units (bytes) a token
 constexpr int kSlice = 64;    // tokens of a page one warp takes
 constexpr int kWarps = kBlock / kSlice;
 constexpr uint32_t kMagic = 0x64006400u;  // float16 1024.0, twice
@@ -53,21 +52,33 @@ __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Codes of plane P (the low or high nibble) of bytes 0 and 2 as float16 1024 + code (times 16 for
-// the high nibble): (x & mask) | 1024.0h as one LOP3 (written as two operations, the compiler
-// emits two)
-template <int P>
+// Codes of plane P (bits P * BITS of a byte) of bytes 0 and 2 as float16 1024 + code * 2^(P * BITS):
+// (x & mask) | 1024.0h as one LOP3 (written as two operations, the compiler emits two)
+template <int BITS, int P>
 __device__ __forceinline__ uint32_t codes(uint32_t x) {
   uint32_t y;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(y) : "r"(x), "n"(P ? 0x00F000F0u : 0x000F000Fu), "r"(kMagic));
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;"
+      : "=r"(y)
+      : "r"(x), "n"((((1u << BITS) - 1) << (P * BITS)) * 0x00010001u), "r"(kMagic));
   return y;
 }
 
 // k-step of plane P: d += codes . b, the codes of rows g and g + 8 from words r0 and r1
-template <int P>
+template <int BITS, int P>
 __device__ __forceinline__ void mma_codes(float (&d)[4], uint32_t r0, uint32_t r1, uint32_t b0, uint32_t b1) {
-  mma(d, codes<P>(r0), codes<P>(r1), codes<P>(r0 >> 8), codes<P>(r1 >> 8), b0, b1);
+  mma(d, codes<BITS, P>(r0), codes<BITS, P>(r1), codes<BITS, P>(r0 >> 8), codes<BITS, P>(r1 >> 8), b0, b1);
 }
+
+// What a width of codes changes: planes, bytes of a lane's share of a K row, V's units (m-tiles of 16)
+template <int BITS>
+struct Geometry {
+  static constexpr int kPlanes = 8 / BITS;
+  static constexpr int kRow = 16 * BITS;        // bytes of one token's K codes
+  static constexpr int kWords = kRow / 16;      // 32-bit words of a lane's quarter of a K row
+  static constexpr int kUnits = 16 * BITS;      // V storage units (bytes) a token
+  static constexpr int kTiles = kUnits / 16;    // m-tiles of V units
+  static constexpr int kStatVecs = kPlanes / 2;  // 16-byte vectors of a lane's K scales (4 * planes channels)
+};
 
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -94,33 +105,50 @@ struct Offsets {  // byte offsets of a page's regions
 };
 
 // A page's bytes that one lane (g = lane / 4, c = lane % 4) reads, for its warp's slice of 64 tokens.
+template <int BITS>
 struct PageLoads {
-  uint4 k[4][2];       // K codes, channels 32c..32c+31, of tokens 8g + i and 8g + 4 + i (product rows g, g + 8)
-  uint4 v[4][2];       // V codes of units 16i + g and 16i + g + 8, tokens 16c..16c+15
-  uint4 ks, kz;        // K scale, zero of channels 8W..8W+7, W = lane / 2
-  uint4 vs[2], vz[2];  // V scale, zero of tokens 16c..16c+15
+  using G = Geometry<BITS>;
+  uint32_t k[4][2][G::kWords];  // K codes, channels 32c..32c+31, of tokens 8g + i and 8g + 4 + i (rows g, g + 8)
+  uint4 v[G::kTiles][2];        // V codes of units 16i + g and 16i + g + 8, tokens 16c..16c+15
+  uint4 ks[G::kStatVecs], kz[G::kStatVecs];  // K scale, zero of channels 4P W..4P W + 4P - 1, W = lane / P
+  uint4 vs[2], vz[2];           // V scale, zero of tokens 16c..16c+15
 };
 
-__device__ __forceinline__ void load_k(PageLoads& in, const uint8_t* page, const Offsets& o, int h, int lane,
+template <int BITS>
+__device__ __forceinline__ void load_k(PageLoads<BITS>& in, const uint8_t* page, const Offsets& o, int h, int lane,
                                        int slice0) {
+  using G = Geometry<BITS>;
   const int g = lane >> 2, c = lane & 3;
-  const uint8_t* rows = page + o.k_codes + (size_t(h) * kBlock + slice0 + 8 * g) * kRow + 16 * c;
+  const uint8_t* rows = page + o.k_codes + (size_t(h) * kBlock + slice0 + 8 * g) * G::kRow + G::kRow / 4 * c;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    in.k[i][0] = load16(rows + i * kRow);
-    in.k[i][1] = load16(rows + (4 + i) * kRow);
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint8_t* at = rows + (4 * r + i) * G::kRow;
+      if constexpr (G::kWords == 4) {
+        const uint4 x = load16(at);
+        in.k[i][r][0] = x.x, in.k[i][r][1] = x.y, in.k[i][r][2] = x.z, in.k[i][r][3] = x.w;
+      } else {
+        const uint2 x = __ldg(reinterpret_cast<const uint2*>(at));
+        in.k[i][r][0] = x.x, in.k[i][r][1] = x.y;
+      }
+    }
+  const int ch = 4 * G::kPlanes * (lane / G::kPlanes);
+#pragma unroll
+  for (int j = 0; j < G::kStatVecs; ++j) {
+    in.ks[j] = load16(page + o.k_scale + (h * kHead + ch + 8 * j) * 2);
+    in.kz[j] = load16(page + o.k_zero + (h * kHead + ch + 8 * j) * 2);
   }
-  const int ch = 8 * (lane >> 1);
-  in.ks = load16(page + o.k_scale + (h * kHead + ch) * 2);
-  in.kz = load16(page + o.k_zero + (h * kHead + ch) * 2);
 }
 
-__device__ __forceinline__ void load_v(PageLoads& in, const uint8_t* page, const Offsets& o, int h, int lane,
+template <int BITS>
+__device__ __forceinline__ void load_v(PageLoads<BITS>& in, const uint8_t* page, const Offsets& o, int h, int lane,
                                        int slice0) {
+  using G = Geometry<BITS>;
   const int g = lane >> 2, c = lane & 3;
-  const uint8_t* units = page + o.v_codes + (size_t(h) * kUnits + g) * kBlock + slice0 + 16 * c;
+  const uint8_t* units = page + o.v_codes + (size_t(h) * G::kUnits + g) * kBlock + slice0 + 16 * c;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < G::kTiles; ++i) {
     in.v[i][0] = load16(units + (16 * i) * kBlock);
     in.v[i][1] = load16(units + (16 * i + 8) * kBlock);
   }
@@ -131,14 +159,30 @@ __device__ __forceinline__ void load_v(PageLoads& in, const uint8_t* page, const
   in.vz[1] = load16(stats + o.v_zero + 16);
 }
 
+// The halves k, k + 2P of a lane's 4P K statistics (X) and k + P, k + 3P (Y), P planes, k = lane % P:
+// the query channels its scaled-query registers take
+template <int BITS>
+__device__ __forceinline__ void stat_pairs(const uint4 (&v)[Geometry<BITS>::kStatVecs], int k, uint32_t& x,
+                                           uint32_t& y) {
+  const uint32_t sel = (k & 1) ? 0x7632 : 0x5410;  // half k % 2 of two words
+  if constexpr (BITS == 4) {
+    x = __byte_perm(v[0].x, v[0].z, sel);
+    y = __byte_perm(v[0].y, v[0].w, sel);
+  } else {
+    const bool hi = k >> 1;
+    x = __byte_perm(hi ? v[0].y : v[0].x, hi ? v[1].y : v[1].x, sel);
+    y = __byte_perm(hi ? v[0].w : v[0].z, hi ? v[1].w : v[1].z, sel);
+  }
+}
+
 // Float16 number t of 16 consecutive ones (two uint4), as float
 __device__ __forceinline__ float half_at(const uint4 (&v)[2], int t) {
   const uint32_t w = word(v[t >> 3], (t >> 1) & 3);
   return __half2float(__ushort_as_half(static_cast<unsigned short>((t & 1) ? (w >> 16) : (w & 0xFFFF))));
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kWarps * 32) decode_mha_4_4(
+template <int BITS, typename T>
+__global__ void __launch_bounds__(kWarps * 32) decode_mha(
     const T* __restrict__ query, const uint8_t* __restrict__ cache, const int32_t* __restrict__ block_table,
     const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ row_order, T* __restrict__ out,
     float* __restrict__ part, float q_scale, int64_t q_stride, int64_t out_stride, int64_t bt_stride,
@@ -157,28 +201,30 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha_4_4(
   const int slice0 = warp * kSlice;
   const int32_t* table = block_table + row * bt_stride;
 
-  // This lane's share of the query's scaling: channels 8W + p + {0, 4, 2, 6}, W = lane / 2, plane
-  // p = lane % 2 (whose codes enter the products times 16^p, so its query is divided by 16^p)
-  const int p = lane & 1;
+  using G = Geometry<BITS>;
+  constexpr int P = G::kPlanes;
+  // This lane's share of the query's scaling: channels 4P W + k + {0, 2P, P, 3P}, W = lane / P, plane
+  // k = lane % P (whose codes enter the products times 2^(k * BITS), so its query is divided by that)
+  const int p = lane % P;
   float qf[4];
   {
-    const T* qrow = query + row * q_stride + h * kHead + 8 * (lane >> 1) + p;
-    const int at[4] = {0, 4, 2, 6};
+    const T* qrow = query + row * q_stride + h * kHead + 4 * P * (lane / P) + p;
+    const int at[4] = {0, 2 * P, P, 3 * P};
 #pragma unroll
     for (int i = 0; i < 4; ++i) qf[i] = to_float(qrow[at[i]]) * q_scale;
   }
-  const float plane_div = p ? 1.f / 16.f : 1.f;
+  const float plane_div = 1.f / float(1 << (BITS * p));
 
   float m = -INFINITY, l = 0.f, pz = 0.f;  // running max (base 2); lane partials of sum p, sum p * zero
-  float acc[4][2][4];  // output of plane p, rows g, g + 8 of n-tile i: channels 2 * (16i + g (+ 8)) + p
+  float acc[G::kTiles][P][4];  // output of plane k, rows g, g + 8 of m-tile i: channels P * (16i + g (+ 8)) + k
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < G::kTiles; ++i)
 #pragma unroll
-    for (int pl = 0; pl < 2; ++pl)
+    for (int pl = 0; pl < P; ++pl)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[i][pl][r] = 0.f;
 
-  PageLoads in;
+  PageLoads<BITS> in;
   if (b_start < b_end) {
     const uint8_t* page = cache + int64_t(table[b_start]) * page_bytes;
     load_k(in, page, o, h, lane, slice0);
@@ -188,15 +234,15 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha_4_4(
     const uint8_t* next = b + 1 < b_end ? cache + int64_t(table[b + 1]) * page_bytes : nullptr;
 
     // the query scaled by K's channel scales: this lane's two registers, then gathered into the
-    // product's operand order: k-step (w, plane) of lane c takes channels 32c + 8w + plane + (0, 4), (2, 6)
-    uint32_t qa[4][2], qb[4][2];
+    // product's operand order: k-step (w, plane k) of lane c takes the channels of bytes (0, 2) and
+    // (1, 3) of its word w at plane k (4 bits: 32c + 8w + k + (0, 4), (2, 6))
+    uint32_t qa[G::kWords][P], qb[G::kWords][P];
     float bias;  // sum q * zero - 1024 * sum(scaled query), over all channels
     {
-      const uint32_t sel = p ? 0x7632 : 0x5410;  // half p of two words
-      const float2 ksx = unpack_half2(__byte_perm(in.ks.x, in.ks.z, sel));
-      const float2 ksy = unpack_half2(__byte_perm(in.ks.y, in.ks.w, sel));
-      const float2 kzx = unpack_half2(__byte_perm(in.kz.x, in.kz.z, sel));
-      const float2 kzy = unpack_half2(__byte_perm(in.kz.y, in.kz.w, sel));
+      uint32_t sx, sy, zx, zy;
+      stat_pairs<BITS>(in.ks, p, sx, sy);
+      stat_pairs<BITS>(in.kz, p, zx, zy);
+      const float2 ksx = unpack_half2(sx), ksy = unpack_half2(sy), kzx = unpack_half2(zx), kzy = unpack_half2(zy);
       const uint32_t x = pack_half2(qf[0] * plane_div * ksx.x, qf[1] * plane_div * ksx.y);
       const uint32_t y = pack_half2(qf[2] * plane_div * ksy.x, qf[3] * plane_div * ksy.y);
       const float2 xr = unpack_half2(x), yr = unpack_half2(y);
@@ -204,10 +250,10 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha_4_4(
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) bias += __shfl_xor_sync(kAll, bias, off);
 #pragma unroll
-      for (int w = 0; w < 4; ++w)
+      for (int w = 0; w < G::kWords; ++w)
 #pragma unroll
-        for (int pl = 0; pl < 2; ++pl) {
-          const int src = 8 * c + 2 * w + pl;
+        for (int pl = 0; pl < P; ++pl) {
+          const int src = (c * G::kWords + w) * P + pl;
           qa[w][pl] = __shfl_sync(kAll, x, src);
           qb[w][pl] = __shfl_sync(kAll, y, src);
         }
@@ -220,10 +266,14 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha_4_4(
 #pragma unroll
       for (int r = 0; r < 4; ++r) s[i][r] = 0.f;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const uint32_t r0 = word(in.k[i][0], w), r1 = word(in.k[i][1], w);  // rows g, g + 8
-        mma_codes<0>(s[i], r0, r1, qa[w][0], qb[w][0]);
-        mma_codes<1>(s[i], r0, r1, qa[w][1], qb[w][1]);
+      for (int w = 0; w < G::kWords; ++w) {
+        const uint32_t r0 = in.k[i][0][w], r1 = in.k[i][1][w];  // rows g, g + 8
+        mma_codes<BITS, 0>(s[i], r0, r1, qa[w][0], qb[w][0]);
+        mma_codes<BITS, 1>(s[i], r0, r1, qa[w][1], qb[w][1]);
+        if constexpr (P == 4) {
+          mma_codes<BITS, 2>(s[i], r0, r1, qa[w][2], qb[w][2]);
+          mma_codes<BITS, 3>(s[i], r0, r1, qa[w][3], qb[w][3]);
+        }
       }
     }
     if (next != nullptr) load_k(in, next, o, h, lane, slice0);  // K's registers are free
@@ -291,18 +341,21 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha_4_4(
     const float offset = 1024.f * psum;  // what the codes' 1024 adds to every channel
 
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
+    for (int i = 0; i < G::kTiles; ++i) {
 #pragma unroll
-      for (int pl = 0; pl < 2; ++pl) {
+      for (int pl = 0; pl < P; ++pl) {
         acc[i][pl][0] = fmaf(acc[i][pl][0], alpha, -offset);
         acc[i][pl][2] = fmaf(acc[i][pl][2], alpha, -offset);
       }
 #pragma unroll
       for (int st = 0; st < 4; ++st) {
         const uint32_t u0 = word(in.v[i][0], st), u1 = word(in.v[i][1], st);  // rows g, g + 8
-        mma_codes<0>(acc[i][0], u0, u1, pa[st], pb[st]);
-        mma_codes<1>(acc[i][1], u0, u1, pa[st], pb[st]);
+        mma_codes<BITS, 0>(acc[i][0], u0, u1, pa[st], pb[st]);
+        mma_codes<BITS, 1>(acc[i][1], u0, u1, pa[st], pb[st]);
+        if constexpr (P == 4) {
+          mma_codes<BITS, 2>(acc[i][2], u0, u1, pa[st], pb[st]);
+          mma_codes<BITS, 3>(acc[i][3], u0, u1, pa[st], pb[st]);
+        }
       }
     }
     if (next != nullptr) load_v(in, next, o, h, lane, slice0);
@@ -314,15 +367,16 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha_4_4(
     l += __shfl_xor_sync(kAll, l, off);
     pz += __shfl_xor_sync(kAll, pz, off);
   }
-  // lane (g, 0) holds channels 2 * (16i + g) + plane and 2 * (16i + g + 8) + plane; plane 1 came times 16
+  // lane (g, 0) holds channels P * (16i + g) + k and P * (16i + g + 8) + k of plane k, whose codes
+  // came times 2^(k * BITS)
   if (warp == 1 && c == 0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < G::kTiles; ++i)
 #pragma unroll
-      for (int pl = 0; pl < 2; ++pl)
+      for (int pl = 0; pl < P; ++pl)
 #pragma unroll
         for (int r = 0; r < 4; r += 2)
-          other_out[2 * (16 * i + g + 4 * r) + pl] = acc[i][pl][r] * (pl ? 1.f / 16.f : 1.f) + pz;
+          other_out[P * (16 * i + g + 4 * r) + pl] = acc[i][pl][r] * (1.f / float(1 << (BITS * pl))) + pz;
     if (g == 0) {
       other_ml[0] = m;
       other_ml[1] = l;
@@ -339,13 +393,13 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha_4_4(
   float* partial = part + ((int64_t(row) * num_heads + h) * num_splits + split) * (kHead + 2);
   T* dst = out + row * out_stride + h * kHead;
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < G::kTiles; ++i)
 #pragma unroll
-    for (int pl = 0; pl < 2; ++pl)
+    for (int pl = 0; pl < P; ++pl)
 #pragma unroll
       for (int r = 0; r < 4; r += 2) {
-        const int ch = 2 * (16 * i + g + 4 * r) + pl;
-        const float v = ((acc[i][pl][r] * (pl ? 1.f / 16.f : 1.f) + pz) * w0 + other_out[ch] * w1) * scale;
+        const int ch = P * (16 * i + g + 4 * r) + pl;
+        const float v = ((acc[i][pl][r] * (1.f / float(1 << (BITS * pl))) + pz) * w0 + other_out[ch] * w1) * scale;
         if (num_splits == 1)
           dst[ch] = from_float(v, static_cast<T*>(nullptr));
         else
@@ -359,28 +413,34 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha_4_4(
 
 }  // namespace
 
-// Launches on `stream` (a cudaStream_t); returns the launch's cudaError_t.
-extern "C" int kvc_decode_mha_4_4(const void* query, const void* cache, const void* block_table, const void* seq_lens,
-                                  const void* row_order, void* out, void* part, float q_scale, int64_t q_stride,
-                                  int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split,
-                                  int num_splits, int num_rows, int num_heads, int k_codes, int k_scale, int k_zero,
-                                  int v_codes, int v_scale, int v_zero, int bf16, void* stream) {
+template <int BITS, typename T>
+static void launch(dim3 grid, cudaStream_t s, const void* query, const uint8_t* cache, const int32_t* bt,
+                   const int32_t* sl, const int32_t* ro, void* out, void* part, float q_scale, int64_t q_stride,
+                   int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split, int num_splits,
+                   int num_heads, Offsets o) {
+  decode_mha<BITS, T><<<grid, kWarps * 32, 0, s>>>(
+      static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
+      q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
+}
+
+// Launches on `stream` (a cudaStream_t) for codes of `bits` (2 or 4) bits; returns the launch's
+// cudaError_t (cudaErrorInvalidValue for other widths).
+extern "C" int kvc_decode_mha(const void* query, const void* cache, const void* block_table, const void* seq_lens,
+                              const void* row_order, void* out, void* part, float q_scale, int64_t q_stride,
+                              int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split,
+                              int num_splits, int num_rows, int num_heads, int k_codes, int k_scale, int k_zero,
+                              int v_codes, int v_scale, int v_zero, int bits, int bf16, void* stream) {
   const Offsets o{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero};
-  const dim3 grid(num_rows * num_heads, num_splits), block(kWarps * 32);
+  const dim3 grid(num_rows * num_heads, num_splits);
   auto s = static_cast<cudaStream_t>(stream);
   const auto* c = static_cast<const uint8_t*>(cache);
   const auto* bt = static_cast<const int32_t*>(block_table);
   const auto* sl = static_cast<const int32_t*>(seq_lens);
   const auto* ro = static_cast<const int32_t*>(row_order);
-  if (bf16) {
-    decode_mha_4_4<__nv_bfloat16><<<grid, block, 0, s>>>(
-        static_cast<const __nv_bfloat16*>(query), c, bt, sl, ro, static_cast<__nv_bfloat16*>(out),
-        static_cast<float*>(part), q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits,
-        num_heads, o);
-  } else {
-    decode_mha_4_4<__half><<<grid, block, 0, s>>>(
-        static_cast<const __half*>(query), c, bt, sl, ro, static_cast<__half*>(out), static_cast<float*>(part),
-        q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
-  }
+  auto* f = bits == 4 ? (bf16 ? launch<4, __nv_bfloat16> : launch<4, __half>)
+          : bits == 2 ? (bf16 ? launch<2, __nv_bfloat16> : launch<2, __half>) : nullptr;
+  if (f == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  f(grid, s, query, c, bt, sl, ro, out, part, q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split,
+    num_splits, num_heads, o);
   return static_cast<int>(cudaGetLastError());
 }

@@ -1,4 +1,4 @@
-"""The CUDA decode kernel (4/4-bit pages, MHA) against the torch reference of the same pages.
+"""The CUDA decode kernel (4/4- and 2/2-bit pages, MHA) against the torch reference of the same pages.
 
 Runs where a CUDA GPU and nvcc are present (the kernel is built just in time); the format checks
 run everywhere.
@@ -12,6 +12,7 @@ from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
 
 FOUR = LayerFormat(k_bits=4, v_bits=4)
+TWO = LayerFormat(k_bits=2, v_bits=2)
 
 
 def _fmt(layer_format=FOUR, block=128, heads=4, head_size=128, dtype=torch.bfloat16):
@@ -21,12 +22,14 @@ def _fmt(layer_format=FOUR, block=128, heads=4, head_size=128, dtype=torch.bfloa
 @pytest.mark.parametrize("layer_format,block,head_size,query_heads,dtype,reason", [
     (FOUR, 128, 128, 4, torch.bfloat16, None),
     (FOUR, 128, 128, 4, torch.float16, None),
+    (TWO, 128, 128, 4, torch.bfloat16, None),
     (FOUR, 128, 128, 8, torch.bfloat16, "8 query heads for 4 KV heads"),
     (FOUR, 64, 128, 4, torch.bfloat16, "pages of 64 tokens"),
     (FOUR, 128, 64, 4, torch.bfloat16, "head size 64"),
     (FOUR, 128, 128, 4, torch.float32, "queries in torch.float32"),
-    (LayerFormat(k_bits=2, v_bits=2), 128, 128, 4, torch.bfloat16, "K not at 4 bits"),
-    (LayerFormat(k_bits=4, v_bits=8), 128, 128, 4, torch.bfloat16, "V not at 4 bits"),
+    (LayerFormat(k_bits=8, v_bits=8), 128, 128, 4, torch.bfloat16, "K not at 2 or 4 bits"),
+    (LayerFormat(k_bits=4, v_bits=8), 128, 128, 4, torch.bfloat16, "V not at 2 or 4 bits"),
+    (LayerFormat(k_bits=4, v_bits=2), 128, 128, 4, torch.bfloat16, "the same width only"),
     (LayerFormat(k_bits=4, v_bits=4, v_channel_scaling=True), 128, 128, 4, torch.bfloat16, "ZipCache"),
 ])
 def test_supports_names_what_it_cannot_read(layer_format, block, head_size, query_heads, dtype, reason):
@@ -87,12 +90,13 @@ def _reference(q, cache, fmt, table, seq_lens, scale):
 
 
 @gpu
+@pytest.mark.parametrize("layer_format", [FOUR, TWO], ids=["4-4", "2-2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, None])
 @pytest.mark.parametrize("seq_lens", [[1, 63, 64, 65, 127, 128, 129, 300], [1000, 17, 2049, 4096, 256]],
                          ids=["short", "long"])
-def test_decode_equals_reference(dtype, num_splits, seq_lens):
-    fmt = _fmt(heads=4, dtype=dtype)
+def test_decode_equals_reference(layer_format, dtype, num_splits, seq_lens):
+    fmt = _fmt(layer_format, heads=4, dtype=dtype)
     cache, table = _fill(fmt, seq_lens, 3, seed=len(seq_lens))
     q = torch.randn(len(seq_lens), 4, 128, generator=torch.Generator().manual_seed(5)).to(dtype)
     ref = _reference(q, cache, fmt, table, seq_lens, 128 ** -0.5)
@@ -104,11 +108,12 @@ def test_decode_equals_reference(dtype, num_splits, seq_lens):
 
 
 @gpu
-def test_rows_in_given_order_and_strided_views():
+@pytest.mark.parametrize("layer_format", [FOUR, TWO], ids=["4-4", "2-2"])
+def test_rows_in_given_order_and_strided_views(layer_format):
     """``row_order`` (rows longest first, as the backend passes them) and a query and output that
     are views into wider rows (the fused QKV output) land each row in its own place."""
     seq_lens = [5, 700, 130, 1]
-    fmt = _fmt(heads=2)
+    fmt = _fmt(layer_format, heads=2)
     cache, table = _fill(fmt, seq_lens, 2, seed=9)
     qkv = torch.randn(len(seq_lens), 3 * 2 * 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     q = qkv[:, :256].view(len(seq_lens), 2, 128)
@@ -123,12 +128,13 @@ def test_rows_in_given_order_and_strided_views():
 
 
 @gpu
-def test_matches_triton_kernel_closely():
+@pytest.mark.parametrize("layer_format", [FOUR, TWO], ids=["4-4", "2-2"])
+def test_matches_triton_kernel_closely(layer_format):
     """Both kernels compute the same fp16 products of the same scaled query and codes; they differ
     only in the order of float32 sums. (Unwritten slots hold zeros here, as in vLLM's cache.)"""
     from vllm_kvcompress.triton_kernels.decode import paged_decode
     seq_lens = [4096, 333, 1290, 77, 2000, 640]
-    fmt = _fmt(heads=8)
+    fmt = _fmt(layer_format, heads=8)
     cache, table = _fill(fmt, seq_lens, 1, seed=3, garbage=False)
     args = (torch.randn(len(seq_lens), 8, 128).to(torch.bfloat16).cuda(), cache.cuda(), fmt, table.cuda(),
             torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), 128 ** -0.5, max(seq_lens))

@@ -1,6 +1,6 @@
-"""Decode attention as a CUDA kernel (``csrc/decode_kernel.cu``) for the format where the Triton
-kernel leaves most speed behind: multi-head attention over 4/4-bit pages (head size 128, pages of
-128 tokens). Built just in time with nvcc through ``torch.utils.cpp_extension`` (cached by torch
+"""Decode attention as a CUDA kernel (``csrc/decode_kernel.cu``) for the formats where the Triton
+kernel leaves most speed behind: multi-head attention over 4/4- and 2/2-bit pages (head size 128,
+pages of 128 tokens). Built just in time with nvcc through ``torch.utils.cpp_extension`` (cached by torch
 under ``TORCH_EXTENSIONS_DIR``) and called through ctypes, so the build includes no torch headers
 (a few seconds).
 
@@ -38,12 +38,14 @@ def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str
     if num_query_heads != fmt.k.num_heads:
         return f"{num_query_heads} query heads for {fmt.k.num_heads} KV heads (one query head a KV head only)"
     for name, codec, axis in (("K", fmt.k, "channel"), ("V", fmt.v, "token")):
-        if not isinstance(codec, MinMaxCodec) or codec.bits != 4:
-            return f"{name} not at 4 bits"
+        if not isinstance(codec, MinMaxCodec) or codec.bits not in (2, 4):
+            return f"{name} not at 2 or 4 bits"
         if codec.axis != axis:
             return f"{name} quantized per {codec.axis}"
         if codec.channel_scaling:
             return f"{name} with ZipCache channel scales"
+    if fmt.k.bits != fmt.v.bits:
+        return f"K at {fmt.k.bits} bits and V at {fmt.v.bits} (the same width only)"
     if fmt.k.head_size != 128:
         return f"head size {fmt.k.head_size} (128 only)"
     if fmt.block_size != 128:
@@ -101,9 +103,9 @@ def _library() -> ctypes.CDLL:
                 is_python_module=False, verbose=False)
     lib = ctypes.CDLL(path)
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.kvc_decode_mha_4_4.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, i64, i64, i64, i64, i32, i32, i32, i32,
-                                       i32, i32, i32, i32, i32, i32, i32, p]
-    lib.kvc_decode_mha_4_4.restype = i32
+    lib.kvc_decode_mha.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, i64, i64, i64, i64, i32, i32, i32, i32,
+                                   i32, i32, i32, i32, i32, i32, i32, i32, p]
+    lib.kvc_decode_mha.restype = i32
     return lib
 
 
@@ -141,11 +143,11 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     if num_splits > 1:
         part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
     lay = page_layout(fmt)
-    err = _library().kvc_decode_mha_4_4(
+    err = _library().kvc_decode_mha(
         query.data_ptr(), cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
         None if row_order is None else row_order.data_ptr(), out.data_ptr(), part.data_ptr(),
         sm_scale * _LOG2E, q_stride, out.stride(0), block_table.stride(0), fmt.page_bytes, blocks_per_split,
-        num_splits, n, hq, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero,
+        num_splits, n, hq, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero, lay.k.bits,
         int(query.dtype == torch.bfloat16), torch.cuda.current_stream(query.device).cuda_stream)
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")
