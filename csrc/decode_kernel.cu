@@ -1,5 +1,5 @@
-// Decode attention of one query token per (request, head) over 4/4- or 2/2-bit "quant" pages, for
-// multi-head attention (one query head per KV head), head size 128, pages of 128 tokens.
+// Decode attention of one query token per (request, KV head) over 4/4- or 2/2-bit "quant" pages,
+// for one, 2 or 4 query heads a KV head, head size 128, pages of 128 tokens.
 // Same contract and outputs as triton_kernels/decode.py's paged_decode (its ungrouped rows,
 // with or without row_order and splits); the torch reference is paged_torch.attend.
 //
@@ -105,18 +105,19 @@ struct Offsets {  // byte offsets of a page's regions
 };
 
 // A page's bytes that one lane (g = lane / 4, c = lane % 4) reads, for its warp's slice of 64 tokens.
-template <int BITS>
+template <int BITS, int STATS = Geometry<BITS>::kStatVecs>
 struct PageLoads {
   using G = Geometry<BITS>;
   uint32_t k[4][2][G::kWords];  // K codes, channels 32c..32c+31, of tokens 8g + i and 8g + 4 + i (rows g, g + 8)
   uint4 v[G::kTiles][2];        // V codes of units 16i + g and 16i + g + 8, tokens 16c..16c+15
-  uint4 ks[G::kStatVecs], kz[G::kStatVecs];  // K scale, zero of channels 4P W..4P W + 4P - 1, W = lane / P
+  uint4 ks[STATS], kz[STATS];   // K scale, zero of the 8 * STATS channels from the lane's first (see load_k)
   uint4 vs[2], vz[2];           // V scale, zero of tokens 16c..16c+15
 };
 
-template <int BITS>
-__device__ __forceinline__ void load_k(PageLoads<BITS>& in, const uint8_t* page, const Offsets& o, int h, int lane,
-                                       int slice0) {
+// K's codes, and K's statistics of 8 * STATS channels from channel `stats0`
+template <int BITS, int STATS>
+__device__ __forceinline__ void load_k(PageLoads<BITS, STATS>& in, const uint8_t* page, const Offsets& o, int h,
+                                       int lane, int slice0, int stats0) {
   using G = Geometry<BITS>;
   const int g = lane >> 2, c = lane & 3;
   const uint8_t* rows = page + o.k_codes + (size_t(h) * kBlock + slice0 + 8 * g) * G::kRow + G::kRow / 4 * c;
@@ -133,17 +134,16 @@ __device__ __forceinline__ void load_k(PageLoads<BITS>& in, const uint8_t* page,
         in.k[i][r][0] = x.x, in.k[i][r][1] = x.y;
       }
     }
-  const int ch = 4 * G::kPlanes * (lane / G::kPlanes);
 #pragma unroll
-  for (int j = 0; j < G::kStatVecs; ++j) {
-    in.ks[j] = load16(page + o.k_scale + (h * kHead + ch + 8 * j) * 2);
-    in.kz[j] = load16(page + o.k_zero + (h * kHead + ch + 8 * j) * 2);
+  for (int j = 0; j < STATS; ++j) {
+    in.ks[j] = load16(page + o.k_scale + (h * kHead + stats0 + 8 * j) * 2);
+    in.kz[j] = load16(page + o.k_zero + (h * kHead + stats0 + 8 * j) * 2);
   }
 }
 
-template <int BITS>
-__device__ __forceinline__ void load_v(PageLoads<BITS>& in, const uint8_t* page, const Offsets& o, int h, int lane,
-                                       int slice0) {
+template <int BITS, int STATS>
+__device__ __forceinline__ void load_v(PageLoads<BITS, STATS>& in, const uint8_t* page, const Offsets& o, int h,
+                                       int lane, int slice0) {
   using G = Geometry<BITS>;
   const int g = lane >> 2, c = lane & 3;
   const uint8_t* units = page + o.v_codes + (size_t(h) * G::kUnits + g) * kBlock + slice0 + 16 * c;
@@ -214,6 +214,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
     for (int i = 0; i < 4; ++i) qf[i] = to_float(qrow[at[i]]) * q_scale;
   }
   const float plane_div = 1.f / float(1 << (BITS * p));
+  const int stats0 = 4 * P * (lane / P);  // the K statistics this lane reads: those of its query channels
 
   float m = -INFINITY, l = 0.f, pz = 0.f;  // running max (base 2); lane partials of sum p, sum p * zero
   float acc[G::kTiles][P][4];  // output of plane k, rows g, g + 8 of m-tile i: channels P * (16i + g (+ 8)) + k
@@ -227,7 +228,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   PageLoads<BITS> in;
   if (b_start < b_end) {
     const uint8_t* page = cache + int64_t(table[b_start]) * page_bytes;
-    load_k(in, page, o, h, lane, slice0);
+    load_k(in, page, o, h, lane, slice0, stats0);
     load_v(in, page, o, h, lane, slice0);
   }
   for (int b = b_start; b < b_end; ++b) {
@@ -276,7 +277,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
         }
       }
     }
-    if (next != nullptr) load_k(in, next, o, h, lane, slice0);  // K's registers are free
+    if (next != nullptr) load_k(in, next, o, h, lane, slice0, stats0);  // K's registers are free
 
     // softmax over the slice: tokens at or past L (on the last page) get no weight
     const int pos = b * kBlock + slice0;  // position of the slice's token 0
@@ -411,25 +412,320 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   }
 }
 
+// Grouped-query attention: the G query heads of a KV head (G = 2 or 4, a multiple of the planes) are
+// the right operand's columns (column n: head n % G), so a page is read once for all of them. Each column has its own
+// running maximum and sum; a lane's logits and outputs are those of columns 2c and 2c + 1, its
+// probabilities (the right operand of p.V) those of column g. Everything else as decode_mha.
+template <int BITS, int GROUP, typename T>
+__global__ void __launch_bounds__(kWarps * 32) decode_gqa(
+    const T* __restrict__ query, const uint8_t* __restrict__ cache, const int32_t* __restrict__ block_table,
+    const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ row_order, T* __restrict__ out,
+    float* __restrict__ part, float q_scale, int64_t q_stride, int64_t out_stride, int64_t bt_stride,
+    int64_t page_bytes, int blocks_per_split, int num_splits, int num_heads, Offsets o) {
+  using G = Geometry<BITS>;
+  constexpr int P = G::kPlanes;
+  constexpr int LANES = 32 / GROUP;  // lanes that scale one head's query
+  constexpr int STATS = GROUP / 2;   // 16-byte vectors of the 4 * GROUP channels a lane scales
+  __shared__ float4 probs[kWarps][GROUP][kSlice / 4];  // [warp][head][token]
+  __shared__ float other_out[GROUP][kHead];
+  __shared__ float other_ml[GROUP][2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int h = blockIdx.x % num_heads;
+  const int row = row_order != nullptr ? row_order[blockIdx.x / num_heads] : blockIdx.x / num_heads;
+  const int split = blockIdx.y;
+  const int L = seq_lens[row];
+  const int b_start = split * blocks_per_split;
+  const int b_end = min(b_start + blocks_per_split, (L + kBlock - 1) / kBlock);
+  const int slice0 = warp * kSlice;
+  const int32_t* table = block_table + row * bt_stride;
+
+  // This lane scales the query of head `qh` (of the group) over channels stats0 .. stats0 + 4 GROUP - 1:
+  // operand pairs j = GROUP * (lane % LANES) + t, t < GROUP, pair j being word j / P at plane j % P
+  const int qh = lane / LANES;
+  const int stats0 = 4 * GROUP * (lane % LANES);
+  float qf[4 * GROUP];  // channel stats0 + x, times the softmax scale
+  {
+    const T* qrow = query + row * q_stride + (h * GROUP + qh) * kHead + stats0;
+#pragma unroll
+    for (int x = 0; x < 4 * GROUP; ++x) qf[x] = to_float(qrow[x]) * q_scale;
+  }
+
+  float m[2] = {-INFINITY, -INFINITY};  // running max (base 2) of columns 2c, 2c + 1
+  float l = 0.f, pz = 0.f;              // lane partials of sum p, sum p * zero of column g
+  float acc[G::kTiles][P][4];  // plane k, m-tile i: rows g, g + 8 (channels P (16i + g (+ 8)) + k) x columns 2c, 2c + 1
+#pragma unroll
+  for (int i = 0; i < G::kTiles; ++i)
+#pragma unroll
+    for (int pl = 0; pl < P; ++pl)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][pl][r] = 0.f;
+
+  PageLoads<BITS, STATS> in;
+  if (b_start < b_end) {
+    const uint8_t* page = cache + int64_t(table[b_start]) * page_bytes;
+    load_k(in, page, o, h, lane, slice0, stats0);
+    load_v(in, page, o, h, lane, slice0);
+  }
+  for (int b = b_start; b < b_end; ++b) {
+    const uint8_t* next = b + 1 < b_end ? cache + int64_t(table[b + 1]) * page_bytes : nullptr;
+
+    // scaled query: this lane's pairs, then each lane gathers column g's operand (as decode_mha)
+    uint32_t qa[G::kWords][P], qb[G::kWords][P];
+    float bias[2];  // of columns 2c, 2c + 1
+    {
+      uint32_t x[GROUP], y[GROUP];
+      float part_bias = 0.f;
+#pragma unroll
+      for (int t = 0; t < GROUP; ++t) {
+        const int k = t % P, base = 4 * P * (t / P) + k;  // channels base + (0, 2P) -> x, base + (P, 3P) -> y
+        const int at[4] = {base, base + 2 * P, base + P, base + 3 * P};
+        float qs[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int ch = at[e];
+          const uint32_t ks_w = word(in.ks[ch >> 3], (ch >> 1) & 3), kz_w = word(in.kz[ch >> 3], (ch >> 1) & 3);
+          const float ks = unpack_half2(ks_w).x * (ch & 1 ? 0.f : 1.f) + unpack_half2(ks_w).y * (ch & 1 ? 1.f : 0.f);
+          const float kz = unpack_half2(kz_w).x * (ch & 1 ? 0.f : 1.f) + unpack_half2(kz_w).y * (ch & 1 ? 1.f : 0.f);
+          qs[e] = qf[ch] * (1.f / float(1 << (BITS * k))) * ks;
+          part_bias += qf[ch] * kz;
+        }
+        x[t] = pack_half2(qs[0], qs[1]);
+        y[t] = pack_half2(qs[2], qs[3]);
+        const float2 xr = unpack_half2(x[t]), yr = unpack_half2(y[t]);
+        part_bias -= 1024.f * ((xr.x + xr.y) + (yr.x + yr.y));
+      }
+#pragma unroll
+      for (int off = 1; off < LANES; off <<= 1) part_bias += __shfl_xor_sync(kAll, part_bias, off);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) bias[e] = __shfl_sync(kAll, part_bias, ((2 * c + e) % GROUP) * LANES);
+#pragma unroll
+      for (int w = 0; w < G::kWords; ++w)
+#pragma unroll
+        for (int pl = 0; pl < P; ++pl) {
+          const int j = (c * G::kWords + w) * P + pl;  // pair of head g % GROUP
+          const int src = (g % GROUP) * LANES + j / GROUP;
+          qa[w][pl] = __shfl_sync(kAll, x[(w * P + pl) % GROUP], src);
+          qb[w][pl] = __shfl_sync(kAll, y[(w * P + pl) % GROUP], src);
+        }
+    }
+
+    // logits: s[i][e] of token 8g + i, s[i][2 + e] of token 8g + 4 + i, column 2c + e
+    float s[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) s[i][r] = 0.f;
+#pragma unroll
+      for (int w = 0; w < G::kWords; ++w) {
+        const uint32_t r0 = in.k[i][0][w], r1 = in.k[i][1][w];
+        mma_codes<BITS, 0>(s[i], r0, r1, qa[w][0], qb[w][0]);
+        mma_codes<BITS, 1>(s[i], r0, r1, qa[w][1], qb[w][1]);
+        if constexpr (P == 4) {
+          mma_codes<BITS, 2>(s[i], r0, r1, qa[w][2], qb[w][2]);
+          mma_codes<BITS, 3>(s[i], r0, r1, qa[w][3], qb[w][3]);
+        }
+      }
+    }
+    if (next != nullptr) load_k(in, next, o, h, lane, slice0, stats0);
+
+    const int pos = b * kBlock + slice0;
+    float alpha[2], m_ref[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+          s[i][r + e] += bias[e];
+          if (pos + 8 * g + 2 * r + i >= L) s[i][r + e] = -INFINITY;
+          mx = fmaxf(mx, s[i][r + e]);
+        }
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, off));
+      const float m_new = fmaxf(m[e], mx);
+      m_ref[e] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[e] = ex2(m[e] - m_ref[e]);
+      m[e] = m_new;
+      if (2 * c + e < GROUP) {  // columns past the group repeat its heads
+        float4* dst = probs[warp][2 * c + e] + 2 * g;
+        dst[0] = make_float4(ex2(s[0][e] - m_ref[e]), ex2(s[1][e] - m_ref[e]), ex2(s[2][e] - m_ref[e]),
+                             ex2(s[3][e] - m_ref[e]));
+        dst[1] = make_float4(ex2(s[0][2 + e] - m_ref[e]), ex2(s[1][2 + e] - m_ref[e]), ex2(s[2][2 + e] - m_ref[e]),
+                             ex2(s[3][2 + e] - m_ref[e]));
+      }
+    }
+    __syncwarp();
+    float pr[16];  // column g's probabilities of tokens 16c..16c+15
+#pragma unroll
+    for (int q4 = 0; q4 < 4; ++q4) {
+      const float4 v4 = probs[warp][g % GROUP][4 * c + q4];
+      pr[4 * q4] = v4.x;
+      pr[4 * q4 + 1] = v4.y;
+      pr[4 * q4 + 2] = v4.z;
+      pr[4 * q4 + 3] = v4.w;
+    }
+    __syncwarp();
+
+    uint32_t pa[4], pb[4];
+    float lsum = 0.f, zsum = 0.f, psum = 0.f;
+    const bool tail = pos + kSlice > L;
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      float vs = half_at(in.vs, t), vz = half_at(in.vz, t);
+      if (tail && pos + 16 * c + t >= L) vs = vz = 0.f;
+      lsum += pr[t];
+      zsum += pr[t] * vz;
+      pr[t] *= vs;
+    }
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      pa[st] = pack_half2(pr[4 * st], pr[4 * st + 2]);
+      pb[st] = pack_half2(pr[4 * st + 1], pr[4 * st + 3]);
+      const float2 ra = unpack_half2(pa[st]), rb = unpack_half2(pb[st]);
+      psum += (ra.x + ra.y) + (rb.x + rb.y);
+    }
+    // column g's rescale: its maximum is held by the lanes of columns (2c', 2c' + 1) = g
+    const float a0 = __shfl_sync(kAll, alpha[0], g >> 1), a1 = __shfl_sync(kAll, alpha[1], g >> 1);
+    const float alpha_g = (g & 1) ? a1 : a0;
+    l = l * alpha_g + lsum;
+    pz = pz * alpha_g + zsum;
+    psum += __shfl_xor_sync(kAll, psum, 1);
+    psum += __shfl_xor_sync(kAll, psum, 2);
+    float offset[2];  // of columns 2c, 2c + 1, from the lanes whose g is that column
+#pragma unroll
+    for (int e = 0; e < 2; ++e) offset[e] = 1024.f * __shfl_sync(kAll, psum, 4 * (2 * c + e));
+
+#pragma unroll
+    for (int i = 0; i < G::kTiles; ++i) {
+#pragma unroll
+      for (int pl = 0; pl < P; ++pl)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[i][pl][r] = fmaf(acc[i][pl][r], alpha[r & 1], -offset[r & 1]);
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        const uint32_t u0 = word(in.v[i][0], st), u1 = word(in.v[i][1], st);
+        mma_codes<BITS, 0>(acc[i][0], u0, u1, pa[st], pb[st]);
+        mma_codes<BITS, 1>(acc[i][1], u0, u1, pa[st], pb[st]);
+        if constexpr (P == 4) {
+          mma_codes<BITS, 2>(acc[i][2], u0, u1, pa[st], pb[st]);
+          mma_codes<BITS, 3>(acc[i][3], u0, u1, pa[st], pb[st]);
+        }
+      }
+    }
+    if (next != nullptr) load_v(in, next, o, h, lane, slice0);
+  }
+
+  // column g's sums over the warp, then each lane takes those of its columns 2c, 2c + 1
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l += __shfl_xor_sync(kAll, l, off);
+    pz += __shfl_xor_sync(kAll, pz, off);
+  }
+  float lc[2], pzc[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    lc[e] = __shfl_sync(kAll, l, 4 * (2 * c + e));
+    pzc[e] = __shfl_sync(kAll, pz, 4 * (2 * c + e));
+  }
+  if (warp == 1) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (2 * c + e >= GROUP) continue;
+#pragma unroll
+      for (int i = 0; i < G::kTiles; ++i)
+#pragma unroll
+        for (int pl = 0; pl < P; ++pl)
+#pragma unroll
+          for (int r = 0; r < 4; r += 2)
+            other_out[2 * c + e][P * (16 * i + g + 4 * r) + pl] =
+                acc[i][pl][r + e] * (1.f / float(1 << (BITS * pl))) + pzc[e];
+      if (g == 0) {
+        other_ml[2 * c + e][0] = m[e];
+        other_ml[2 * c + e][1] = lc[e];
+      }
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int col = 2 * c + e;
+    if (col >= GROUP) continue;
+    const float m1 = other_ml[col][0], l1 = other_ml[col][1];
+    const float mm = fmaxf(m[e], m1);
+    const float w0 = m[e] == -INFINITY ? 0.f : ex2(m[e] - mm);
+    const float w1 = m1 == -INFINITY ? 0.f : ex2(m1 - mm);
+    const float lt = lc[e] * w0 + l1 * w1;
+    const float scale = num_splits == 1 ? 1.f / lt : 1.f;
+    const int qhead = h * GROUP + col;
+    float* partial = part + ((int64_t(row) * num_heads * GROUP + qhead) * num_splits + split) * (kHead + 2);
+    T* dst = out + row * out_stride + qhead * kHead;
+#pragma unroll
+    for (int i = 0; i < G::kTiles; ++i)
+#pragma unroll
+      for (int pl = 0; pl < P; ++pl)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2) {
+          const int ch = P * (16 * i + g + 4 * r) + pl;
+          const float v =
+              ((acc[i][pl][r + e] * (1.f / float(1 << (BITS * pl))) + pzc[e]) * w0 + other_out[col][ch] * w1) * scale;
+          if (num_splits == 1)
+            dst[ch] = from_float(v, static_cast<T*>(nullptr));
+          else
+            partial[ch] = v;
+        }
+    if (num_splits > 1 && g == 0) {
+      partial[kHead] = mm;
+      partial[kHead + 1] = lt;
+    }
+  }
+}
+
 }  // namespace
 
-template <int BITS, typename T>
+template <int BITS, int GROUP, typename T>
 static void launch(dim3 grid, cudaStream_t s, const void* query, const uint8_t* cache, const int32_t* bt,
                    const int32_t* sl, const int32_t* ro, void* out, void* part, float q_scale, int64_t q_stride,
                    int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split, int num_splits,
                    int num_heads, Offsets o) {
-  decode_mha<BITS, T><<<grid, kWarps * 32, 0, s>>>(
-      static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
-      q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
+  if constexpr (GROUP == 1) {
+    decode_mha<BITS, T><<<grid, kWarps * 32, 0, s>>>(
+        static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
+        q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
+  } else {
+    decode_gqa<BITS, GROUP, T><<<grid, kWarps * 32, 0, s>>>(
+        static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
+        q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
+  }
 }
 
-// Launches on `stream` (a cudaStream_t) for codes of `bits` (2 or 4) bits; returns the launch's
-// cudaError_t (cudaErrorInvalidValue for other widths).
-extern "C" int kvc_decode_mha(const void* query, const void* cache, const void* block_table, const void* seq_lens,
-                              const void* row_order, void* out, void* part, float q_scale, int64_t q_stride,
-                              int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split,
-                              int num_splits, int num_rows, int num_heads, int k_codes, int k_scale, int k_zero,
-                              int v_codes, int v_scale, int v_zero, int bits, int bf16, void* stream) {
+using Launcher = void (*)(dim3, cudaStream_t, const void*, const uint8_t*, const int32_t*, const int32_t*,
+                          const int32_t*, void*, void*, float, int64_t, int64_t, int64_t, int64_t, int, int, int,
+                          Offsets);
+
+// A group's query scaling deals whole words to a lane, so the group is a multiple of the planes
+// (2-bit codes: 4 query heads a KV head, or one). Groups of 8 compile (255 registers) but were no
+// faster than the Triton kernel (docs/benchmarks.md), so they are not launched.
+template <int BITS, typename T>
+static Launcher launcher(int group) {
+  constexpr int P = Geometry<BITS>::kPlanes;
+  if (group == 1) return launch<BITS, 1, T>;
+  if constexpr (2 % P == 0) {
+    if (group == 2) return launch<BITS, 2, T>;
+  }
+  return group == 4 ? launch<BITS, 4, T> : nullptr;
+}
+
+// Launches on `stream` (a cudaStream_t) for codes of `bits` (2 or 4) bits and `group` (1, 2 or 4;
+// 2 bits: 1 or 4) query heads a KV head (`num_heads` KV heads); returns the launch's cudaError_t
+// (cudaErrorInvalidValue for other widths or groups).
+extern "C" int kvc_decode(const void* query, const void* cache, const void* block_table, const void* seq_lens,
+                          const void* row_order, void* out, void* part, float q_scale, int64_t q_stride,
+                          int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split,
+                          int num_splits, int num_rows, int num_heads, int k_codes, int k_scale, int k_zero,
+                          int v_codes, int v_scale, int v_zero, int bits, int group, int bf16, void* stream) {
   const Offsets o{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero};
   const dim3 grid(num_rows * num_heads, num_splits);
   auto s = static_cast<cudaStream_t>(stream);
@@ -437,8 +733,8 @@ extern "C" int kvc_decode_mha(const void* query, const void* cache, const void* 
   const auto* bt = static_cast<const int32_t*>(block_table);
   const auto* sl = static_cast<const int32_t*>(seq_lens);
   const auto* ro = static_cast<const int32_t*>(row_order);
-  auto* f = bits == 4 ? (bf16 ? launch<4, __nv_bfloat16> : launch<4, __half>)
-          : bits == 2 ? (bf16 ? launch<2, __nv_bfloat16> : launch<2, __half>) : nullptr;
+  const Launcher f = bits == 4 ? (bf16 ? launcher<4, __nv_bfloat16>(group) : launcher<4, __half>(group))
+                   : bits == 2 ? (bf16 ? launcher<2, __nv_bfloat16>(group) : launcher<2, __half>(group)) : nullptr;
   if (f == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   f(grid, s, query, c, bt, sl, ro, out, part, q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split,
     num_splits, num_heads, o);

@@ -1,4 +1,4 @@
-"""The CUDA decode kernel (4/4- and 2/2-bit pages, MHA) against the torch reference of the same pages.
+"""The CUDA decode kernel (4/4- and 2/2-bit pages, MHA and GQA) against the torch reference of the same pages.
 
 Runs where a CUDA GPU and nvcc are present (the kernel is built just in time); the format checks
 run everywhere.
@@ -23,7 +23,13 @@ def _fmt(layer_format=FOUR, block=128, heads=4, head_size=128, dtype=torch.bfloa
     (FOUR, 128, 128, 4, torch.bfloat16, None),
     (FOUR, 128, 128, 4, torch.float16, None),
     (TWO, 128, 128, 4, torch.bfloat16, None),
-    (FOUR, 128, 128, 8, torch.bfloat16, "8 query heads for 4 KV heads"),
+    (FOUR, 128, 128, 8, torch.bfloat16, None),
+    (FOUR, 128, 128, 16, torch.bfloat16, None),
+    (TWO, 128, 128, 16, torch.bfloat16, None),
+    (TWO, 128, 128, 8, torch.bfloat16, "8 query heads for 4 KV heads (1, 4 query heads a KV head at 2 bits)"),
+    (FOUR, 128, 128, 32, torch.bfloat16, "32 query heads for 4 KV heads (1, 2, 4 query heads"),
+    (FOUR, 128, 128, 6, torch.bfloat16, "6 query heads for 4 KV heads"),
+    (FOUR, 128, 128, 64, torch.bfloat16, "64 query heads"),
     (FOUR, 64, 128, 4, torch.bfloat16, "pages of 64 tokens"),
     (FOUR, 128, 64, 4, torch.bfloat16, "head size 64"),
     (FOUR, 128, 128, 4, torch.float32, "queries in torch.float32"),
@@ -46,7 +52,7 @@ def test_mode_is_checked_and_cuda_refused_where_it_cannot_run():
         cuda_decode.choose("fast", fmt, 4, torch.bfloat16, torch.device("cpu"))
     assert cuda_decode.choose("triton", fmt, 4, torch.bfloat16, torch.device("cpu")) == "KVCOMPRESS_DECODE=triton"
     assert cuda_decode.choose("auto", fmt, 4, torch.bfloat16, torch.device("cpu")) == "not an NVIDIA GPU"
-    assert "8 query heads" in cuda_decode.choose("auto", fmt, 8, torch.bfloat16, torch.device("cpu"))
+    assert "12 query heads" in cuda_decode.choose("auto", fmt, 12, torch.bfloat16, torch.device("cpu"))
     with pytest.raises(ValueError, match="KVCOMPRESS_DECODE=cuda: .*not an NVIDIA GPU"):
         cuda_decode.choose("cuda", fmt, 4, torch.bfloat16, torch.device("cpu"))
 
@@ -91,14 +97,17 @@ def _reference(q, cache, fmt, table, seq_lens, scale):
 
 @gpu
 @pytest.mark.parametrize("layer_format", [FOUR, TWO], ids=["4-4", "2-2"])
+@pytest.mark.parametrize("group", [1, 2, 4], ids=lambda g: f"G{g}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 2, 3, None])
 @pytest.mark.parametrize("seq_lens", [[1, 63, 64, 65, 127, 128, 129, 300], [1000, 17, 2049, 4096, 256]],
                          ids=["short", "long"])
-def test_decode_equals_reference(layer_format, dtype, num_splits, seq_lens):
+def test_decode_equals_reference(layer_format, group, dtype, num_splits, seq_lens):
     fmt = _fmt(layer_format, heads=4, dtype=dtype)
+    if cuda_decode.supports(fmt, 4 * group, dtype):
+        pytest.skip(cuda_decode.supports(fmt, 4 * group, dtype))
     cache, table = _fill(fmt, seq_lens, 3, seed=len(seq_lens))
-    q = torch.randn(len(seq_lens), 4, 128, generator=torch.Generator().manual_seed(5)).to(dtype)
+    q = torch.randn(len(seq_lens), 4 * group, 128, generator=torch.Generator().manual_seed(5)).to(dtype)
     ref = _reference(q, cache, fmt, table, seq_lens, 128 ** -0.5)
     got = cuda_decode.paged_decode(q.cuda(), cache.cuda(), fmt, table.cuda(),
                                    torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), 128 ** -0.5,
@@ -109,34 +118,37 @@ def test_decode_equals_reference(layer_format, dtype, num_splits, seq_lens):
 
 @gpu
 @pytest.mark.parametrize("layer_format", [FOUR, TWO], ids=["4-4", "2-2"])
-def test_rows_in_given_order_and_strided_views(layer_format):
+@pytest.mark.parametrize("group", [1, 4])
+def test_rows_in_given_order_and_strided_views(layer_format, group):
     """``row_order`` (rows longest first, as the backend passes them) and a query and output that
     are views into wider rows (the fused QKV output) land each row in its own place."""
     seq_lens = [5, 700, 130, 1]
     fmt = _fmt(layer_format, heads=2)
+    w = 2 * group * 128  # query heads x head size
     cache, table = _fill(fmt, seq_lens, 2, seed=9)
-    qkv = torch.randn(len(seq_lens), 3 * 2 * 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    q = qkv[:, :256].view(len(seq_lens), 2, 128)
+    qkv = torch.randn(len(seq_lens), 3 * w, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    q = qkv[:, :w].view(len(seq_lens), 2 * group, 128)
     ref = _reference(q, cache, fmt, table, seq_lens, 0.1)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    out_rows = torch.zeros(len(seq_lens), 3 * 256, dtype=torch.bfloat16, device="cuda")
-    out = out_rows[:, 256:512].view(len(seq_lens), 2, 128)
-    cuda_decode.paged_decode(qkv.cuda()[:, :256].view(len(seq_lens), 2, 128), cache.cuda(), fmt, table.cuda(), lens,
-                             0.1, max(seq_lens), out=out, row_order=torch.argsort(lens, descending=True).int())
+    out_rows = torch.zeros(len(seq_lens), 3 * w, dtype=torch.bfloat16, device="cuda")
+    out = out_rows[:, w:2 * w].view(len(seq_lens), 2 * group, 128)
+    cuda_decode.paged_decode(qkv.cuda()[:, :w].view(len(seq_lens), 2 * group, 128), cache.cuda(), fmt, table.cuda(),
+                             lens, 0.1, max(seq_lens), out=out, row_order=torch.argsort(lens, descending=True).int())
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
-    assert out_rows[:, :256].abs().sum() == 0 and out_rows[:, 512:].abs().sum() == 0
+    assert out_rows[:, :w].abs().sum() == 0 and out_rows[:, 2 * w:].abs().sum() == 0
 
 
 @gpu
 @pytest.mark.parametrize("layer_format", [FOUR, TWO], ids=["4-4", "2-2"])
-def test_matches_triton_kernel_closely(layer_format):
+@pytest.mark.parametrize("group", [1, 4])
+def test_matches_triton_kernel_closely(layer_format, group):
     """Both kernels compute the same fp16 products of the same scaled query and codes; they differ
     only in the order of float32 sums. (Unwritten slots hold zeros here, as in vLLM's cache.)"""
     from vllm_kvcompress.triton_kernels.decode import paged_decode
     seq_lens = [4096, 333, 1290, 77, 2000, 640]
     fmt = _fmt(layer_format, heads=8)
     cache, table = _fill(fmt, seq_lens, 1, seed=3, garbage=False)
-    args = (torch.randn(len(seq_lens), 8, 128).to(torch.bfloat16).cuda(), cache.cuda(), fmt, table.cuda(),
+    args = (torch.randn(len(seq_lens), 8 * group, 128).to(torch.bfloat16).cuda(), cache.cuda(), fmt, table.cuda(),
             torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), 128 ** -0.5, max(seq_lens))
     torch.testing.assert_close(cuda_decode.paged_decode(*args).float(), paged_decode(*args).float(),
                                rtol=1e-2, atol=1e-2)

@@ -1,6 +1,7 @@
 """Decode attention as a CUDA kernel (``csrc/decode_kernel.cu``) for the formats where the Triton
-kernel leaves most speed behind: multi-head attention over 4/4- and 2/2-bit pages (head size 128,
-pages of 128 tokens). Built just in time with nvcc through ``torch.utils.cpp_extension`` (cached by torch
+kernel leaves most speed behind: 4/4- and 2/2-bit pages, head size 128, pages of 128 tokens, one
+query head a KV head (MHA) or groups of 2 or 4 (GQA; 4 at 2 bits). Groups of 8 were no faster than
+the Triton kernel (``docs/benchmarks.md``) and stay with it. Built just in time with nvcc through ``torch.utils.cpp_extension`` (cached by torch
 under ``TORCH_EXTENSIONS_DIR``) and called through ctypes, so the build includes no torch headers
 (a few seconds).
 
@@ -35,8 +36,6 @@ def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str
         return "recent 16-bit window (KVmix RPC)"
     if fmt.v is None:
         return "K-only pages (slim attention)"
-    if num_query_heads != fmt.k.num_heads:
-        return f"{num_query_heads} query heads for {fmt.k.num_heads} KV heads (one query head a KV head only)"
     for name, codec, axis in (("K", fmt.k, "channel"), ("V", fmt.v, "token")):
         if not isinstance(codec, MinMaxCodec) or codec.bits not in (2, 4):
             return f"{name} not at 2 or 4 bits"
@@ -46,6 +45,11 @@ def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str
             return f"{name} with ZipCache channel scales"
     if fmt.k.bits != fmt.v.bits:
         return f"K at {fmt.k.bits} bits and V at {fmt.v.bits} (the same width only)"
+    group, rest = divmod(num_query_heads, fmt.k.num_heads)
+    groups = (1, 2, 4) if fmt.k.bits == 4 else (1, 4)
+    if rest or group not in groups:
+        return (f"{num_query_heads} query heads for {fmt.k.num_heads} KV heads "
+                f"({', '.join(map(str, groups))} query heads a KV head at {fmt.k.bits} bits)")
     if fmt.k.head_size != 128:
         return f"head size {fmt.k.head_size} (128 only)"
     if fmt.block_size != 128:
@@ -103,9 +107,9 @@ def _library() -> ctypes.CDLL:
                 is_python_module=False, verbose=False)
     lib = ctypes.CDLL(path)
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.kvc_decode_mha.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, i64, i64, i64, i64, i32, i32, i32, i32,
-                                   i32, i32, i32, i32, i32, i32, i32, i32, p]
-    lib.kvc_decode_mha.restype = i32
+    lib.kvc_decode.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, i64, i64, i64, i64, i32, i32, i32, i32,
+                               i32, i32, i32, i32, i32, i32, i32, i32, i32, p]
+    lib.kvc_decode.restype = i32
     return lib
 
 
@@ -130,8 +134,9 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
                                           num_splits=num_splits, out=out, groups=groups)
     query, q_stride = triton_decode._row_strided(query)
     n, hq, d = query.shape
+    h = fmt.k.num_heads
     if num_splits is None:
-        num_splits = triton_decode.choose_num_splits(n, hq, max_seq_len, fmt.block_size, query.device)
+        num_splits = triton_decode.choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device)
     if out is None:
         out = torch.empty_like(query)
     elif out.stride(2) != 1 or out.stride(1) != d:
@@ -143,12 +148,12 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     if num_splits > 1:
         part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
     lay = page_layout(fmt)
-    err = _library().kvc_decode_mha(
+    err = _library().kvc_decode(
         query.data_ptr(), cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
         None if row_order is None else row_order.data_ptr(), out.data_ptr(), part.data_ptr(),
         sm_scale * _LOG2E, q_stride, out.stride(0), block_table.stride(0), fmt.page_bytes, blocks_per_split,
-        num_splits, n, hq, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero, lay.k.bits,
-        int(query.dtype == torch.bfloat16), torch.cuda.current_stream(query.device).cuda_stream)
+        num_splits, n, h, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero, lay.k.bits,
+        hq // h, int(query.dtype == torch.bfloat16), torch.cuda.current_stream(query.device).cuda_stream)
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")
     if num_splits > 1:
