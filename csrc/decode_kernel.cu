@@ -16,11 +16,11 @@
 //
 // Page format (docs/formats.md): K codes row by row, [H, BLOCK, 16 * BITS bytes], 8 / BITS channels
 // a byte (channel j * planes + k in bits k * BITS), scale and zero per channel [H, 128] float16; V
-// codes unit-major, [H, 16 * BITS units, BLOCK], scale and zero per token [H, BLOCK] float16. Codes enter the products as
-// float16 1024 + code (OR'd into 1024's mantissa); the offset is taken out with sums of the right
-// operand. Logits are in base-2 units (log2(e) folded into the query scale).
+// codes unit-major, [H, 16 * BITS units, BLOCK], scale and zero per token [H, BLOCK] float16.
+// Codes enter the products as float16 1024 + code (OR'd into 1024's mantissa); the offset is taken
+// out with sums of the right operand. Logits are in base-2 units (log2(e) folded into the query scale).
 //
-// A thread block of 2 warps takes one (row, head, split); warp w takes tokens 64w..64w+63 of
+// A thread block of 2 warps takes one (row, KV head, split); warp w takes tokens 64w..64w+63 of
 // every page, with its own running maximum, sum and output, merged at the end.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -42,8 +42,9 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// d += a . b, m16n8k16, float16 operands (a: 16 rows of codes; b: one column, repeated in all 8),
-// float32 accumulator: d[0] is row g's sum (lane g * 4 + c), d[2] row g + 8's; d[1], d[3] repeat them.
+// d += a . b, m16n8k16, float16 operands (a: 16 rows of codes; b: 8 columns, one query's repeated
+// or a group's heads), float32 accumulator: d[0], d[1] are row g's columns 2c, 2c + 1 (lane 4g + c),
+// d[2], d[3] row g + 8's.
 __device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                     uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -77,7 +78,7 @@ struct Geometry {
   static constexpr int kWords = kRow / 16;      // 32-bit words of a lane's quarter of a K row
   static constexpr int kUnits = 16 * BITS;      // V storage units (bytes) a token
   static constexpr int kTiles = kUnits / 16;    // m-tiles of V units
-  static constexpr int kStatVecs = kPlanes / 2;  // 16-byte vectors of a lane's K scales (4 * planes channels)
+  static constexpr int kStatVecs = kPlanes / 2;  // MHA: 16-byte vectors of a lane's 4 * planes K scales
 };
 
 __device__ __forceinline__ float ex2(float x) {
@@ -175,10 +176,77 @@ __device__ __forceinline__ void stat_pairs(const uint4 (&v)[Geometry<BITS>::kSta
   }
 }
 
-// Float16 number t of 16 consecutive ones (two uint4), as float
-__device__ __forceinline__ float half_at(const uint4 (&v)[2], int t) {
+// Float16 number t of 8 N consecutive ones (N uint4), as float
+template <int N>
+__device__ __forceinline__ float half_at(const uint4 (&v)[N], int t) {
   const uint32_t w = word(v[t >> 3], (t >> 1) & 3);
   return __half2float(__ushort_as_half(static_cast<unsigned short>((t & 1) ? (w >> 16) : (w & 0xFFFF))));
+}
+
+// q.K of the warp's slice: s[i][0..1] for token 8g + i (product row g), s[i][2..3] for token 8g + 4 + i
+// (row g + 8), columns 2c, 2c + 1 of the right operand (qa, qb: the scaled query of k-step (w, plane))
+template <int BITS, int STATS>
+__device__ __forceinline__ void logits(float (&s)[4][4], const PageLoads<BITS, STATS>& in,
+                                       const uint32_t (&qa)[Geometry<BITS>::kWords][Geometry<BITS>::kPlanes],
+                                       const uint32_t (&qb)[Geometry<BITS>::kWords][Geometry<BITS>::kPlanes]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) s[i][r] = 0.f;
+#pragma unroll
+    for (int w = 0; w < Geometry<BITS>::kWords; ++w) {
+      const uint32_t r0 = in.k[i][0][w], r1 = in.k[i][1][w];  // rows g, g + 8
+      mma_codes<BITS, 0>(s[i], r0, r1, qa[w][0], qb[w][0]);
+      mma_codes<BITS, 1>(s[i], r0, r1, qa[w][1], qb[w][1]);
+      if constexpr (Geometry<BITS>::kPlanes == 4) {
+        mma_codes<BITS, 2>(s[i], r0, r1, qa[w][2], qb[w][2]);
+        mma_codes<BITS, 3>(s[i], r0, r1, qa[w][3], qb[w][3]);
+      }
+    }
+  }
+}
+
+// The right operand of p.V from probabilities pr of the lane's 16 tokens (slice positions 16c ..
+// 16c + 15, the slice starting at position pos): p times V's token scale as float16, k-step s taking
+// tokens 4s + (0, 2) (pa) and 4s + (1, 3) (pb); and the lane's sums of p, of p times V's token zero,
+// and of the float16 products
+template <int BITS, int STATS>
+__device__ __forceinline__ void scaled_probs(float (&pr)[16], const PageLoads<BITS, STATS>& in, int pos, int c, int L,
+                                             uint32_t (&pa)[4], uint32_t (&pb)[4], float& lsum, float& zsum,
+                                             float& psum) {
+  lsum = zsum = psum = 0.f;
+  const bool tail = pos + kSlice > L;  // the same for the whole warp
+#pragma unroll
+  for (int t = 0; t < 16; ++t) {
+    float vs = half_at(in.vs, t), vz = half_at(in.vz, t);
+    if (tail && pos + 16 * c + t >= L) vs = vz = 0.f;  // an unwritten slot's statistics may be anything
+    lsum += pr[t];
+    zsum += pr[t] * vz;
+    pr[t] *= vs;
+  }
+#pragma unroll
+  for (int st = 0; st < 4; ++st) {
+    pa[st] = pack_half2(pr[4 * st], pr[4 * st + 2]);
+    pb[st] = pack_half2(pr[4 * st + 1], pr[4 * st + 3]);
+    const float2 ra = unpack_half2(pa[st]), rb = unpack_half2(pb[st]);
+    psum += (ra.x + ra.y) + (rb.x + rb.y);
+  }
+}
+
+// acc[plane] += V codes of m-tile (units 16i + g and 16i + g + 8) . p, over the slice's 4 k-steps
+template <int BITS>
+__device__ __forceinline__ void weighted_values(float (&acc)[Geometry<BITS>::kPlanes][4], const uint4 (&v)[2],
+                                                const uint32_t (&pa)[4], const uint32_t (&pb)[4]) {
+#pragma unroll
+  for (int st = 0; st < 4; ++st) {
+    const uint32_t u0 = word(v[0], st), u1 = word(v[1], st);  // rows g, g + 8
+    mma_codes<BITS, 0>(acc[0], u0, u1, pa[st], pb[st]);
+    mma_codes<BITS, 1>(acc[1], u0, u1, pa[st], pb[st]);
+    if constexpr (Geometry<BITS>::kPlanes == 4) {
+      mma_codes<BITS, 2>(acc[2], u0, u1, pa[st], pb[st]);
+      mma_codes<BITS, 3>(acc[3], u0, u1, pa[st], pb[st]);
+    }
+  }
 }
 
 template <int BITS, typename T>
@@ -262,21 +330,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
 
     // logits: s[i][0] of token 8g + i, s[i][2] of token 8g + 4 + i
     float s[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) s[i][r] = 0.f;
-#pragma unroll
-      for (int w = 0; w < G::kWords; ++w) {
-        const uint32_t r0 = in.k[i][0][w], r1 = in.k[i][1][w];  // rows g, g + 8
-        mma_codes<BITS, 0>(s[i], r0, r1, qa[w][0], qb[w][0]);
-        mma_codes<BITS, 1>(s[i], r0, r1, qa[w][1], qb[w][1]);
-        if constexpr (P == 4) {
-          mma_codes<BITS, 2>(s[i], r0, r1, qa[w][2], qb[w][2]);
-          mma_codes<BITS, 3>(s[i], r0, r1, qa[w][3], qb[w][3]);
-        }
-      }
-    }
+    logits<BITS>(s, in, qa, qb);
     if (next != nullptr) load_k(in, next, o, h, lane, slice0, stats0);  // K's registers are free
 
     // softmax over the slice: tokens at or past L (on the last page) get no weight
@@ -318,23 +372,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
 
     // p * V's token scale as the right operand: k-step s takes tokens 16c + 4s + (0, 2), (1, 3)
     uint32_t pa[4], pb[4];
-    float lsum = 0.f, zsum = 0.f, psum = 0.f;
-    const bool tail = pos + kSlice > L;
-#pragma unroll
-    for (int t = 0; t < 16; ++t) {
-      float vs = half_at(in.vs, t), vz = half_at(in.vz, t);
-      if (tail && pos + 16 * c + t >= L) vs = vz = 0.f;  // an unwritten slot's statistics may be anything
-      lsum += pr[t];
-      zsum += pr[t] * vz;
-      pr[t] *= vs;
-    }
-#pragma unroll
-    for (int st = 0; st < 4; ++st) {
-      pa[st] = pack_half2(pr[4 * st], pr[4 * st + 2]);
-      pb[st] = pack_half2(pr[4 * st + 1], pr[4 * st + 3]);
-      const float2 ra = unpack_half2(pa[st]), rb = unpack_half2(pb[st]);
-      psum += (ra.x + ra.y) + (rb.x + rb.y);
-    }
+    float lsum, zsum, psum;
+    scaled_probs(pr, in, pos, c, L, pa, pb, lsum, zsum, psum);
     l = l * alpha + lsum;
     pz = pz * alpha + zsum;
     psum += __shfl_xor_sync(kAll, psum, 1);
@@ -348,16 +387,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
         acc[i][pl][0] = fmaf(acc[i][pl][0], alpha, -offset);
         acc[i][pl][2] = fmaf(acc[i][pl][2], alpha, -offset);
       }
-#pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        const uint32_t u0 = word(in.v[i][0], st), u1 = word(in.v[i][1], st);  // rows g, g + 8
-        mma_codes<BITS, 0>(acc[i][0], u0, u1, pa[st], pb[st]);
-        mma_codes<BITS, 1>(acc[i][1], u0, u1, pa[st], pb[st]);
-        if constexpr (P == 4) {
-          mma_codes<BITS, 2>(acc[i][2], u0, u1, pa[st], pb[st]);
-          mma_codes<BITS, 3>(acc[i][3], u0, u1, pa[st], pb[st]);
-        }
-      }
+      weighted_values<BITS>(acc[i], in.v[i], pa, pb);
     }
     if (next != nullptr) load_v(in, next, o, h, lane, slice0);
   }
@@ -484,11 +514,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int ch = at[e];
-          const uint32_t ks_w = word(in.ks[ch >> 3], (ch >> 1) & 3), kz_w = word(in.kz[ch >> 3], (ch >> 1) & 3);
-          const float ks = unpack_half2(ks_w).x * (ch & 1 ? 0.f : 1.f) + unpack_half2(ks_w).y * (ch & 1 ? 1.f : 0.f);
-          const float kz = unpack_half2(kz_w).x * (ch & 1 ? 0.f : 1.f) + unpack_half2(kz_w).y * (ch & 1 ? 1.f : 0.f);
-          qs[e] = qf[ch] * (1.f / float(1 << (BITS * k))) * ks;
-          part_bias += qf[ch] * kz;
+          qs[e] = qf[ch] * (1.f / float(1 << (BITS * k))) * half_at<STATS>(in.ks, ch);
+          part_bias += qf[ch] * half_at<STATS>(in.kz, ch);
         }
         x[t] = pack_half2(qs[0], qs[1]);
         y[t] = pack_half2(qs[2], qs[3]);
@@ -512,21 +539,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
 
     // logits: s[i][e] of token 8g + i, s[i][2 + e] of token 8g + 4 + i, column 2c + e
     float s[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) s[i][r] = 0.f;
-#pragma unroll
-      for (int w = 0; w < G::kWords; ++w) {
-        const uint32_t r0 = in.k[i][0][w], r1 = in.k[i][1][w];
-        mma_codes<BITS, 0>(s[i], r0, r1, qa[w][0], qb[w][0]);
-        mma_codes<BITS, 1>(s[i], r0, r1, qa[w][1], qb[w][1]);
-        if constexpr (P == 4) {
-          mma_codes<BITS, 2>(s[i], r0, r1, qa[w][2], qb[w][2]);
-          mma_codes<BITS, 3>(s[i], r0, r1, qa[w][3], qb[w][3]);
-        }
-      }
-    }
+    logits<BITS>(s, in, qa, qb);
     if (next != nullptr) load_k(in, next, o, h, lane, slice0, stats0);
 
     const int pos = b * kBlock + slice0;
@@ -569,23 +582,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
     __syncwarp();
 
     uint32_t pa[4], pb[4];
-    float lsum = 0.f, zsum = 0.f, psum = 0.f;
-    const bool tail = pos + kSlice > L;
-#pragma unroll
-    for (int t = 0; t < 16; ++t) {
-      float vs = half_at(in.vs, t), vz = half_at(in.vz, t);
-      if (tail && pos + 16 * c + t >= L) vs = vz = 0.f;
-      lsum += pr[t];
-      zsum += pr[t] * vz;
-      pr[t] *= vs;
-    }
-#pragma unroll
-    for (int st = 0; st < 4; ++st) {
-      pa[st] = pack_half2(pr[4 * st], pr[4 * st + 2]);
-      pb[st] = pack_half2(pr[4 * st + 1], pr[4 * st + 3]);
-      const float2 ra = unpack_half2(pa[st]), rb = unpack_half2(pb[st]);
-      psum += (ra.x + ra.y) + (rb.x + rb.y);
-    }
+    float lsum, zsum, psum;
+    scaled_probs(pr, in, pos, c, L, pa, pb, lsum, zsum, psum);
     // column g's rescale: its maximum is held by the lanes of columns (2c', 2c' + 1) = g
     const float a0 = __shfl_sync(kAll, alpha[0], g >> 1), a1 = __shfl_sync(kAll, alpha[1], g >> 1);
     const float alpha_g = (g & 1) ? a1 : a0;
@@ -603,16 +601,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
       for (int pl = 0; pl < P; ++pl)
 #pragma unroll
         for (int r = 0; r < 4; ++r) acc[i][pl][r] = fmaf(acc[i][pl][r], alpha[r & 1], -offset[r & 1]);
-#pragma unroll
-      for (int st = 0; st < 4; ++st) {
-        const uint32_t u0 = word(in.v[i][0], st), u1 = word(in.v[i][1], st);
-        mma_codes<BITS, 0>(acc[i][0], u0, u1, pa[st], pb[st]);
-        mma_codes<BITS, 1>(acc[i][1], u0, u1, pa[st], pb[st]);
-        if constexpr (P == 4) {
-          mma_codes<BITS, 2>(acc[i][2], u0, u1, pa[st], pb[st]);
-          mma_codes<BITS, 3>(acc[i][3], u0, u1, pa[st], pb[st]);
-        }
-      }
+      weighted_values<BITS>(acc[i], in.v[i], pa, pb);
     }
     if (next != nullptr) load_v(in, next, o, h, lane, slice0);
   }

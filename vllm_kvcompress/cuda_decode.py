@@ -1,9 +1,9 @@
 """Decode attention as a CUDA kernel (``csrc/decode_kernel.cu``) for the formats where the Triton
 kernel leaves most speed behind: 4/4- and 2/2-bit pages, head size 128, pages of 128 tokens, one
 query head a KV head (MHA) or groups of 2 or 4 (GQA; 4 at 2 bits). Groups of 8 were no faster than
-the Triton kernel (``docs/benchmarks.md``) and stay with it. Built just in time with nvcc through ``torch.utils.cpp_extension`` (cached by torch
-under ``TORCH_EXTENSIONS_DIR``) and called through ctypes, so the build includes no torch headers
-(a few seconds).
+the Triton kernel (``docs/benchmarks.md``) and stay with it. Built just in time with nvcc through
+``torch.utils.cpp_extension`` (cached by torch under ``TORCH_EXTENSIONS_DIR``) and called through
+ctypes, so the build includes no torch headers (a few seconds).
 
 ``paged_decode`` has the Triton kernel's signature: decode rows (one token a request) go to the
 CUDA kernel, prompt tokens taken in groups (``groups``) to the Triton kernel. Splits of a long
