@@ -57,6 +57,21 @@ def test_mode_is_checked_and_cuda_refused_where_it_cannot_run():
         cuda_decode.choose("cuda", fmt, 4, torch.bfloat16, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("name,value,message", [
+    ("KVCOMPRESS_DECODE", "cuda", "KVCOMPRESS_DECODE=cuda: the cache is on cpu"),
+    ("KVCOMPRESS_WRITE", "cuda", "KVCOMPRESS_WRITE=cuda: the cache is on cpu"),
+    ("KVCOMPRESS_DECODE", "fast", "KVCOMPRESS_DECODE='fast': allowed are 'auto'"),
+])
+def test_the_backend_refuses_kernel_choices_it_cannot_honour(monkeypatch, name, value, message):
+    """At startup (the first forward of a layer selects its kernels), not by falling back."""
+    pytest.importorskip("vllm")
+    from vllm_kvcompress.backend import KVCompressImpl
+    monkeypatch.setenv(name, value)
+    impl = KVCompressImpl.__new__(KVCompressImpl)  # only the selection, without an engine
+    with pytest.raises(ValueError, match=message):
+        impl._select_kernels(_fmt(), None, torch.device("cpu"))
+
+
 def _gpu_ready() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"

@@ -204,9 +204,10 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         decode = os.environ.get("KVCOMPRESS_DECODE", "auto")
         cuda_decode.check_mode(decode)
         if device.type != "cuda" or os.environ.get("KVCOMPRESS_KERNELS") == "torch":
-            if write == "cuda":
-                raise ValueError(f"KVCOMPRESS_WRITE=cuda: the cache is on {device.type}, the CUDA write kernel "
-                                 "needs a CUDA device (and KVCOMPRESS_KERNELS unset)")
+            for name, value in (("KVCOMPRESS_WRITE", write), ("KVCOMPRESS_DECODE", decode)):
+                if value == "cuda":
+                    raise ValueError(f"{name}=cuda: the cache is on {device.type}, the CUDA kernel needs a CUDA "
+                                     "device (and KVCOMPRESS_KERNELS unset)")
             return
         if write == "cuda":
             from . import cuda_write
