@@ -10,6 +10,7 @@ import torch
 from vllm_kvcompress import cuda_decode, paged_torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
+from paged_cases import fill_pages
 
 FOUR = LayerFormat(k_bits=4, v_bits=4)
 TWO = LayerFormat(k_bits=2, v_bits=2)
@@ -82,30 +83,6 @@ def _gpu_ready() -> str | None:
 gpu = pytest.mark.skipif(_gpu_ready() is not None, reason=str(_gpu_ready()))
 
 
-def _fill(fmt, seq_lens, spare_blocks, seed, garbage=True):
-    """Random (never zero) K/V written through the reference into scattered pages. With
-    ``garbage``, spare pages and the unwritten rest of a last page hold random bytes (float16
-    infinities and NaNs among them), to which the kernel must give no weight."""
-    gen = torch.Generator().manual_seed(seed)
-    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
-    max_blocks = max(-(-L // B) for L in seq_lens)
-    num_blocks = sum(-(-L // B) for L in seq_lens) + spare_blocks
-    cache = (torch.randint(0, 256, (num_blocks, fmt.page_bytes), dtype=torch.uint8, generator=gen) if garbage
-             else torch.zeros(num_blocks, fmt.page_bytes, dtype=torch.uint8))
-    perm = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(seq_lens), max_blocks + 1, dtype=torch.int32)
-    used = 0
-    for i, L in enumerate(seq_lens):
-        nb = -(-L // B)
-        table[i, :nb] = perm[used:used + nb]
-        used += nb
-        k = torch.randn(L, H, D, generator=gen) * 1.5 + 0.3
-        v = torch.randn(L, H, D, generator=gen) - 0.2
-        slots = table[i, torch.arange(L) // B].long() * B + torch.arange(L) % B
-        paged_torch.write_tokens(cache, fmt, k, v, slots)
-    return cache, table
-
-
 def _reference(q, cache, fmt, table, seq_lens, scale):
     return paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, scale)
 
@@ -121,7 +98,7 @@ def test_decode_equals_reference(layer_format, group, dtype, num_splits, seq_len
     fmt = _fmt(layer_format, heads=4, dtype=dtype)
     if cuda_decode.supports(fmt, 4 * group, dtype):
         pytest.skip(cuda_decode.supports(fmt, 4 * group, dtype))
-    cache, table = _fill(fmt, seq_lens, 3, seed=len(seq_lens))
+    cache, table = fill_pages(fmt, seq_lens, 3, seed=len(seq_lens), garbage=True)
     q = torch.randn(len(seq_lens), 4 * group, 128, generator=torch.Generator().manual_seed(5)).to(dtype)
     ref = _reference(q, cache, fmt, table, seq_lens, 128 ** -0.5)
     got = cuda_decode.paged_decode(q.cuda(), cache.cuda(), fmt, table.cuda(),
@@ -140,7 +117,7 @@ def test_rows_in_given_order_and_strided_views(layer_format, group):
     seq_lens = [5, 700, 130, 1]
     fmt = _fmt(layer_format, heads=2)
     w = 2 * group * 128  # query heads x head size
-    cache, table = _fill(fmt, seq_lens, 2, seed=9)
+    cache, table = fill_pages(fmt, seq_lens, 2, seed=9, garbage=True)
     qkv = torch.randn(len(seq_lens), 3 * w, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     q = qkv[:, :w].view(len(seq_lens), 2 * group, 128)
     ref = _reference(q, cache, fmt, table, seq_lens, 0.1)
@@ -162,7 +139,7 @@ def test_matches_triton_kernel_closely(layer_format, group):
     from vllm_kvcompress.triton_kernels.decode import paged_decode
     seq_lens = [4096, 333, 1290, 77, 2000, 640]
     fmt = _fmt(layer_format, heads=8)
-    cache, table = _fill(fmt, seq_lens, 1, seed=3, garbage=False)
+    cache, table = fill_pages(fmt, seq_lens, 1, seed=3)
     args = (torch.randn(len(seq_lens), 8 * group, 128).to(torch.bfloat16).cuda(), cache.cuda(), fmt, table.cuda(),
             torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), 128 ** -0.5, max(seq_lens))
     torch.testing.assert_close(cuda_decode.paged_decode(*args).float(), paged_decode(*args).float(),

@@ -17,32 +17,12 @@ from vllm_kvcompress import paged_torch  # noqa: E402
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
 from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
 from vllm_kvcompress.triton_kernels.decode import paged_decode  # noqa: E402
+from paged_cases import fill_pages  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
            LayerFormat(k_bits=3, v_bits=3), LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True),
            LayerFormat(k_bits=16, v_bits=4), LayerFormat(k_bits=8, v_bits=16), LayerFormat()]
-
-
-def _fill(fmt, seq_lens, spare_blocks, seed):
-    """Random (never zero) K/V written through the reference into scattered pages."""
-    gen = torch.Generator().manual_seed(seed)
-    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
-    max_blocks = max(-(-L // B) for L in seq_lens)
-    num_blocks = sum(-(-L // B) for L in seq_lens) + spare_blocks
-    cache = torch.zeros(num_blocks, fmt.page_bytes, dtype=torch.uint8)
-    perm = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    used = 0
-    for i, L in enumerate(seq_lens):
-        nb = -(-L // B)
-        table[i, :nb] = perm[used:used + nb]
-        used += nb
-        k = torch.randn(L, H, D, generator=gen) + 0.3
-        v = torch.randn(L, H, D, generator=gen) - 0.2
-        slots = table[i, torch.arange(L) // B].long() * B + torch.arange(L) % B
-        paged_torch.write_tokens(cache, fmt, k, v, slots)
-    return cache, table
 
 
 @pytest.mark.parametrize("layer_format", FORMATS, ids=lambda f: f.describe().replace("/", "_").replace(" ", "-"))
@@ -54,7 +34,7 @@ def test_decode_equals_reference_small(layer_format, num_splits, block, tile, HQ
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(layer_format, dtype, B, H, D)
     seq_lens = [1, 17, 40, 16, 70]
-    cache, table = _fill(fmt, seq_lens, 3, seed=num_splits)
+    cache, table = fill_pages(fmt, seq_lens, 3, seed=num_splits)
     q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(5)).to(dtype)
     ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, D ** -0.5)
     got = paged_decode(q.to(DEVICE), cache.to(DEVICE), fmt, table.to(DEVICE),
@@ -75,7 +55,7 @@ def test_rows_taken_longest_first_equal_reference(num_splits):
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), dtype, B, H, D)
     seq_lens = [5, 40, 17, 33]
-    cache, table = _fill(fmt, seq_lens, 2, seed=12)
+    cache, table = fill_pages(fmt, seq_lens, 2, seed=12)
     q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(3)).to(dtype)
     ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, D ** -0.5)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
@@ -99,7 +79,7 @@ def test_row_strided_and_misaligned_views_equal_reference():
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), dtype, B, H, D)
     seq_lens = [5, 40, 17]
-    cache, table = _fill(fmt, seq_lens, 2, seed=9)
+    cache, table = fill_pages(fmt, seq_lens, 2, seed=9)
     q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(2)).to(dtype)
     ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, D ** -0.5)
     cache, table = cache.to(DEVICE), table.to(DEVICE)
@@ -137,7 +117,7 @@ def test_a_kept_variant_launches_without_the_jit(monkeypatch):
     from vllm_kvcompress.triton_kernels import decode
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.bfloat16, 16, 2, 64)
     seq_lens = [5, 40, 17]
-    cache, table = _fill(fmt, seq_lens, 2, seed=6)
+    cache, table = fill_pages(fmt, seq_lens, 2, seed=6)
     cache, table = cache.cuda(), table.cuda()
     lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
     q = torch.randn(len(seq_lens), 4, 64, dtype=torch.bfloat16).cuda()
@@ -158,7 +138,7 @@ def test_decode_equals_reference_gpu(head_size, block_size, bits):
     H, HQ = 8, 32
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, block_size, H, head_size)
     seq_lens = [1, 300, 1000, 77, 513]
-    cache, table = _fill(fmt, seq_lens, 5, seed=bits)
+    cache, table = fill_pages(fmt, seq_lens, 5, seed=bits)
     q = torch.randn(len(seq_lens), HQ, head_size).to(torch.bfloat16)
     ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, head_size ** -0.5)
     got = paged_decode(q.cuda(), cache.cuda(), fmt, table.cuda(), torch.tensor(seq_lens, dtype=torch.int32).cuda(),
@@ -183,7 +163,7 @@ def test_mixed_batch_as_token_rows_equals_reference(bits, prompt_rows, num_split
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), dtype, B, H, D)
     seq_lens = [21, 1, 40, 9]   # a decode, a 1-token prefill, a 25-token chunk after 15 tokens, a 9-token prompt
     q_lens = [1, 1, 25, 9]
-    cache, table = _fill(fmt, seq_lens, 3, seed=bits)
+    cache, table = fill_pages(fmt, seq_lens, 3, seed=bits)
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
@@ -228,7 +208,7 @@ def test_warm_up_compiles_every_variant_a_step_launches():
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=8, v_bits=2), dtype, 32, 5, 64)
     seq_lens = [30, 31, 300]  # rows 0 and 1: one request's prompt tokens
-    cache, table = _fill(fmt, seq_lens, 2, seed=11)
+    cache, table = fill_pages(fmt, seq_lens, 2, seed=11)
     table[0] = table[1]
     cache, table = cache.to(DEVICE), torch.nn.functional.pad(table, (0, 16 - table.shape[1])).to(DEVICE)
     q = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
@@ -314,7 +294,7 @@ def test_a_mixed_step_never_waits_for_the_gpu(q_lens):
     B, H, HQ, D = 16, 2, 4, 64
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.bfloat16, B, H, D)
     seq_lens = [n + 20 for n in q_lens]
-    cache, table = _fill(fmt, seq_lens, 2, seed=4)
+    cache, table = fill_pages(fmt, seq_lens, 2, seed=4)
     positions = [torch.arange(L - n, L) for L, n in zip(seq_lens, q_lens)]  # the new tokens'
     slots = torch.cat([table[r, p // B].long() * B + p % B for r, p in enumerate(positions)]).cuda()
     cache, table = cache.cuda(), table.cuda()

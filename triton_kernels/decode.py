@@ -14,6 +14,7 @@ codes enter the tensor-core dots.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -481,10 +482,46 @@ def _row_strided(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x, x.stride(0)
 
 
+class SplitLaunch(NamedTuple):
+    """What a decode launch over a context split ``num_splits`` ways writes to and reads from."""
+    query: torch.Tensor   # row-strided (heads and channels contiguous within a row)
+    q_stride: int
+    out: torch.Tensor
+    num_splits: int
+    blocks_per_split: int
+    part: torch.Tensor    # ``out``, or float32 partials [N, Hq, splits, D + 2] (``merge_splits``)
+
+
+def split_launch(query: torch.Tensor, fmt: KVPageFormat, max_seq_len: int, num_splits: int | None,
+                 out: torch.Tensor | None, programs_per_sm: int = PROGRAMS_PER_SM) -> SplitLaunch:
+    """A decode launch's buffers and split count (``choose_num_splits``'s where None)."""
+    query, q_stride = _row_strided(query)
+    n, hq, d = query.shape
+    if num_splits is None:
+        num_splits = choose_num_splits(n, fmt.k.num_heads, max_seq_len, fmt.block_size, query.device,
+                                       programs_per_sm)
+    blocks_per_split = -(-max(1, -(-max_seq_len // fmt.block_size)) // num_splits)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.stride(2) != 1 or out.stride(1) != d:
+        raise ValueError(f"out: strides {out.stride()}; heads and channels must be contiguous within a row")
+    part = out
+    if num_splits > 1:
+        part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
+    return SplitLaunch(query, q_stride, out, num_splits, blocks_per_split, part)
+
+
+def merge_splits(run: SplitLaunch) -> None:
+    """The output from a split launch's partials (nothing to do with one split)."""
+    if run.num_splits > 1:
+        n, hq, d = run.query.shape
+        launch(_merge_variant(hq, d), (n, hq), (run.part, run.out, run.out.stride(0), run.num_splits))
+
+
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
                  out: torch.Tensor | None = None, tile: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, programs_per_sm: int | None = None,
+                 num_stages: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM,
                  groups: TokenGroups | None = None, row_order: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
@@ -494,36 +531,23 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     ``rows_per_program``): rows that one program takes together. ``query`` and ``out`` may be
     row-strided views (heads and channels contiguous within a row).
     """
-    query, q_stride = _row_strided(query)
-    n, hq, d = query.shape
-    h = fmt.k.num_heads
-    if num_splits is None:
-        num_splits = choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device,
-                                       programs_per_sm or PROGRAMS_PER_SM)
-    max_blocks = max(1, -(-max_seq_len // fmt.block_size))
-    blocks_per_split = -(-max_blocks // num_splits)
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.stride(2) != 1 or out.stride(1) != d:
-        raise ValueError(f"out: strides {out.stride()}; heads and channels must be contiguous within a row")
-    part = out
-    if num_splits > 1:
-        part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
     if groups is not None and row_order is not None:
         raise ValueError("row_order: grouped rows are taken in their groups' order")
+    run = split_launch(query, fmt, max_seq_len, num_splits, out, programs_per_sm)
+    n, hq, _ = run.query.shape
+    h = fmt.k.num_heads
     programs = n if groups is None else groups.starts.shape[0]
-    variant = _variant(fmt, hq // h, num_splits > 1, None if groups is None else groups.size,
+    variant = _variant(fmt, hq // h, run.num_splits > 1, None if groups is None else groups.size,
                        query.is_cuda and torch.version.hip is None, tile, num_warps, num_stages,
                        row_order is not None)
     starts = groups.starts if groups is not None else row_order if row_order is not None else seq_lens
-    launch(variant, (programs * h, num_splits),
-           (query, cache, cache.view(torch.float16), block_table, seq_lens,
-            seq_lens if groups is None else groups.rows, starts, out, part,
-            sm_scale, q_stride, out.stride(0), block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2,
-            blocks_per_split, num_splits))
-    if num_splits > 1:
-        launch(_merge_variant(hq, d), (n, hq), (part, out, out.stride(0), num_splits))
-    return out
+    launch(variant, (programs * h, run.num_splits),
+           (run.query, cache, cache.view(torch.float16), block_table, seq_lens,
+            seq_lens if groups is None else groups.rows, starts, run.out, run.part,
+            sm_scale, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2,
+            run.blocks_per_split, run.num_splits))
+    merge_splits(run)
+    return run.out
 
 
 def longest_first(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -228,10 +228,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             self._decode_kernel = paged_decode
             self._warm_up = warm_up
             why_not = cuda_decode.choose(decode, fmt, self.num_heads, self._dtype, device)
-            if why_not is None:
+            if why_not is None:  # built here, at startup; the Triton warm-up still compiles prompt rows' variants
                 cuda_decode.build()
                 self._decode_kernel = cuda_decode.paged_decode
-                self._warm_up = cuda_decode.warm_up
             else:
                 logger.info_once("kv-compression: decode rows with the Triton kernel; the CUDA kernel: %s", why_not)
 

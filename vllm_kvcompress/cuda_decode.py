@@ -21,6 +21,7 @@ import torch
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 from vllm_kvcompress.token_rows import TokenGroups
 
+from .cuda_write import nvcc_available
 from .triton_kernels.layout import page_layout
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_kernel.cu"
@@ -59,11 +60,6 @@ def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str
     if any(x % 16 for x in offsets):
         return "page regions not on 16-byte boundaries"
     return None
-
-
-def nvcc_available() -> bool:
-    from torch.utils.cpp_extension import CUDA_HOME
-    return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists()
 
 
 def device_supported(device: torch.device) -> str | None:
@@ -132,39 +128,20 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     if groups is not None:
         return triton_decode.paged_decode(query, cache, fmt, block_table, seq_lens, sm_scale, max_seq_len,
                                           num_splits=num_splits, out=out, groups=groups)
-    query, q_stride = triton_decode._row_strided(query)
-    n, hq, d = query.shape
-    h = fmt.k.num_heads
-    if num_splits is None:
-        num_splits = triton_decode.choose_num_splits(n, h, max_seq_len, fmt.block_size, query.device)
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.stride(2) != 1 or out.stride(1) != d:
-        raise ValueError(f"out: strides {out.stride()}; heads and channels must be contiguous within a row")
+    run = triton_decode.split_launch(query, fmt, max_seq_len, num_splits, out)
+    n, hq, _ = run.query.shape
     if n == 0:
-        return out
-    blocks_per_split = -(-max(1, -(-max_seq_len // fmt.block_size)) // num_splits)
-    part = out
-    if num_splits > 1:
-        part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
+        return run.out
+    h = fmt.k.num_heads
     lay = page_layout(fmt)
     err = _library().kvc_decode(
-        query.data_ptr(), cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
-        None if row_order is None else row_order.data_ptr(), out.data_ptr(), part.data_ptr(),
-        sm_scale * _LOG2E, q_stride, out.stride(0), block_table.stride(0), fmt.page_bytes, blocks_per_split,
-        num_splits, n, h, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero, lay.k.bits,
-        hq // h, int(query.dtype == torch.bfloat16), torch.cuda.current_stream(query.device).cuda_stream)
+        run.query.data_ptr(), cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
+        None if row_order is None else row_order.data_ptr(), run.out.data_ptr(), run.part.data_ptr(),
+        sm_scale * _LOG2E, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes,
+        run.blocks_per_split, run.num_splits, n, h, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale,
+        lay.v.zero, lay.k.bits, hq // h, int(query.dtype == torch.bfloat16),
+        torch.cuda.current_stream(query.device).cuda_stream)
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")
-    if num_splits > 1:
-        triton_decode.launch(triton_decode._merge_variant(hq, d), (n, hq), (part, out, out.stride(0), num_splits))
-    return out
-
-
-def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype) -> None:
-    """Build the kernel and compile the Triton kernel's variants that prompt groups and split
-    merges launch (see ``triton_kernels.decode.warm_up``)."""
-    from .triton_kernels import decode as triton_decode
-    build()
-    triton_decode.warm_up(cache, fmt, num_query_heads, query_dtype)
-
+    triton_decode.merge_splits(run)
+    return run.out

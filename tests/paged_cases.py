@@ -1,0 +1,30 @@
+"""Pages of random (never zero) K/V for the decode-kernel tests, written through the torch reference."""
+
+import torch
+
+from vllm_kvcompress import paged_torch
+
+
+def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False):
+    """Each request's tokens in scattered pages, behind a block table; ``spare_blocks`` pages more.
+    With ``garbage``, spare pages and the unwritten rest of a last page hold random bytes (float16
+    infinities and NaNs among them), to which a kernel must give no weight; else zeros, as in
+    vLLM's cache."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
+    max_blocks = max(-(-L // B) for L in seq_lens)
+    num_blocks = sum(-(-L // B) for L in seq_lens) + spare_blocks
+    cache = (torch.randint(0, 256, (num_blocks, fmt.page_bytes), dtype=torch.uint8, generator=gen) if garbage
+             else torch.zeros(num_blocks, fmt.page_bytes, dtype=torch.uint8))
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, L in enumerate(seq_lens):
+        nb = -(-L // B)
+        table[i, :nb] = perm[used:used + nb]
+        used += nb
+        k = torch.randn(L, H, D, generator=gen) + 0.3
+        v = torch.randn(L, H, D, generator=gen) - 0.2
+        slots = table[i, torch.arange(L) // B].long() * B + torch.arange(L) % B
+        paged_torch.write_tokens(cache, fmt, k, v, slots)
+    return cache, table
