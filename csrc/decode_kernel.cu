@@ -183,6 +183,12 @@ __device__ __forceinline__ float half_at(const uint4 (&v)[N], int t) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>((t & 1) ? (w >> 16) : (w & 0xFFFF))));
 }
 
+// Page b of a row (its block table `table`)
+__device__ __forceinline__ const uint8_t* page_of(const uint8_t* cache, const int32_t* table, int b,
+                                                  int64_t page_bytes) {
+  return cache + int64_t(table[b]) * page_bytes;
+}
+
 // q.K of the warp's slice: s[i][0..1] for token 8g + i (product row g), s[i][2..3] for token 8g + 4 + i
 // (row g + 8), columns 2c, 2c + 1 of the right operand (qa, qb: the scaled query of k-step (w, plane))
 template <int BITS, int STATS>
@@ -285,22 +291,16 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   const int stats0 = 4 * P * (lane / P);  // the K statistics this lane reads: those of its query channels
 
   float m = -INFINITY, l = 0.f, pz = 0.f;  // running max (base 2); lane partials of sum p, sum p * zero
-  float acc[G::kTiles][P][4];  // output of plane k, rows g, g + 8 of m-tile i: channels P * (16i + g (+ 8)) + k
-#pragma unroll
-  for (int i = 0; i < G::kTiles; ++i)
-#pragma unroll
-    for (int pl = 0; pl < P; ++pl)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][pl][r] = 0.f;
+  float acc[G::kTiles][P][4] = {};  // output of plane k, rows g, g + 8 of m-tile i: channels P (16i + g (+ 8)) + k
 
   PageLoads<BITS> in;
   if (b_start < b_end) {
-    const uint8_t* page = cache + int64_t(table[b_start]) * page_bytes;
+    const uint8_t* page = page_of(cache, table, b_start, page_bytes);
     load_k(in, page, o, h, lane, slice0, stats0);
     load_v(in, page, o, h, lane, slice0);
   }
   for (int b = b_start; b < b_end; ++b) {
-    const uint8_t* next = b + 1 < b_end ? cache + int64_t(table[b + 1]) * page_bytes : nullptr;
+    const uint8_t* next = b + 1 < b_end ? page_of(cache, table, b + 1, page_bytes) : nullptr;
 
     // the query scaled by K's channel scales: this lane's two registers, then gathered into the
     // product's operand order: k-step (w, plane k) of lane c takes the channels of bytes (0, 2) and
@@ -459,6 +459,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   __shared__ float4 probs[kWarps][GROUP][kSlice / 4];  // [warp][head][token]
   __shared__ float other_out[GROUP][kHead];
   __shared__ float other_ml[GROUP][2];
+  // (decode_mha's set-up: these values as one struct from a shared function compiled to 7 more
+  // registers in decode_mha, so each kernel computes them itself)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int h = blockIdx.x % num_heads;
@@ -483,22 +485,17 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
 
   float m[2] = {-INFINITY, -INFINITY};  // running max (base 2) of columns 2c, 2c + 1
   float l = 0.f, pz = 0.f;              // lane partials of sum p, sum p * zero of column g
-  float acc[G::kTiles][P][4];  // plane k, m-tile i: rows g, g + 8 (channels P (16i + g (+ 8)) + k) x columns 2c, 2c + 1
-#pragma unroll
-  for (int i = 0; i < G::kTiles; ++i)
-#pragma unroll
-    for (int pl = 0; pl < P; ++pl)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][pl][r] = 0.f;
+  // plane k, m-tile i: rows g, g + 8 (channels P (16i + g (+ 8)) + k) x columns 2c, 2c + 1
+  float acc[G::kTiles][P][4] = {};
 
   PageLoads<BITS, STATS> in;
   if (b_start < b_end) {
-    const uint8_t* page = cache + int64_t(table[b_start]) * page_bytes;
+    const uint8_t* page = page_of(cache, table, b_start, page_bytes);
     load_k(in, page, o, h, lane, slice0, stats0);
     load_v(in, page, o, h, lane, slice0);
   }
   for (int b = b_start; b < b_end; ++b) {
-    const uint8_t* next = b + 1 < b_end ? cache + int64_t(table[b + 1]) * page_bytes : nullptr;
+    const uint8_t* next = b + 1 < b_end ? page_of(cache, table, b + 1, page_bytes) : nullptr;
 
     // scaled query: this lane's pairs, then each lane gathers column g's operand (as decode_mha)
     uint32_t qa[G::kWords][P], qb[G::kWords][P];
