@@ -203,6 +203,15 @@ def _appending_pages(write_tokens, fmt, num_seqs: int, spare: int, gen: torch.Ge
     return cache, torch.tensor([s * block + n for s, n in enumerate(fills)], device="cuda")
 
 
+def _write_kernel(cuda: bool):
+    """The cache write of the CUDA kernel (csrc/) or of the Triton one."""
+    if cuda:
+        from vllm_kvcompress.cuda_write import write_tokens
+    else:
+        from vllm_kvcompress.triton_kernels.write import write_tokens
+    return write_tokens
+
+
 def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, chunk_channels: int | None = None,
                 spread: int | None = None, num_warps: int | None = None, cuda: bool = False,
                 dealt: bool | None = None) -> dict:
@@ -213,11 +222,7 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     (the restored pages may sit in L2).
     ``cuda``: the CUDA kernel (csrc/) instead of the Triton one; ``dealt``: force the Triton write's
     mode (None: its own choice by the step's size)."""
-    if cuda:
-        from vllm_kvcompress.cuda_write import write_tokens
-    else:
-        from vllm_kvcompress.triton_kernels.write import write_tokens
-
+    write_tokens = _write_kernel(cuda)
     fmt = _format(bits, hkv, d, block)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cache, slots = _appending_pages(write_tokens, fmt, num_seqs, 0, gen)
@@ -234,11 +239,11 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
 
 
 def bench_write_mixed(bits: int, num_seqs: int, prompts: int, prompt_len: int, hkv: int, d: int,
-                      block: int = 128) -> dict:
+                      block: int = 128, cuda: bool = False) -> dict:
     """A mixed step's cache write: ``num_seqs`` decodes appending to their last pages
     (``_appending_pages``), then ``prompts`` prompts of ``prompt_len`` tokens into empty pages;
-    pages restored before every write."""
-    from vllm_kvcompress.triton_kernels.write import write_tokens
+    pages restored before every write. ``cuda`` as for ``bench_write``."""
+    write_tokens = _write_kernel(cuda)
 
     fmt = _format(bits, hkv, d, block)
     pages = -(-prompt_len // block)
@@ -251,15 +256,16 @@ def bench_write_mixed(bits: int, num_seqs: int, prompts: int, prompt_len: int, h
     k, v = (torch.randn(len(slots), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     ms = _time_after_ms(lambda: cache.copy_(saved), lambda: write_tokens(cache, fmt, k, v, slots))
     nbytes = 2 * len(saved) * fmt.page_bytes + 2 * k.numel() * k.element_size()
-    return {"kernel": f"write k{bits}v{bits} {num_seqs} decodes + {prompts}x{prompt_len}", "block": block,
+    return {"kernel": f"write k{bits}v{bits} {num_seqs} decodes + {prompts}x{prompt_len}" + (" CUDA" if cuda else ""),
+            "block": block,
             "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
 def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int = 128,
-                        dealt: bool | None = None) -> dict:
+                        dealt: bool | None = None, cuda: bool = False) -> dict:
     """A prefill chunk's cache write: ``num_blocks`` whole blocks of new tokens (one long prompt's
-    chunk), each block encoded by its last tokens' programs. ``dealt`` as for ``bench_write``."""
-    from vllm_kvcompress.triton_kernels.write import write_tokens
+    chunk), each block encoded by its last tokens' programs. ``dealt`` and ``cuda`` as for ``bench_write``."""
+    write_tokens = _write_kernel(cuda)
 
     fmt = _format(bits, hkv, d, block)
     n = num_blocks * block
@@ -269,7 +275,8 @@ def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int
     slots = torch.arange(n, device="cuda")
     ms = _time_ms(lambda: write_tokens(cache, fmt, k, v, slots, **({} if dealt is None else {"dealt": dealt})))
     nbytes = num_blocks * fmt.page_bytes + 2 * k.numel() * k.element_size()
-    label = f"write k{bits}v{bits} prefill {n} tokens" + ("" if dealt is None else f" dealt={dealt}")
+    label = (f"write k{bits}v{bits} prefill {n} tokens" + ("" if dealt is None else f" dealt={dealt}")
+             + (" CUDA" if cuda else ""))
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes,
             "GB/s": nbytes / ms / 1e6}
 
@@ -403,6 +410,8 @@ def main() -> None:
         if args.write_cuda:
             for bits in (4, 8, 2):
                 rows.append(bench_write(bits, args.batch, hkv, d, cuda=True) | {"shape": name})
+            rows.append(bench_write_prefill(4, 16, hkv, d, cuda=True) | {"shape": name})
+            rows.append(bench_write_mixed(4, 144, 2, 450, hkv, d, cuda=True) | {"shape": name})
         for chunk in args.write_chunks:
             rows.append(bench_write(4, args.batch, hkv, d, chunk_channels=chunk) | {"shape": name})
         for spread in args.write_spreads:

@@ -1,20 +1,34 @@
 // The cache write for quantized pages (2, 4 or 8 bits; K or V, statistics per channel or per
 // token): quantize, pack and scatter new tokens into their pages in one pass. Same contract and
 // same bytes as paged_torch.write_tokens, which is the reference (see docs/formats.md for the
-// append rule). One thread block per (new token, KV head), one thread per channel.
+// append rule).
+//
+// One warp per (new token, KV head, tensor); lane l holds channels l * CPL .. l * CPL + CPL - 1 of
+// the row (CPL = head size / 32), so a row's statistics are a warp reduction and its codes one
+// store per lane, with no block-wide barrier. Where statistics are per channel, the block's work
+// goes to the warps of its last new tokens:
+// - one token appended to stored ones (decoding): the token is coded on its channels' stored grids;
+//   a channel it falls off widens, and only the storage units holding a widened channel are
+//   re-encoded in the earlier rows, those (row, unit) pairs dealt out over the warp's lanes;
+// - several new tokens (a prompt's block, or a chunk appended to stored rows): the block's chunks
+//   of 4 channels are dealt out over the warps of its last 32 new tokens, a lane a row, with two
+//   passes over the rows, one for the statistics and one for the codes.
 //
 // Rounding follows the reference step by step: every multiply, add and divide is an explicitly
 // rounded intrinsic, so the compiler cannot fuse a multiply and an add into one FMA.
-#include <torch/extension.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
 
 namespace {
 
 constexpr float kEps = 1e-6f;  // smallest scale, as the reference's _EPS
+constexpr unsigned kAll = 0xffffffffu;
+constexpr int kWarps = 4;      // warps a thread block (each on its own work item)
+constexpr int kAppendUnroll = 8;  // (row, unit) pairs a lane has in flight at once
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -37,8 +51,13 @@ __device__ __forceinline__ float code_on(float x, float zero, float step) {
 }
 
 // The code of x on that grid, clamped to 0..top.
-__device__ __forceinline__ uint8_t clamped_code(float x, float zero, float step, float top) {
-  return uint8_t(fminf(fmaxf(code_on(x, zero, step), 0.f), top));
+__device__ __forceinline__ unsigned clamped_code(float x, float zero, float step, float top) {
+  return unsigned(fminf(fmaxf(code_on(x, zero, step), 0.f), top));
+}
+
+// The value code stands for on the grid zero + k * step.
+__device__ __forceinline__ float decoded(unsigned code, float zero, float step) {
+  return __fadd_rn(__fmul_rn(float(code), step), zero);
 }
 
 // (zero, scale) of values spanning lo..hi, both rounded through float16 as stored.
@@ -47,204 +66,357 @@ __device__ __forceinline__ float2 min_max_stats(float lo, float hi, float top) {
   return make_float2(zero, through_half(fmaxf(__fdiv_rn(__fsub_rn(hi, zero), top), kEps)));
 }
 
-// One storage byte: 8 / BITS consecutive channels' codes, the first in the lowest bits.
-template <int BITS>
-__device__ __forceinline__ uint8_t pack_byte(const uint8_t* codes) {
-  unsigned byte = 0;
-  for (int p = 0; p < 8 / BITS; ++p) byte |= unsigned(codes[p]) << (p * BITS);
-  return uint8_t(byte);
-}
-
-// Block-wide min and max of one value per thread (blockDim.x a multiple of 32, at most 1024).
-__device__ float2 block_min_max(float lo, float hi, float2* scratch) {
-  for (int o = 16; o > 0; o >>= 1) {
-    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
-    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
-  }
-  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  __syncthreads();  // scratch may still be read by a previous call
-  if (threadIdx.x % 32 == 0) scratch[warp] = make_float2(lo, hi);
-  __syncthreads();
-  float2 r = scratch[0];
-  for (int w = 1; w < warps; ++w) r = make_float2(fminf(r.x, scratch[w].x), fmaxf(r.y, scratch[w].y));
-  return r;
-}
-
 struct Tensor {
+  const void* src;   // [N, H, D] rows src_stride elements apart
+  int64_t src_stride;
   int codes, row_bytes, scale, zero;  // byte offsets in a page, bytes of one (token, head) row
+  bool per_channel;
 };
 
-// Statistics per token: the token's own row only. Its codes are stored unit-major, [H, row bytes, BLOCK]
+// How a warp holds one row of D channels at BITS bits. A lane's codes fill LANE_BITS; where that is
+// under a byte (head size 64 at 2 bits), G lanes share one storage unit. A unit is UNIT_BYTES bytes,
+// channel k of the unit in bits k * BITS (8 / BITS channels a byte, the first in the lowest bits).
+template <int BITS, int D>
+struct Lanes {
+  static_assert(D % 32 == 0 && D <= 256, "head size a multiple of 32, at most 256");
+  static constexpr int CPL = D / 32;
+  static constexpr int LANE_BITS = CPL * BITS;
+  static constexpr int G = LANE_BITS >= 8 ? 1 : 8 / LANE_BITS;
+  static constexpr int UNIT_BYTES = LANE_BITS >= 8 ? LANE_BITS / 8 : 1;
+  static constexpr int UNIT_CHANNELS = CPL * G;
+  static constexpr unsigned MASK = (1u << BITS) - 1;
+  static constexpr float TOP = float((1 << BITS) - 1);
+  using Word = std::conditional_t<(UNIT_BYTES == 8), unsigned long long, unsigned>;
+
+  // bit offset, in the lane's unit, of the lane's channel k
+  __device__ static int shift(int lane, int k) { return ((lane % G) * CPL + k) * BITS; }
+
+  __device__ static Word load(const uint8_t* p) {
+    if constexpr (UNIT_BYTES == 1) return *p;
+    else if constexpr (UNIT_BYTES == 2) return *reinterpret_cast<const uint16_t*>(p);
+    else if constexpr (UNIT_BYTES == 4) return *reinterpret_cast<const uint32_t*>(p);
+    else return *reinterpret_cast<const unsigned long long*>(p);
+  }
+
+  __device__ static void store(uint8_t* p, Word w) {
+    if constexpr (UNIT_BYTES == 1) *p = uint8_t(w);
+    else if constexpr (UNIT_BYTES == 2) *reinterpret_cast<uint16_t*>(p) = uint16_t(w);
+    else if constexpr (UNIT_BYTES == 4) *reinterpret_cast<uint32_t*>(p) = uint32_t(w);
+    else *reinterpret_cast<unsigned long long*>(p) = w;
+  }
+
+  // the unit of a row whose lanes' parts are w (each lane's codes at its shift): OR over the G lanes
+  __device__ static Word gather(Word w) {
+    for (int o = 1; o < G; o <<= 1) w |= __shfl_xor_sync(kAll, w, o);
+    return w;
+  }
+
+  __device__ static unsigned code(Word w, int lane, int k) { return unsigned(w >> shift(lane, k)) & MASK; }
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void load_row(const T* row, int lane, float (&x)[D / 32]) {
+#pragma unroll
+  for (int k = 0; k < D / 32; ++k) x[k] = to_float(row[lane * (D / 32) + k]);
+}
+
+// Statistics per token: the token's own row. Its codes are stored unit-major, [H, row bytes, BLOCK]
 // (MinMaxCodec), so a byte of consecutive tokens lies together.
-template <typename T, int BITS>
-__device__ void write_row_per_token(const T* x_row, uint8_t* page, int h, int off, int D, int BLOCK,
-                                    Tensor t, uint8_t* codes, float2* scratch) {
-  constexpr float top = float((1 << BITS) - 1);
-  constexpr int vals = 8 / BITS;
-  const int c = threadIdx.x;
-  const bool on = c < D;
-  const float x = on ? to_float(x_row[c]) : 0.f;
-  const float2 mm = block_min_max(on ? x : INFINITY, on ? x : -INFINITY, scratch);
-  const float2 stats = min_max_stats(mm.x, mm.y, top);  // (zero, scale)
-  if (on) codes[c] = clamped_code(x, stats.x, stats.y, top);
-  __syncthreads();
-  if (c < t.row_bytes) page[t.codes + (h * t.row_bytes + c) * BLOCK + off] = pack_byte<BITS>(codes + c * vals);
-  if (c == 0) {
+template <typename T, int BITS, int D>
+__device__ void write_row_per_token(const Tensor& t, int64_t i, uint8_t* page, int h, int off, int BLOCK,
+                                    int lane) {
+  using L = Lanes<BITS, D>;
+  float x[L::CPL];
+  load_row<T, D>(static_cast<const T*>(t.src) + i * t.src_stride + h * D, lane, x);
+  float lo = x[0], hi = x[0];
+#pragma unroll
+  for (int k = 1; k < L::CPL; ++k) lo = fminf(lo, x[k]), hi = fmaxf(hi, x[k]);
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(kAll, lo, o));
+    hi = fmaxf(hi, __shfl_xor_sync(kAll, hi, o));
+  }
+  const float2 stats = min_max_stats(lo, hi, L::TOP);  // (zero, scale)
+  typename L::Word w = 0;
+#pragma unroll
+  for (int k = 0; k < L::CPL; ++k)
+    w |= typename L::Word(clamped_code(x[k], stats.x, stats.y, L::TOP)) << L::shift(lane, k);
+  w = L::gather(w);
+  if (lane % L::G == 0) {
+    uint8_t* unit = page + t.codes + (int64_t(h) * t.row_bytes + (lane / L::G) * L::UNIT_BYTES) * BLOCK + off;
+#pragma unroll
+    for (int b = 0; b < L::UNIT_BYTES; ++b) unit[b * BLOCK] = uint8_t(w >> (8 * b));
+  }
+  if (lane == 0) {
     store_half(page + t.scale + (h * BLOCK + off) * 2, stats.y);
     store_half(page + t.zero + (h * BLOCK + off) * 2, stats.x);
   }
 }
 
-// Statistics per channel, written by the program of the block's last new token: rows 0..off of
-// head h. Rows whose slot was written in this batch are new (``is_new``); the others are decoded
-// from the page. Append rule: a channel whose new values all fall on its stored grid keeps its
-// statistics and earlier codes; any other channel widens to span its stored grid and its new values,
-// and is re-encoded over all rows.
-template <typename T, int BITS>
-__device__ void write_block_per_channel(const T* src, int64_t src_stride, const int64_t* slots, int i, int64_t blk,
-                                        uint8_t* page, int h, int off, int D, int BLOCK, Tensor t,
-                                        uint8_t* codes, uint8_t* is_new, float2* scratch) {
-  constexpr float top = float((1 << BITS) - 1);
-  constexpr int vals = 8 / BITS;
-  constexpr unsigned mask = (1u << BITS) - 1;
-  const int c = threadIdx.x;
-  const bool on = c < D;
-  for (int r = c; r <= off; r += blockDim.x) {
-    const int j = i - (off - r);
-    is_new[r] = j >= 0 && slots[j] == blk * BLOCK + r;
+// Per-warp scratch of the append: each channel's stored grid and the grid it takes, which lanes
+// widened which of their channels, and the storage units that hold a widened channel.
+template <int D>
+struct AppendScratch {
+  float4 grid[D];        // (zero, step, widened zero, widened step)
+  unsigned widened[32];  // a lane's bit k: its channel k widened
+  uint8_t units[32];
+};
+
+// One token appended at block offset off > 0 to stored rows, statistics per channel (decoding).
+// Append rule: a channel whose new value falls on its stored grid keeps grid and earlier codes;
+// any other widens to span its stored grid and the new value, and its earlier codes are requantized
+// onto the widened grid, every row on its own (docs/formats.md).
+template <typename T, int BITS, int D>
+__device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, int h, int off, int BLOCK, int lane,
+                                   AppendScratch<D>& s) {
+  using L = Lanes<BITS, D>;
+  using Word = typename L::Word;
+  float x[L::CPL];
+  load_row<T, D>(static_cast<const T*>(t.src) + i * t.src_stride + h * D, lane, x);
+  uint8_t* stats = page + (h * D + lane * L::CPL) * 2;
+  float zero[L::CPL], step[L::CPL];
+#pragma unroll
+  for (int k = 0; k < L::CPL; ++k) {
+    zero[k] = load_half(stats + t.zero + 2 * k);
+    step[k] = load_half(stats + t.scale + 2 * k);
   }
-  __syncthreads();
-  int has_old = 0;
-  for (int r = 0; r <= off; ++r) has_old |= !is_new[r];
-  const float zero_old = on ? load_half(page + t.zero + (h * D + c) * 2) : 0.f;
-  const float scale_old = on ? load_half(page + t.scale + (h * D + c) * 2) : 1.f;
-  // row r's value of this thread's channel: the new token's, or decoded from its stored code
-  auto new_value = [&](int r) { return to_float(src[(i - (off - r)) * src_stride + h * D + c]); };
-  auto value = [&](int r) {
-    return is_new[r] ? new_value(r) : __fadd_rn(__fmul_rn(float(codes[r * D + c]), scale_old), zero_old);
+  unsigned widened = 0;  // bit k: this lane's channel k widens
+  Word w = 0;            // the new row's codes
+#pragma unroll
+  for (int k = 0; k < L::CPL; ++k) {
+    const float q = code_on(x[k], zero[k], step[k]);
+    const bool widen = q < 0.f || q > L::TOP;
+    const float2 wide = min_max_stats(fminf(zero[k], x[k]),
+                                      fmaxf(__fadd_rn(zero[k], __fmul_rn(step[k], L::TOP)), x[k]), L::TOP);
+    s.grid[lane * L::CPL + k] = make_float4(zero[k], step[k], wide.x, wide.y);
+    widened |= unsigned(widen) << k;
+    w |= Word(widen ? clamped_code(x[k], wide.x, wide.y, L::TOP) : unsigned(q)) << L::shift(lane, k);
+  }
+  w = L::gather(w);
+  uint8_t* head_rows = page + t.codes + int64_t(h) * BLOCK * t.row_bytes;
+  if (lane % L::G == 0) L::store(head_rows + int64_t(off) * t.row_bytes + (lane / L::G) * L::UNIT_BYTES, w);
+  unsigned unit_widened = widened;
+  for (int o = 1; o < L::G; o <<= 1) unit_widened |= __shfl_xor_sync(kAll, unit_widened, o);
+  const unsigned leaders = __ballot_sync(kAll, lane % L::G == 0 && unit_widened);
+  if (leaders == 0) return;  // the common case: every value on its grid
+  s.widened[lane] = widened;
+  if (lane % L::G == 0 && unit_widened) s.units[__popc(leaders & ((1u << lane) - 1))] = lane / L::G;
+  __syncwarp();
+  // earlier rows of the widened units: (row, unit) pairs dealt out over the lanes
+  const int count = __popc(leaders), items = count * off;
+  const auto unit_at = [&](int item) {
+    return head_rows + int64_t(item / count) * t.row_bytes + s.units[item % count] * L::UNIT_BYTES;
   };
-  bool fits = has_old;
-  for (int r = 0; r <= off && on; ++r) {
-    if (!is_new[r]) continue;
-    const float q = code_on(new_value(r), zero_old, scale_old);
-    fits = fits && q >= 0.f && q <= top;
-  }
-  const bool keep = fits || !on;
-  // a re-encoded channel rewrites every row, and shares its bytes with kept channels: every row of
-  // the head is then unpacked to codes, and repacked once all channels have theirs
-  const bool all_rows = __syncthreads_or(!keep);
-  uint8_t* rows = page + t.codes + h * BLOCK * t.row_bytes;  // head-major [H, BLOCK, row bytes]
-  if (all_rows && on) {
-    for (int r = 0; r <= off; ++r)
-      if (!is_new[r]) codes[r * D + c] = (rows[r * t.row_bytes + c / vals] >> ((c % vals) * BITS)) & mask;
-  }
-  float2 stats = make_float2(zero_old, scale_old);  // (zero, scale)
-  if (!keep) {  // statistics over the new rows, widened to span the stored grid where there is one;
-                // then codes on the new grid (values recomputed, not kept: a block of them would not
-                // fit in shared memory next to the codes)
-    float lo = INFINITY, hi = -INFINITY;
-    for (int r = 0; r <= off; ++r) {
-      if (!is_new[r]) continue;
-      const float x = new_value(r);
-      lo = fminf(lo, x);
-      hi = fmaxf(hi, x);
+  for (int first = 0; first < items; first += 32 * kAppendUnroll) {
+    Word codes[kAppendUnroll];
+#pragma unroll
+    for (int j = 0; j < kAppendUnroll; ++j) {
+      const int item = first + j * 32 + lane;
+      if (item < items) codes[j] = L::load(unit_at(item));
     }
-    if (has_old) {
-      lo = fminf(lo, zero_old);
-      hi = fmaxf(hi, __fadd_rn(zero_old, __fmul_rn(scale_old, top)));
+#pragma unroll
+    for (int j = 0; j < kAppendUnroll; ++j) {
+      const int item = first + j * 32 + lane;
+      if (item >= items) continue;
+      const int unit = s.units[item % count];
+      Word c = codes[j];
+#pragma unroll
+      for (int u = 0; u < L::UNIT_CHANNELS; ++u) {
+        const int owner = unit * L::G + u / L::CPL;
+        if (!((s.widened[owner] >> (u % L::CPL)) & 1)) continue;
+        const float4 g = s.grid[unit * L::UNIT_CHANNELS + u];
+        const float value = decoded(unsigned(c >> (u * BITS)) & L::MASK, g.x, g.y);
+        c = (c & ~(Word(L::MASK) << (u * BITS))) | (Word(clamped_code(value, g.z, g.w, L::TOP)) << (u * BITS));
+      }
+      L::store(unit_at(item), c);
     }
-    stats = min_max_stats(lo, hi, top);
-    for (int r = 0; r <= off; ++r) codes[r * D + c] = clamped_code(value(r), stats.x, stats.y, top);
-  } else if (on) {  // kept: only new rows get codes, on the stored grid
-    for (int r = 0; r <= off; ++r)
-      if (is_new[r]) codes[r * D + c] = clamped_code(new_value(r), stats.x, stats.y, top);
   }
-  __syncthreads();
-  for (int k = c; k < (off + 1) * t.row_bytes; k += blockDim.x) {
-    const int r = k / t.row_bytes, b = k % t.row_bytes;
-    if (all_rows || is_new[r]) rows[k] = pack_byte<BITS>(codes + r * D + b * vals);
-  }
-  if (on && !keep) {
-    store_half(page + t.scale + (h * D + c) * 2, stats.y);
-    store_half(page + t.zero + (h * D + c) * 2, stats.x);
+#pragma unroll
+  for (int k = 0; k < L::CPL; ++k) {
+    if (!((widened >> k) & 1)) continue;
+    const float4 g = s.grid[lane * L::CPL + k];
+    store_half(stats + t.scale + 2 * k, g.w);
+    store_half(stats + t.zero + 2 * k, g.z);
   }
 }
 
-template <typename T, int BITS, bool PER_CHANNEL>
-__global__ void write_kernel(const T* __restrict__ src, int64_t src_stride, const int64_t* __restrict__ slots,
-                             uint8_t* __restrict__ cache, int num_tokens, int64_t page_bytes, int D, int BLOCK,
-                             Tensor t) {
-  extern __shared__ uint8_t smem[];
-  __shared__ float2 scratch[32];
-  const int i = blockIdx.x, h = blockIdx.y;
-  const int64_t slot = slots[i];
-  if (slot < 0) return;
-  const int64_t blk = slot / BLOCK;
-  const int off = int(slot % BLOCK);
-  uint8_t* page = cache + blk * page_bytes;
-  if constexpr (PER_CHANNEL) {
-    const int64_t next = i + 1 < num_tokens ? slots[i + 1] : -1;
-    if (next >= 0 && next / BLOCK == blk) return;  // a later token of this batch writes the block
-    write_block_per_channel<T, BITS>(src, src_stride, slots, i, blk, page, h, off, D, BLOCK, t, smem,
-                                     smem + BLOCK * D, scratch);
-  } else {
-    write_row_per_token<T, BITS>(src + i * src_stride + h * D, page, h, off, D, BLOCK, t, smem, scratch);
+// Several new tokens in a block, or the first of a block, statistics per channel (a prompt's block,
+// or a chunk appended to stored rows): new rows first..last, row r the batch's token row0 + r. The
+// block's chunks of 4 channels are dealt out over the warps of its last `dealers` new tokens (this
+// one is `rank`), a lane a row. Per channel: the new rows' statistics, widened to span the stored
+// grid where there are stored rows (first > 0); a channel whose new values all fall on its stored
+// grid keeps grid and earlier codes.
+template <typename T, int BITS, int D>
+__device__ void encode_chunks(const Tensor& t, int row0, int first, int last, int rank, int dealers, uint8_t* page,
+                              int h, int BLOCK, int lane) {
+  using C = Lanes<BITS, 128>;  // a chunk is the unit of a lane that holds 4 channels
+  using Word = typename C::Word;
+  constexpr int CC = 4;
+  const bool has_old = first > 0;
+  const T* src = static_cast<const T*>(t.src) + h * D;
+  uint8_t* head_rows = page + t.codes + int64_t(h) * BLOCK * t.row_bytes;
+  for (int chunk = rank; chunk < D / CC; chunk += dealers) {
+    const int c0 = chunk * CC;
+    uint8_t* stats = page + (h * D + c0) * 2;
+    float zero[CC], step[CC], lo[CC], hi[CC], x[CC];
+    unsigned off_grid = 0;  // bit k: a new value of channel k falls off its stored grid
+#pragma unroll
+    for (int k = 0; k < CC; ++k) {
+      zero[k] = has_old ? load_half(stats + t.zero + 2 * k) : 0.f;
+      step[k] = has_old ? load_half(stats + t.scale + 2 * k) : 1.f;
+      lo[k] = INFINITY, hi[k] = -INFINITY;
+    }
+    for (int r = first + lane; r <= last; r += 32) {
+#pragma unroll
+      for (int k = 0; k < CC; ++k) x[k] = to_float(src[int64_t(row0 + r) * t.src_stride + c0 + k]);
+#pragma unroll
+      for (int k = 0; k < CC; ++k) {
+        lo[k] = fminf(lo[k], x[k]), hi[k] = fmaxf(hi[k], x[k]);
+        const float q = code_on(x[k], zero[k], step[k]);
+        off_grid |= unsigned(q < 0.f || q > C::TOP) << k;
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      off_grid |= __shfl_xor_sync(kAll, off_grid, o);
+#pragma unroll
+      for (int k = 0; k < CC; ++k) {
+        lo[k] = fminf(lo[k], __shfl_xor_sync(kAll, lo[k], o));
+        hi[k] = fmaxf(hi[k], __shfl_xor_sync(kAll, hi[k], o));
+      }
+    }
+    if (!has_old) off_grid = (1u << CC) - 1;  // no stored grid: every channel takes its rows' own
+    float new_zero[CC], new_step[CC];
+#pragma unroll
+    for (int k = 0; k < CC; ++k) {
+      new_zero[k] = zero[k], new_step[k] = step[k];
+      if (!((off_grid >> k) & 1)) continue;
+      if (has_old) {
+        lo[k] = fminf(lo[k], zero[k]);
+        hi[k] = fmaxf(hi[k], __fadd_rn(zero[k], __fmul_rn(step[k], C::TOP)));
+      }
+      const float2 g = min_max_stats(lo[k], hi[k], C::TOP);
+      new_zero[k] = g.x, new_step[k] = g.y;
+    }
+    for (int r = lane; r <= last; r += 32) {
+      uint8_t* unit = head_rows + r * t.row_bytes + chunk * C::UNIT_BYTES;
+      Word w = 0;
+      if (r >= first) {
+#pragma unroll
+        for (int k = 0; k < CC; ++k) x[k] = to_float(src[int64_t(row0 + r) * t.src_stride + c0 + k]);
+#pragma unroll
+        for (int k = 0; k < CC; ++k) w |= Word(clamped_code(x[k], new_zero[k], new_step[k], C::TOP)) << (k * BITS);
+      } else {
+        const Word old = C::load(unit);
+#pragma unroll
+        for (int k = 0; k < CC; ++k) {
+          unsigned code = unsigned(old >> (k * BITS)) & C::MASK;
+          if ((off_grid >> k) & 1)
+            code = clamped_code(decoded(code, zero[k], step[k]), new_zero[k], new_step[k], C::TOP);
+          w |= Word(code) << (k * BITS);
+        }
+      }
+      C::store(unit, w);
+    }
+#pragma unroll
+    for (int k = 0; k < CC; ++k) {
+      if (lane != k) continue;
+      store_half(stats + t.scale + 2 * k, new_step[k]);
+      store_half(stats + t.zero + 2 * k, new_zero[k]);
+    }
   }
 }
 
-template <typename T, int BITS, bool PER_CHANNEL>
-void launch(const torch::Tensor& src, const torch::Tensor& slots, torch::Tensor& cache, int64_t page_bytes,
-            int BLOCK, Tensor t) {
-  const int n = slots.size(0), H = src.size(1), D = src.size(2);
-  const int threads = (D + 31) / 32 * 32;
-  const size_t shared = PER_CHANNEL ? size_t(BLOCK) * D + BLOCK : size_t(D);
-  auto kernel = write_kernel<T, BITS, PER_CHANNEL>;
-  if (shared > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(shared)));
-  kernel<<<dim3(n, H), threads, shared, c10::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const T*>(src.data_ptr()), src.stride(0), slots.data_ptr<int64_t>(), cache.data_ptr<uint8_t>(),
-      n, page_bytes, D, BLOCK, t);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// How many tokens right after token i in the batch (step 1), or right before it (step -1), hold the
+// slots next to i's in the same direction, counted up to `limit`, 32 at a time; `near` is this
+// lane's slots[i + step * (lane + 1)] (-1 past the batch), loaded by the caller with its other loads.
+__device__ int run_of_slots(const int64_t* slots, int n, int i, int slot, int step, int limit, int64_t near,
+                            int lane) {
+  for (int d0 = 1; d0 <= limit; d0 += 32) {
+    const int d = d0 + lane, j = i + step * d;
+    if (d0 > 1) near = j >= 0 && j < n ? slots[j] : -1;
+    const unsigned held = __ballot_sync(kAll, d <= limit && near == int64_t(slot) + step * d);
+    if (held != kAll) return d0 - 1 + __ffs(~held) - 1;
+  }
+  return limit;
+}
+
+constexpr int kDealers = 32;  // a block's last new tokens whose warps share its encode
+
+// Warp w of block b takes work item b * kWarps + w: (token, KV head, tensor), the tensor fastest.
+template <typename T, int BITS, int D>
+__global__ void __launch_bounds__(kWarps * 32, 6)
+    write_kernel(Tensor a, Tensor b, int num_tensors, const int64_t* __restrict__ slots, uint8_t* cache,
+                 int num_tokens, int H, int64_t page_bytes, int BLOCK) {
+  __shared__ AppendScratch<D> scratch[kWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int item = blockIdx.x * kWarps + warp;
+  if (item >= num_tokens * H * num_tensors) return;
+  const Tensor t = item % num_tensors == 0 ? a : b;
+  const int i = item / num_tensors / H, h = item / num_tensors % H;
+  const bool per_channel = t.per_channel;
+  // the slots right after and before token i, loaded with its own (per-channel statistics only)
+  const int64_t next = per_channel && i + 1 + lane < num_tokens ? slots[i + 1 + lane] : -1;
+  const int64_t prev = per_channel && i - 1 - lane >= 0 ? slots[i - 1 - lane] : -1;
+  const int64_t slot64 = slots[i];
+  if (slot64 < 0) return;
+  const int slot = int(slot64), off = slot % BLOCK;
+  uint8_t* page = cache + int64_t(slot / BLOCK) * page_bytes;
+  if (!per_channel) return write_row_per_token<T, BITS, D>(t, i, page, h, off, BLOCK, lane);
+  // the block's new rows are first..last: a request's new tokens are consecutive in the batch and
+  // in their slots. Tokens further than kDealers from the last have no work here.
+  const int ahead = run_of_slots(slots, num_tokens, i, slot, 1, min(BLOCK - 1 - off, kDealers), next, lane);
+  if (ahead >= kDealers) return;
+  const int first = off - run_of_slots(slots, num_tokens, i, slot, -1, off, prev, lane), last = off + ahead;
+  if (first == last && off > 0)
+    append_per_channel<T, BITS, D>(t, i, page, h, off, BLOCK, lane, scratch[warp]);
+  else
+    encode_chunks<T, BITS, D>(t, i - off, first, last, ahead, min(last - first + 1, kDealers), page, h, BLOCK, lane);
+}
+
+template <typename T, int BITS, int D>
+void launch(const Tensor& a, const Tensor& b, int num_tensors, const int64_t* slots, uint8_t* cache, int n, int H,
+            int64_t page_bytes, int BLOCK, cudaStream_t stream) {
+  const int items = n * H * num_tensors;
+  write_kernel<T, BITS, D><<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(a, b, num_tensors, slots, cache,
+                                                                                     n, H, page_bytes, BLOCK);
+}
+
+using Launcher = void (*)(const Tensor&, const Tensor&, int, const int64_t*, uint8_t*, int, int, int64_t, int,
+                          cudaStream_t);
+
+template <typename T, int D>
+Launcher launcher_of_bits(int bits) {
+  return bits == 2 ? launch<T, 2, D> : bits == 4 ? launch<T, 4, D> : bits == 8 ? launch<T, 8, D> : nullptr;
 }
 
 template <typename T>
-void dispatch(const torch::Tensor& src, const torch::Tensor& slots, torch::Tensor& cache, int64_t page_bytes,
-              int BLOCK, int bits, bool per_channel, Tensor t) {
-  switch (bits * 2 + per_channel) {
-    case 4: return launch<T, 2, false>(src, slots, cache, page_bytes, BLOCK, t);
-    case 5: return launch<T, 2, true>(src, slots, cache, page_bytes, BLOCK, t);
-    case 8: return launch<T, 4, false>(src, slots, cache, page_bytes, BLOCK, t);
-    case 9: return launch<T, 4, true>(src, slots, cache, page_bytes, BLOCK, t);
-    case 16: return launch<T, 8, false>(src, slots, cache, page_bytes, BLOCK, t);
-    case 17: return launch<T, 8, true>(src, slots, cache, page_bytes, BLOCK, t);
-  }
-  TORCH_CHECK(false, "kv-compression write kernel: bits=", bits, " (2, 4 or 8 only)");
+Launcher launcher_of(int head_size, int bits) {
+  return head_size == 64    ? launcher_of_bits<T, 64>(bits)
+         : head_size == 128 ? launcher_of_bits<T, 128>(bits)
+         : head_size == 256 ? launcher_of_bits<T, 256>(bits)
+                            : nullptr;
 }
 
 }  // namespace
 
-// src [N, H, D] (rows may be strided; channels contiguous), slots [N] int64 (-1: skip), cache
-// [num_blocks, page_bytes] uint8. Writes one tensor (K or V) of the pages.
-void write_tensor(torch::Tensor src, torch::Tensor slots, torch::Tensor cache, int64_t page_bytes, int64_t block_size,
-                  int64_t bits, bool per_channel, int64_t codes, int64_t row_bytes, int64_t scale, int64_t zero) {
-  TORCH_CHECK(src.is_cuda() && slots.is_cuda() && cache.is_cuda(), "write_tensor: CUDA tensors only");
-  TORCH_CHECK(src.dim() == 3 && src.stride(2) == 1 && src.stride(1) == src.size(2),
-              "write_tensor: src must be [N, H, D] with contiguous heads and channels");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && cache.scalar_type() == torch::kUInt8,
-              "write_tensor: slots int64, cache uint8");
-  TORCH_CHECK(src.size(2) <= 1024, "write_tensor: head size above 1024");
-  if (slots.size(0) == 0) return;
-  const c10::cuda::CUDAGuard guard(src.device());
-  const Tensor t{int(codes), int(row_bytes), int(scale), int(zero)};
-  switch (src.scalar_type()) {
-    case torch::kFloat32: return dispatch<float>(src, slots, cache, page_bytes, block_size, bits, per_channel, t);
-    case torch::kFloat16: return dispatch<__half>(src, slots, cache, page_bytes, block_size, bits, per_channel, t);
-    case torch::kBFloat16:
-      return dispatch<__nv_bfloat16>(src, slots, cache, page_bytes, block_size, bits, per_channel, t);
-    default: TORCH_CHECK(false, "write_tensor: float32, float16 or bfloat16 sources only");
-  }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_tensor", &write_tensor, "Quantize, pack and scatter new tokens into compressed KV pages");
+// One or two tensors of the pages (K, and V where it has K's width) at `bits` bits, each from its
+// source [N, H, head_size] (rows src_stride elements apart; channels contiguous) with its page
+// layout: statistics per channel or not, byte offsets of codes, scale and zero, bytes a row. slots
+// [N] int64 (-1: skip), cache [num_blocks, page_bytes] uint8; dtype 0 float32, 1 float16, 2 bfloat16.
+// Returns a cudaError_t (cudaErrorInvalidValue for what the kernel does not cover).
+extern "C" int kvc_write(int num_tensors, const void* a_src, int64_t a_stride, int a_per_channel, int a_codes,
+                         int a_row_bytes, int a_scale, int a_zero, const void* b_src, int64_t b_stride,
+                         int b_per_channel, int b_codes, int b_row_bytes, int b_scale, int b_zero, const void* slots,
+                         void* cache, int num_tokens, int num_heads, int head_size, int64_t page_bytes,
+                         int block_size, int bits, int dtype, void* stream) {
+  const Tensor a{a_src, a_stride, a_codes, a_row_bytes, a_scale, a_zero, a_per_channel != 0};
+  const Tensor b{b_src, b_stride, b_codes, b_row_bytes, b_scale, b_zero, b_per_channel != 0};
+  const Launcher f = dtype == 0   ? launcher_of<float>(head_size, bits)
+                     : dtype == 1 ? launcher_of<__half>(head_size, bits)
+                     : dtype == 2 ? launcher_of<__nv_bfloat16>(head_size, bits)
+                                  : nullptr;
+  if (f == nullptr || num_tensors < 1 || num_tensors > 2) return static_cast<int>(cudaErrorInvalidValue);
+  if (num_tokens == 0) return 0;
+  f(a, b, num_tensors, static_cast<const int64_t*>(slots), static_cast<uint8_t*>(cache), num_tokens, num_heads,
+    page_bytes, block_size, static_cast<cudaStream_t>(stream));
+  return static_cast<int>(cudaGetLastError());
 }

@@ -62,6 +62,7 @@ def test_mode_is_checked_and_cuda_refused_where_it_cannot_run():
     ("KVCOMPRESS_DECODE", "cuda", "KVCOMPRESS_DECODE=cuda: the cache is on cpu"),
     ("KVCOMPRESS_WRITE", "cuda", "KVCOMPRESS_WRITE=cuda: the cache is on cpu"),
     ("KVCOMPRESS_DECODE", "fast", "KVCOMPRESS_DECODE='fast': allowed are 'auto'"),
+    ("KVCOMPRESS_WRITE", "fast", "KVCOMPRESS_WRITE='fast': allowed are 'auto'"),
 ])
 def test_the_backend_refuses_kernel_choices_it_cannot_honour(monkeypatch, name, value, message):
     """At startup (the first forward of a layer selects its kernels), not by falling back."""

@@ -29,28 +29,42 @@ def test_covers_two_four_and_eight_bit_pages(layer_format):
     (LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True), "ZipCache"),
     (LayerFormat(k_bits=16, v_bits=4), "K kept at 16 bits"),
     (LayerFormat(k_bits=4, v_bits=4, rpc_tokens=8, rpc_fraction=0.1), "recent 16-bit window"),
+    (LayerFormat(k_bits=4, v_bits=4), "head size 80"),
 ])
 def test_names_what_it_cannot_write(layer_format, why):
-    fmt = _format(layer_format)
+    """auto gives the format to the Triton kernel and says why; cuda is refused at startup."""
+    fmt = _format(layer_format, head_size=80 if "head size" in why else 64)
     assert why in cuda_write.supports(fmt)
+    assert why in cuda_write.choose("auto", fmt)
     with pytest.raises(ValueError, match=f"KVCOMPRESS_WRITE=cuda.*{why}"):
-        cuda_write.require(fmt)
+        cuda_write.choose("cuda", fmt)
+
+
+def test_mode_is_checked():
+    fmt = _format(LayerFormat(k_bits=4, v_bits=4))
+    assert cuda_write.choose("triton", fmt) == "KVCOMPRESS_WRITE=triton"
+    with pytest.raises(ValueError, match="KVCOMPRESS_WRITE='fast': allowed are 'auto'"):
+        cuda_write.choose("fast", fmt)
 
 
 @pytest.mark.skipif(cuda_write.nvcc_available(), reason="nvcc is installed here")
-def test_without_nvcc_the_request_is_refused_at_startup():
+def test_without_nvcc_auto_takes_triton_and_cuda_is_refused():
+    fmt = _format(LayerFormat(k_bits=4, v_bits=4))
+    assert "no nvcc" in cuda_write.choose("auto", fmt)
     with pytest.raises(ValueError, match="KVCOMPRESS_WRITE=cuda.*no nvcc"):
-        cuda_write.require(_format(LayerFormat(k_bits=4, v_bits=4)))
+        cuda_write.choose("cuda", fmt)
 
 
 @needs_gpu_and_nvcc
+@pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layer_format", COVERED, ids=lambda f: f.describe())
-def test_prefill_and_decode_match_reference(layer_format, dtype):
+def test_prefill_and_decode_match_reference(layer_format, dtype, head_size):
     """A prefill batch (a full block, a partial block, one across two blocks, a skipped slot), then
-    decode steps: the pages hold the reference's values after each. Values, not bytes: for rows past
-    a block's last token, which nothing reads, the reference also writes per-token statistics."""
-    B, H, D = 16, 2, 64
+    decode steps, then chunks appended to stored rows (one crossing into a new block): the pages
+    hold the reference's values after each. Values, not bytes: for rows past a block's last token,
+    which nothing reads, the reference also writes per-token statistics."""
+    B, H, D = 16, 2, head_size
     fmt = _format(layer_format, dtype, B, H, D)
     gen = torch.Generator().manual_seed(1)
     ref = torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)
@@ -58,6 +72,7 @@ def test_prefill_and_decode_match_reference(layer_format, dtype):
     steps = [torch.cat([torch.arange(3 * B, 4 * B), torch.arange(5 * B, 5 * B + 5), torch.tensor([-1]),
                         torch.arange(B, 2 * B + 9)])]
     steps += [torch.tensor([5 * B + 5 + s, 2 * B + 9 + s]) for s in range(6)]
+    steps += [torch.cat([torch.arange(5 * B + 11, 5 * B + 14), torch.tensor([2 * B + 15, 6 * B, 6 * B + 1])])]
     for slots in steps:
         k = (torch.randn(len(slots), H, D, generator=gen) * 2 + 0.5).to(dtype)
         v = (torch.randn(len(slots), H, D, generator=gen) - 0.3).to(dtype)
@@ -88,3 +103,41 @@ def test_decode_appends_match_reference_bytes(bits, fills, head_size):
         fused = fused.cuda()
         cuda_write.write_tokens(ours, fmt, fused[:, H:2 * H], fused[:, 2 * H:], slots.cuda())
         assert torch.equal(ours.cpu(), ref), f"step {step}"
+
+
+def test_auto_writes_small_steps_with_the_triton_kernel():
+    """By the step's size alone (a CUDA graph keeps the kernel of the size it was captured for):
+    under SMALL_STEP_PAIRS token x KV-head pairs the Triton kernel, from there on the CUDA one."""
+    pytest.importorskip("vllm")
+    from vllm_kvcompress.backend import KVCompressImpl
+    impl = KVCompressImpl.__new__(KVCompressImpl)  # only the choice, without an engine
+    impl.num_kv_heads = 8
+    impl._write, impl._small_write = cuda_write.write_tokens, paged_torch.write_tokens
+    edge = cuda_write.SMALL_STEP_PAIRS // 8
+    assert impl._writer(edge - 1) is paged_torch.write_tokens
+    assert impl._writer(edge) is cuda_write.write_tokens
+    impl._small_write = None  # KVCOMPRESS_WRITE=cuda
+    assert impl._writer(1) is cuda_write.write_tokens
+
+
+@needs_gpu_and_nvcc
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_long_prompts_and_chunks_match_reference(bits):
+    """128-token blocks: a 300-token prompt and a 70-token one (blocks with more new tokens than the
+    32 warps a block's encode is dealt over), then chunks of 40 and 3 tokens appended to their
+    partly filled blocks, then a decode step: the pages hold the reference's values after each."""
+    B, H, D = 128, 4, 128
+    fmt = _format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, B, H, D)
+    gen = torch.Generator().manual_seed(bits)
+    ref = torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)
+    ours = ref.cuda()
+    steps = [torch.cat([torch.arange(0, 300), torch.arange(4 * B, 4 * B + 70)]),
+             torch.cat([torch.arange(300, 340), torch.arange(4 * B + 70, 4 * B + 73)]),
+             torch.tensor([340, 4 * B + 73])]
+    for slots in steps:
+        k = (torch.randn(len(slots), H, D, generator=gen) * 1.5).bfloat16()
+        v = torch.randn(len(slots), H, D, generator=gen).bfloat16()
+        paged_torch.write_tokens(ref, fmt, k, v, slots)
+        cuda_write.write_tokens(ours, fmt, k.cuda(), v.cuda(), slots.cuda())
+        for got, want in zip(fmt.decode(ours.cpu()), fmt.decode(ref)):
+            assert torch.equal(got, want)

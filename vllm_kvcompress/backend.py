@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from . import cuda_decode, paged_torch
+from . import cuda_decode, cuda_write, paged_torch
 from .engine_config import active_config, layer_page_format
 from .formats import KVPageFormat
 from .slim_loader import ATTRIBUTE
@@ -191,16 +191,17 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._decode_kernel = None  # Triton decode on CUDA where the format has one
         self._warm_up = None  # compiles that kernel's variants, once, outside CUDA-graph capture
         self._write = paged_torch.write_tokens
+        self._small_write = None  # the write of small steps, where another kernel is faster for them
         self._write_warm_up = None  # likewise for the write kernel
         self._kv_cache: torch.Tensor | None = None  # the tensor self._cache_pages views
         self._cache_pages: torch.Tensor | None = None
 
     def _select_kernels(self, fmt: KVPageFormat, layer, device: torch.device) -> None:
-        """Triton kernels on CUDA; KVCOMPRESS_KERNELS=torch keeps the torch reference (for checking),
-        KVCOMPRESS_WRITE=cuda writes with the CUDA kernel instead of the Triton one."""
-        write = os.environ.get("KVCOMPRESS_WRITE", "triton")
-        if write not in ("triton", "cuda"):
-            raise ValueError(f"KVCOMPRESS_WRITE={write!r}: allowed are 'triton' (default) and 'cuda'")
+        """CUDA or Triton kernels on CUDA; KVCOMPRESS_KERNELS=torch keeps the torch reference (for
+        checking). KVCOMPRESS_WRITE and KVCOMPRESS_DECODE (auto, triton, cuda) pick the write's and
+        the decode rows' kernels: auto takes the CUDA kernel where it covers the format and nvcc exists."""
+        write = os.environ.get("KVCOMPRESS_WRITE", "auto")
+        cuda_write.check_mode(write)
         decode = os.environ.get("KVCOMPRESS_DECODE", "auto")
         cuda_decode.check_mode(decode)
         if device.type != "cuda" or os.environ.get("KVCOMPRESS_KERNELS") == "torch":
@@ -209,14 +210,17 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                     raise ValueError(f"{name}=cuda: the cache is on {device.type}, the CUDA kernel needs a CUDA "
                                      "device (and KVCOMPRESS_KERNELS unset)")
             return
-        if write == "cuda":
-            from . import cuda_write
-            cuda_write.require(fmt)
-            self._write = cuda_write.write_tokens
-        elif fmt.recent is None:  # the Triton write kernel has no 16-bit recent ring yet
-            from .triton_kernels import write
-            self._write = write.write_tokens
-            self._write_warm_up = write.warm_up
+        why_not = cuda_write.choose(write, fmt)
+        if why_not is None:  # built here, at startup
+            cuda_write.build()
+        else:
+            logger.info_once("kv-compression: cache write with the Triton kernel; the CUDA kernel: %s", why_not)
+        if fmt.recent is None:  # the Triton write kernel has no 16-bit recent ring yet
+            from .triton_kernels import write as triton_write
+            triton_writes = why_not is not None or write == "auto"  # auto: small steps (_writer)
+            self._write = triton_write.write_tokens if why_not else cuda_write.write_tokens
+            self._small_write = triton_write.write_tokens if why_not is None and write == "auto" else None
+            self._write_warm_up = triton_write.warm_up if triton_writes else None
         if fmt.v is None:
             from .triton_kernels.slim_decode import slim_decode, slim_kernel_supports
             if slim_kernel_supports(fmt, getattr(layer, ATTRIBUTE).rotary) is None:
@@ -240,10 +244,14 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                                              kv_cache.shape[2], self.num_kv_heads, self.head_size)
             self._select_kernels(self._format, layer, kv_cache.device)
             logger.info_once(
-                "kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens); decode with %s",
-                kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}",
+                "kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens); decode with %s, "
+                "write with %s", kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}",
                 "the torch reference" if self._decode_kernel is None
-                else f"{self._decode_kernel.__module__}.{self._decode_kernel.__name__}")
+                else f"{self._decode_kernel.__module__}.{self._decode_kernel.__name__}",
+                f"{self._write.__module__}.{self._write.__name__}" + (
+                    "" if self._small_write is None else
+                    f" ({self._small_write.__module__}.{self._small_write.__name__} for steps under "
+                    f"{cuda_write.SMALL_STEP_PAIRS:,} token x KV-head pairs)"))
         return self._format
 
     def _pages(self, kv_cache: torch.Tensor, fmt: KVPageFormat) -> torch.Tensor:
@@ -264,8 +272,15 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         if self._write_warm_up is not None and not torch.cuda.is_current_stream_capturing():
             self._write_warm_up(pages, fmt, key.dtype)
             self._write_warm_up = None
-        self._write(pages, fmt, key[:n].view(n, self.num_kv_heads, -1),
-                    value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
+        self._writer(n)(pages, fmt, key[:n].view(n, self.num_kv_heads, -1),
+                        value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
+
+    def _writer(self, num_tokens: int):
+        """The write kernel for a step of ``num_tokens``: by the step's size only, so a CUDA graph
+        captured for that size keeps the right one."""
+        if self._small_write is not None and num_tokens * self.num_kv_heads < cuda_write.SMALL_STEP_PAIRS:
+            return self._small_write
+        return self._write
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KVCompressMetadata | None, output: torch.Tensor,

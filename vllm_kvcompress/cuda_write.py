@@ -1,15 +1,17 @@
-"""The cache write as a CUDA kernel (``csrc/write_kernel.cu``), built just in time with
-``torch.utils.cpp_extension`` where nvcc exists, and cached by torch (``TORCH_EXTENSIONS_DIR``).
+"""The cache write as a CUDA kernel (``csrc/write_kernel.cu``), built just in time with nvcc
+through ``torch.utils.cpp_extension`` (cached by torch under ``TORCH_EXTENSIONS_DIR``) and called
+through ctypes, so the build includes no torch headers.
 
 Same contract and bytes as ``paged_torch.write_tokens``. It covers 2-, 4- and 8-bit K and V with
-statistics per channel (append rule) or per token; ``supports`` says why not for the rest (3 bits,
-ZipCache channel scales, 16-bit tensors, the KVmix recent window), which the Triton kernel writes.
-The backend uses it only when asked (``KVCOMPRESS_WRITE=cuda``): on an H200 it is slower than the
-Triton kernel (``docs/gpu.md``).
+statistics per channel (append rule) or per token, head sizes 64, 128 and 256; ``supports`` says
+why not for the rest (3 bits, ZipCache channel scales, 16-bit tensors, the KVmix recent window),
+which the Triton kernel writes. ``KVCOMPRESS_WRITE`` picks it (``choose``): by default wherever it
+covers the format and nvcc exists (``docs/gpu.md`` has the timings against the Triton kernel).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
@@ -40,33 +42,89 @@ def supports(fmt: KVPageFormat) -> str | None:
             return f"{name} at {codec.bits} bits (2, 4 or 8 only)"
         if codec.channel_scaling:
             return f"{name} with ZipCache channel scales"
-    if fmt.k.head_size > 1024:
-        return f"head size {fmt.k.head_size} (1024 at most)"
+    if fmt.k.head_size not in (64, 128, 256):
+        return f"head size {fmt.k.head_size} (64, 128 or 256 only)"
+    if fmt.page_bytes % 8:
+        return f"pages of {fmt.page_bytes} bytes (a multiple of 8 only)"
     return None
 
 
-@functools.cache
-def _extension():
-    from torch.utils.cpp_extension import load
-    return load(name="kvcompress_write", sources=[str(SOURCE)], extra_cuda_cflags=["-O3"], verbose=False)
+MODES = ("auto", "triton", "cuda")
+# (tokens x KV heads) under which a step's write goes to the Triton kernel under ``auto``: there,
+# on decode steps, its four programs a token beat one warp a token (H200, 4/4: batch 64 x 32 KV
+# heads 23.7 against 26.6 us, 144 x 8 17.2 against 19.4); from 2,992 pairs up the CUDA kernel is
+# faster (a mixed step of 144 decodes and a 230-token prompt, 8 KV heads: 21.3 against 47.1 us;
+# 144 decodes x 32 heads: 41.2 against 46.3; docs/benchmarks.md). Not measured in between.
+SMALL_STEP_PAIRS = 2560
 
 
-def require(fmt: KVPageFormat) -> None:
-    """Build (or load the cached build of) the extension for ``fmt``, or say why it cannot be used."""
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"KVCOMPRESS_WRITE={mode!r}: allowed are 'auto' (the default: the CUDA write kernel "
+                         "where it writes the format and nvcc exists, else the Triton one), 'triton' and 'cuda'")
+
+
+def choose(mode: str, fmt: KVPageFormat) -> str | None:
+    """Under ``KVCOMPRESS_WRITE=mode``: None if the cache write goes to the CUDA kernel, else why it
+    goes to the Triton one. ``cuda`` where the CUDA kernel cannot be used is refused."""
+    check_mode(mode)
+    if mode == "triton":
+        return "KVCOMPRESS_WRITE=triton"
     why = supports(fmt) or (None if nvcc_available() else "no nvcc (set CUDA_HOME to a CUDA toolkit)")
-    if why:
+    if why is not None and mode == "cuda":
         raise ValueError(f"KVCOMPRESS_WRITE=cuda: the CUDA write kernel cannot write this format: {why}; "
-                         "allowed: unset or 'triton' (the Triton kernel)")
-    _extension()
+                         "allowed: 'auto' or 'triton' (the Triton kernel)")
+    return why
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    from torch.utils.cpp_extension import load
+    path = load(name="kvcompress_write", sources=[str(SOURCE)], extra_cuda_cflags=["-O3"],
+                is_python_module=False, verbose=False)
+    lib = ctypes.CDLL(path)
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    tensor = [p, i64, i32, i32, i32, i32, i32]
+    lib.kvc_write.argtypes = [i32, *tensor, *tensor, p, p, i32, i32, i32, i64, i32, i32, i32, p]
+    lib.kvc_write.restype = i32
+    return lib
+
+
+def build() -> None:
+    """Build (or load the cached build of) the kernel: at startup, not in the middle of serving."""
+    try:
+        _library()
+    except Exception as e:
+        raise RuntimeError(f"the CUDA write kernel did not build ({e}); KVCOMPRESS_WRITE=triton writes with the "
+                           "Triton kernel instead") from e
+
+
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _tensor(src: torch.Tensor, codec, t) -> list:
+    if src.stride(2) != 1 or src.stride(1) != src.shape[2]:
+        raise ValueError(f"CUDA write: sources [N, H, D] with contiguous heads and channels, got strides {src.stride()}")
+    return [src.data_ptr(), src.stride(0), int(codec.axis == "channel"), t.codes, t.row_bytes, t.scale, t.zero]
 
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """Same contract as ``paged_torch.write_tokens``, for formats where ``supports`` is None."""
-    ext = _extension()
+    """Same contract as ``paged_torch.write_tokens``, for formats where ``supports`` is None. K and V
+    of one width go in one launch."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
     lay = page_layout(fmt)
     slots = slot_mapping.long()
-    for src, codec, t in ((key, fmt.k, lay.k), (value, fmt.v, lay.v)):
-        if t is not None:  # None: K-only pages
-            ext.write_tensor(src, slots, cache, fmt.page_bytes, fmt.block_size, t.bits, codec.axis == "channel",
-                             t.codes, t.row_bytes, t.scale, t.zero)
+    k = _tensor(key, fmt.k, lay.k)
+    tail = [slots.data_ptr(), cache.data_ptr(), n, fmt.k.num_heads, fmt.k.head_size, fmt.page_bytes, fmt.block_size]
+    launches = [(1, k, k, lay.k.bits)]  # K-only pages
+    if fmt.v is not None:
+        v = _tensor(value, fmt.v, lay.v)
+        launches = [(2, k, v, lay.k.bits)] if lay.k.bits == lay.v.bits else [(1, k, k, lay.k.bits), (1, v, v, lay.v.bits)]
+    stream = torch.cuda.current_stream(cache.device).cuda_stream
+    for count, a, b, bits in launches:
+        err = _library().kvc_write(count, *a, *b, *tail, bits, _DTYPES[key.dtype], stream)
+        if err:
+            raise RuntimeError(f"CUDA write kernel launch failed: cudaError {err}")
