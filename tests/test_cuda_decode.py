@@ -7,7 +7,7 @@ run everywhere.
 import pytest
 import torch
 
-from vllm_kvcompress import cuda_decode, paged_torch
+from vllm_kvcompress import cuda_decode, cuda_jit, paged_torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
 from paged_cases import fill_pages
@@ -78,7 +78,7 @@ def _gpu_ready() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     return cuda_decode.device_supported(torch.device("cuda")) or (
-        None if cuda_decode.nvcc_available() else "no nvcc to build the kernel")
+        None if cuda_jit.nvcc_available() else "no nvcc to build the kernel")
 
 
 gpu = pytest.mark.skipif(_gpu_ready() is not None, reason=str(_gpu_ready()))

@@ -5,13 +5,13 @@ are checked everywhere."""
 import pytest
 import torch
 
-from vllm_kvcompress import cuda_write, paged_torch
+from vllm_kvcompress import cuda_jit, cuda_write, paged_torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
 
 COVERED = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
            LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"), LayerFormat(k_bits=2, k_only=True)]
-needs_gpu_and_nvcc = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_write.nvcc_available()),
+needs_gpu_and_nvcc = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_jit.nvcc_available()),
                                         reason="needs a CUDA GPU and nvcc")
 
 
@@ -47,7 +47,7 @@ def test_mode_is_checked():
         cuda_write.choose("fast", fmt)
 
 
-@pytest.mark.skipif(cuda_write.nvcc_available(), reason="nvcc is installed here")
+@pytest.mark.skipif(cuda_jit.nvcc_available(), reason="nvcc is installed here")
 def test_without_nvcc_auto_takes_triton_and_cuda_is_refused():
     fmt = _format(LayerFormat(k_bits=4, v_bits=4))
     assert "no nvcc" in cuda_write.choose("auto", fmt)

@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from . import cuda_decode, cuda_write, paged_torch
+from . import cuda_decode, cuda_jit, cuda_write, paged_torch
 from .engine_config import active_config, layer_page_format
 from .formats import KVPageFormat
 from .slim_loader import ATTRIBUTE
@@ -201,9 +201,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         checking). KVCOMPRESS_WRITE and KVCOMPRESS_DECODE (auto, triton, cuda) pick the write's and
         the decode rows' kernels: auto takes the CUDA kernel where it covers the format and nvcc exists."""
         write = os.environ.get("KVCOMPRESS_WRITE", "auto")
-        cuda_write.check_mode(write)
+        cuda_jit.check_mode("KVCOMPRESS_WRITE", write, "write")
         decode = os.environ.get("KVCOMPRESS_DECODE", "auto")
-        cuda_decode.check_mode(decode)
+        cuda_jit.check_mode("KVCOMPRESS_DECODE", decode, "decode")
         if device.type != "cuda" or os.environ.get("KVCOMPRESS_KERNELS") == "torch":
             for name, value in (("KVCOMPRESS_WRITE", write), ("KVCOMPRESS_DECODE", decode)):
                 if value == "cuda":

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 from vllm_kvcompress.token_rows import TokenGroups
 
-from .cuda_write import nvcc_available
+from . import cuda_jit
 from .triton_kernels.layout import page_layout
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_kernel.cu"
 _LOG2E = 1.4426950408889634
 
 
@@ -72,36 +70,17 @@ def device_supported(device: torch.device) -> str | None:
     return None
 
 
-MODES = ("auto", "triton", "cuda")
-
-
-def check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"KVCOMPRESS_DECODE={mode!r}: allowed are 'auto' (the default: the CUDA decode kernel "
-                         "where it reads the format and nvcc exists, else the Triton one), 'triton' and 'cuda'")
-
-
 def choose(mode: str, fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype,
            device: torch.device) -> str | None:
     """Under ``KVCOMPRESS_DECODE=mode``: None if decode rows go to the CUDA kernel, else why they go
     to the Triton one. ``cuda`` where the CUDA kernel cannot be used is refused."""
-    check_mode(mode)
-    if mode == "triton":
-        return "KVCOMPRESS_DECODE=triton"
-    why = (supports(fmt, num_query_heads, dtype) or device_supported(device)
-           or (None if nvcc_available() else "no nvcc (set CUDA_HOME to a CUDA toolkit)"))
-    if why is not None and mode == "cuda":
-        raise ValueError(f"KVCOMPRESS_DECODE=cuda: the CUDA decode kernel cannot be used: {why}; "
-                         "allowed: 'auto' or 'triton' (the Triton kernel)")
-    return why
+    return cuda_jit.choose("KVCOMPRESS_DECODE", mode, "decode",
+                           lambda: supports(fmt, num_query_heads, dtype) or device_supported(device))
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    from torch.utils.cpp_extension import load
-    path = load(name="kvcompress_decode", sources=[str(SOURCE)], extra_cuda_cflags=["-O3"],
-                is_python_module=False, verbose=False)
-    lib = ctypes.CDLL(path)
+    lib = cuda_jit.load("kvcompress_decode", "decode_kernel.cu", "KVCOMPRESS_DECODE")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.kvc_decode.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, i64, i64, i64, i64, i32, i32, i32, i32,
                                i32, i32, i32, i32, i32, i32, i32, i32, i32, p]
@@ -111,11 +90,7 @@ def _library() -> ctypes.CDLL:
 
 def build() -> None:
     """Build (or load the cached build of) the kernel: at startup, not in the middle of serving."""
-    try:
-        _library()
-    except Exception as e:
-        raise RuntimeError(f"the CUDA decode kernel did not build ({e}); KVCOMPRESS_DECODE=triton decodes with "
-                           "the Triton kernel instead") from e
+    _library()
 
 
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,

@@ -13,21 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 
+from . import cuda_jit
 from .triton_kernels.layout import page_layout
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "write_kernel.cu"
-
-
-def nvcc_available() -> bool:
-    from torch.utils.cpp_extension import CUDA_HOME
-    return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists()
-
 
 def supports(fmt: KVPageFormat) -> str | None:
     """None if the CUDA write kernel writes this format, else why not."""
@@ -49,7 +41,6 @@ def supports(fmt: KVPageFormat) -> str | None:
     return None
 
 
-MODES = ("auto", "triton", "cuda")
 # (tokens x KV heads) under which a step's write goes to the Triton kernel under ``auto``: there,
 # on decode steps, its four programs a token beat one warp a token (H200, 4/4: batch 64 x 32 KV
 # heads 23.7 against 26.6 us, 144 x 8 17.2 against 19.4); from 2,992 pairs up the CUDA kernel is
@@ -58,31 +49,16 @@ MODES = ("auto", "triton", "cuda")
 SMALL_STEP_PAIRS = 2560
 
 
-def check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"KVCOMPRESS_WRITE={mode!r}: allowed are 'auto' (the default: the CUDA write kernel "
-                         "where it writes the format and nvcc exists, else the Triton one), 'triton' and 'cuda'")
-
-
 def choose(mode: str, fmt: KVPageFormat) -> str | None:
     """Under ``KVCOMPRESS_WRITE=mode``: None if the cache write goes to the CUDA kernel, else why it
     goes to the Triton one. ``cuda`` where the CUDA kernel cannot be used is refused."""
-    check_mode(mode)
-    if mode == "triton":
-        return "KVCOMPRESS_WRITE=triton"
-    why = supports(fmt) or (None if nvcc_available() else "no nvcc (set CUDA_HOME to a CUDA toolkit)")
-    if why is not None and mode == "cuda":
-        raise ValueError(f"KVCOMPRESS_WRITE=cuda: the CUDA write kernel cannot write this format: {why}; "
-                         "allowed: 'auto' or 'triton' (the Triton kernel)")
-    return why
+    return cuda_jit.choose("KVCOMPRESS_WRITE", mode, "write",
+                           lambda: supports(fmt) or ("not an NVIDIA GPU" if torch.version.hip else None))
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    from torch.utils.cpp_extension import load
-    path = load(name="kvcompress_write", sources=[str(SOURCE)], extra_cuda_cflags=["-O3"],
-                is_python_module=False, verbose=False)
-    lib = ctypes.CDLL(path)
+    lib = cuda_jit.load("kvcompress_write", "write_kernel.cu", "KVCOMPRESS_WRITE")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     tensor = [p, i64, i32, i32, i32, i32, i32]
     lib.kvc_write.argtypes = [i32, *tensor, *tensor, p, p, i32, i32, i32, i64, i32, i32, i32, p]
@@ -92,11 +68,7 @@ def _library() -> ctypes.CDLL:
 
 def build() -> None:
     """Build (or load the cached build of) the kernel: at startup, not in the middle of serving."""
-    try:
-        _library()
-    except Exception as e:
-        raise RuntimeError(f"the CUDA write kernel did not build ({e}); KVCOMPRESS_WRITE=triton writes with the "
-                           "Triton kernel instead") from e
+    _library()
 
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

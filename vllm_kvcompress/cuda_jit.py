@@ -1,0 +1,51 @@
+"""What the CUDA kernels (``csrc/``) share: an environment variable that chooses between a CUDA
+kernel and its Triton counterpart, and a just-in-time build with nvcc through
+``torch.utils.cpp_extension`` (no torch headers: seconds, cached by torch under
+``TORCH_EXTENSIONS_DIR``), loaded through ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+MODES = ("auto", "triton", "cuda")
+
+
+def nvcc_available() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+    return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").exists()
+
+
+def check_mode(variable: str, mode: str, kernel: str) -> None:
+    """``mode`` is the value of ``variable``, which picks the ``kernel`` kernel ("decode", "write")."""
+    if mode not in MODES:
+        raise ValueError(f"{variable}={mode!r}: allowed are 'auto' (the default: the CUDA {kernel} kernel where it "
+                         "covers the format and nvcc exists, else the Triton one), 'triton' and 'cuda'")
+
+
+def choose(variable: str, mode: str, kernel: str, why_not: Callable[[], str | None]) -> str | None:
+    """Under ``variable=mode``: None if the CUDA kernel is used, else why the Triton one is.
+    ``why_not`` says why the CUDA kernel cannot serve (None: it can); ``cuda`` where it cannot is
+    refused."""
+    check_mode(variable, mode, kernel)
+    if mode == "triton":
+        return f"{variable}=triton"
+    why = why_not() or (None if nvcc_available() else "no nvcc (set CUDA_HOME to a CUDA toolkit)")
+    if why is not None and mode == "cuda":
+        raise ValueError(f"{variable}=cuda: the CUDA {kernel} kernel cannot be used: {why}; "
+                         "allowed: 'auto' or 'triton' (the Triton kernel)")
+    return why
+
+
+def load(name: str, source: str, variable: str) -> ctypes.CDLL:
+    """Build (or load the cached build of) ``csrc/source`` as a shared library named ``name``: at
+    startup, not in the middle of serving; a failed build names ``variable``'s way around it."""
+    from torch.utils.cpp_extension import load as build
+    try:
+        path = build(name=name, sources=[str(CSRC / source)], extra_cuda_cflags=["-O3"], is_python_module=False,
+                     verbose=False)
+    except Exception as e:
+        raise RuntimeError(f"{source} did not build ({e}); {variable}=triton uses the Triton kernel instead") from e
+    return ctypes.CDLL(path)
