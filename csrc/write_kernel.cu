@@ -110,8 +110,6 @@ struct Lanes {
     for (int o = 1; o < G; o <<= 1) w |= __shfl_xor_sync(kAll, w, o);
     return w;
   }
-
-  __device__ static unsigned code(Word w, int lane, int k) { return unsigned(w >> shift(lane, k)) & MASK; }
 };
 
 template <typename T, int D>
