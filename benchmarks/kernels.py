@@ -256,9 +256,8 @@ def bench_write_mixed(bits: int, num_seqs: int, prompts: int, prompt_len: int, h
     k, v = (torch.randn(len(slots), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     ms = _time_after_ms(lambda: cache.copy_(saved), lambda: write_tokens(cache, fmt, k, v, slots))
     nbytes = 2 * len(saved) * fmt.page_bytes + 2 * k.numel() * k.element_size()
-    return {"kernel": f"write k{bits}v{bits} {num_seqs} decodes + {prompts}x{prompt_len}" + (" CUDA" if cuda else ""),
-            "block": block,
-            "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+    label = f"write k{bits}v{bits} {num_seqs} decodes + {prompts}x{prompt_len}" + (" CUDA" if cuda else "")
+    return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
 def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int = 128,

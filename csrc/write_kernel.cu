@@ -192,8 +192,7 @@ __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, in
   w = L::gather(w);
   uint8_t* head_rows = page + t.codes + int64_t(h) * BLOCK * t.row_bytes;
   if (lane % L::G == 0) L::store(head_rows + int64_t(off) * t.row_bytes + (lane / L::G) * L::UNIT_BYTES, w);
-  unsigned unit_widened = widened;
-  for (int o = 1; o < L::G; o <<= 1) unit_widened |= __shfl_xor_sync(kAll, unit_widened, o);
+  const bool unit_widened = L::gather(widened) != 0;  // (a unit's lanes OR'd)
   const unsigned leaders = __ballot_sync(kAll, lane % L::G == 0 && unit_widened);
   if (leaders == 0) return;  // the common case: every value on its grid
   s.widened[lane] = widened;
@@ -263,9 +262,13 @@ __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, in
       step[k] = has_old ? load_half(stats + t.scale + 2 * k) : 1.f;
       lo[k] = INFINITY, hi[k] = -INFINITY;
     }
-    for (int r = first + lane; r <= last; r += 32) {
+    // row r's values of the chunk's channels
+    const auto load_chunk = [&](int r) {
 #pragma unroll
       for (int k = 0; k < CC; ++k) x[k] = to_float(src[int64_t(row0 + r) * t.src_stride + c0 + k]);
+    };
+    for (int r = first + lane; r <= last; r += 32) {
+      load_chunk(r);
 #pragma unroll
       for (int k = 0; k < CC; ++k) {
         lo[k] = fminf(lo[k], x[k]), hi[k] = fmaxf(hi[k], x[k]);
@@ -298,8 +301,7 @@ __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, in
       uint8_t* unit = head_rows + r * t.row_bytes + chunk * C::UNIT_BYTES;
       Word w = 0;
       if (r >= first) {
-#pragma unroll
-        for (int k = 0; k < CC; ++k) x[k] = to_float(src[int64_t(row0 + r) * t.src_stride + c0 + k]);
+        load_chunk(r);
 #pragma unroll
         for (int k = 0; k < CC; ++k) w |= Word(clamped_code(x[k], new_zero[k], new_step[k], C::TOP)) << (k * BITS);
       } else {

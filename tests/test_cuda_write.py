@@ -55,31 +55,53 @@ def test_without_nvcc_auto_takes_triton_and_cuda_is_refused():
         cuda_write.choose("cuda", fmt)
 
 
+def _assert_pages_hold_reference_values(fmt, steps, new_kv):
+    """Each step's slots written by the torch reference and by the kernel (``new_kv(n)``: the step's
+    K and V on the CPU); after each step the pages decode to the same values. Values, not bytes: for
+    rows past a block's last token, which nothing reads, the reference also writes per-token
+    statistics."""
+    ref = torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)
+    ours = ref.cuda()
+    for slots in steps:
+        k, v = new_kv(len(slots))
+        paged_torch.write_tokens(ref, fmt, k, v, slots)
+        cuda_write.write_tokens(ours, fmt, k.cuda(), v.cuda(), slots.cuda())
+        for got, want in zip(fmt.decode(ours.cpu()), fmt.decode(ref)):
+            assert (got is None and want is None) or torch.equal(got, want)
+
+
 @needs_gpu_and_nvcc
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layer_format", COVERED, ids=lambda f: f.describe())
 def test_prefill_and_decode_match_reference(layer_format, dtype, head_size):
     """A prefill batch (a full block, a partial block, one across two blocks, a skipped slot), then
-    decode steps, then chunks appended to stored rows (one crossing into a new block): the pages
-    hold the reference's values after each. Values, not bytes: for rows past a block's last token,
-    which nothing reads, the reference also writes per-token statistics."""
+    decode steps, then chunks appended to stored rows (one crossing into a new block)."""
     B, H, D = 16, 2, head_size
     fmt = _format(layer_format, dtype, B, H, D)
     gen = torch.Generator().manual_seed(1)
-    ref = torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)
-    ours = ref.cuda()
     steps = [torch.cat([torch.arange(3 * B, 4 * B), torch.arange(5 * B, 5 * B + 5), torch.tensor([-1]),
                         torch.arange(B, 2 * B + 9)])]
     steps += [torch.tensor([5 * B + 5 + s, 2 * B + 9 + s]) for s in range(6)]
     steps += [torch.cat([torch.arange(5 * B + 11, 5 * B + 14), torch.tensor([2 * B + 15, 6 * B, 6 * B + 1])])]
-    for slots in steps:
-        k = (torch.randn(len(slots), H, D, generator=gen) * 2 + 0.5).to(dtype)
-        v = (torch.randn(len(slots), H, D, generator=gen) - 0.3).to(dtype)
-        paged_torch.write_tokens(ref, fmt, k, v, slots)
-        cuda_write.write_tokens(ours, fmt, k.cuda(), v.cuda(), slots.cuda())
-        for got, want in zip(fmt.decode(ours.cpu()), fmt.decode(ref)):
-            assert (got is None and want is None) or torch.equal(got, want)
+    _assert_pages_hold_reference_values(fmt, steps, lambda n: (
+        (torch.randn(n, H, D, generator=gen) * 2 + 0.5).to(dtype), (torch.randn(n, H, D, generator=gen) - 0.3).to(dtype)))
+
+
+@needs_gpu_and_nvcc
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_long_prompts_and_chunks_match_reference(bits):
+    """128-token blocks: a 300-token prompt and a 70-token one (blocks with more new tokens than the
+    32 warps a block's encode is dealt over), then chunks of 40 and 3 tokens appended to their
+    partly filled blocks, then a decode step."""
+    B, H, D = 128, 4, 128
+    fmt = _format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, B, H, D)
+    gen = torch.Generator().manual_seed(bits)
+    steps = [torch.cat([torch.arange(0, 300), torch.arange(4 * B, 4 * B + 70)]),
+             torch.cat([torch.arange(300, 340), torch.arange(4 * B + 70, 4 * B + 73)]),
+             torch.tensor([340, 4 * B + 73])]
+    _assert_pages_hold_reference_values(fmt, steps, lambda n: (
+        (torch.randn(n, H, D, generator=gen) * 1.5).bfloat16(), torch.randn(n, H, D, generator=gen).bfloat16()))
 
 
 @needs_gpu_and_nvcc
@@ -119,25 +141,3 @@ def test_auto_writes_small_steps_with_the_triton_kernel():
     impl._small_write = None  # KVCOMPRESS_WRITE=cuda
     assert impl._writer(1) is cuda_write.write_tokens
 
-
-@needs_gpu_and_nvcc
-@pytest.mark.parametrize("bits", [2, 4, 8])
-def test_long_prompts_and_chunks_match_reference(bits):
-    """128-token blocks: a 300-token prompt and a 70-token one (blocks with more new tokens than the
-    32 warps a block's encode is dealt over), then chunks of 40 and 3 tokens appended to their
-    partly filled blocks, then a decode step: the pages hold the reference's values after each."""
-    B, H, D = 128, 4, 128
-    fmt = _format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, B, H, D)
-    gen = torch.Generator().manual_seed(bits)
-    ref = torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)
-    ours = ref.cuda()
-    steps = [torch.cat([torch.arange(0, 300), torch.arange(4 * B, 4 * B + 70)]),
-             torch.cat([torch.arange(300, 340), torch.arange(4 * B + 70, 4 * B + 73)]),
-             torch.tensor([340, 4 * B + 73])]
-    for slots in steps:
-        k = (torch.randn(len(slots), H, D, generator=gen) * 1.5).bfloat16()
-        v = torch.randn(len(slots), H, D, generator=gen).bfloat16()
-        paged_torch.write_tokens(ref, fmt, k, v, slots)
-        cuda_write.write_tokens(ours, fmt, k.cuda(), v.cuda(), slots.cuda())
-        for got, want in zip(fmt.decode(ours.cpu()), fmt.decode(ref)):
-            assert torch.equal(got, want)

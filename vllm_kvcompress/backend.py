@@ -211,16 +211,18 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                                      "device (and KVCOMPRESS_KERNELS unset)")
             return
         why_not = cuda_write.choose(write, fmt)
-        if why_not is None:  # built here, at startup
-            cuda_write.build()
-        else:
-            logger.info_once("kv-compression: cache write with the Triton kernel; the CUDA kernel: %s", why_not)
-        if fmt.recent is None:  # the Triton write kernel has no 16-bit recent ring yet
+        if fmt.recent is None:  # the Triton write kernel has no 16-bit recent ring yet (nor the CUDA one)
             from .triton_kernels import write as triton_write
-            triton_writes = why_not is not None or write == "auto"  # auto: small steps (_writer)
-            self._write = triton_write.write_tokens if why_not else cuda_write.write_tokens
-            self._small_write = triton_write.write_tokens if why_not is None and write == "auto" else None
-            self._write_warm_up = triton_write.warm_up if triton_writes else None
+            if why_not is None:  # built here, at startup
+                cuda_write.build()
+                self._write = cuda_write.write_tokens
+                if write == "auto":  # small steps (_writer)
+                    self._small_write = triton_write.write_tokens
+            else:
+                logger.info_once("kv-compression: cache write with the Triton kernel; the CUDA kernel: %s", why_not)
+                self._write = triton_write.write_tokens
+            if triton_write.write_tokens in (self._write, self._small_write):
+                self._write_warm_up = triton_write.warm_up
         if fmt.v is None:
             from .triton_kernels.slim_decode import slim_decode, slim_kernel_supports
             if slim_kernel_supports(fmt, getattr(layer, ATTRIBUTE).rotary) is None:

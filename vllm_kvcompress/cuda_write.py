@@ -74,29 +74,39 @@ def build() -> None:
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def _tensor(src: torch.Tensor, codec, t) -> list:
+@functools.cache
+def _launches(fmt: KVPageFormat) -> tuple[tuple, ...]:
+    """The format's launches, each (tensors, first source, its layout, second source, its layout,
+    bits): source 0 is the key, 1 the value; a layout is (statistics per channel, codes, row bytes,
+    scale, zero). K and V of one width go in one launch."""
+    lay = page_layout(fmt)
+    k = (0, (int(fmt.k.axis == "channel"), lay.k.codes, lay.k.row_bytes, lay.k.scale, lay.k.zero))
+    if fmt.v is None:  # K-only pages
+        return ((1, *k, *k, lay.k.bits),)
+    v = (1, (int(fmt.v.axis == "channel"), lay.v.codes, lay.v.row_bytes, lay.v.scale, lay.v.zero))
+    if lay.k.bits == lay.v.bits:
+        return ((2, *k, *v, lay.k.bits),)
+    return ((1, *k, *k, lay.k.bits), (1, *v, *v, lay.v.bits))
+
+
+def _source(src: torch.Tensor) -> tuple[int, int]:
     if src.stride(2) != 1 or src.stride(1) != src.shape[2]:
         raise ValueError(f"CUDA write: sources [N, H, D] with contiguous heads and channels, got strides {src.stride()}")
-    return [src.data_ptr(), src.stride(0), int(codec.axis == "channel"), t.codes, t.row_bytes, t.scale, t.zero]
+    return src.data_ptr(), src.stride(0)
 
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """Same contract as ``paged_torch.write_tokens``, for formats where ``supports`` is None. K and V
-    of one width go in one launch."""
+    """Same contract as ``paged_torch.write_tokens``, for formats where ``supports`` is None."""
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    lay = page_layout(fmt)
     slots = slot_mapping.long()
-    k = _tensor(key, fmt.k, lay.k)
-    tail = [slots.data_ptr(), cache.data_ptr(), n, fmt.k.num_heads, fmt.k.head_size, fmt.page_bytes, fmt.block_size]
-    launches = [(1, k, k, lay.k.bits)]  # K-only pages
-    if fmt.v is not None:
-        v = _tensor(value, fmt.v, lay.v)
-        launches = [(2, k, v, lay.k.bits)] if lay.k.bits == lay.v.bits else [(1, k, k, lay.k.bits), (1, v, v, lay.v.bits)]
+    sources = (key, value)
+    tail = (slots.data_ptr(), cache.data_ptr(), n, fmt.k.num_heads, fmt.k.head_size, fmt.page_bytes, fmt.block_size)
     stream = torch.cuda.current_stream(cache.device).cuda_stream
-    for count, a, b, bits in launches:
-        err = _library().kvc_write(count, *a, *b, *tail, bits, _DTYPES[key.dtype], stream)
+    for count, a, a_layout, b, b_layout, bits in _launches(fmt):
+        err = _library().kvc_write(count, *_source(sources[a]), *a_layout, *_source(sources[b]), *b_layout, *tail,
+                                   bits, _DTYPES[key.dtype], stream)
         if err:
             raise RuntimeError(f"CUDA write kernel launch failed: cudaError {err}")
