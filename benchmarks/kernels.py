@@ -190,12 +190,12 @@ def bench_flash_prefill_bf16(num_prompts: int, hq: int, hkv: int, d: int, prompt
             "GB/s": nbytes / ms / 1e6}
 
 
-def _appending_pages(write_tokens, fmt, num_seqs: int, spare: int, gen: torch.Generator):
-    """Pages of ``num_seqs`` requests whose last page holds 1 to block-1 earlier tokens (spread
+def _appending_pages(write_tokens, fmt, num_seqs: int, spare: int, gen: torch.Generator, room: int = 1):
+    """Pages of ``num_seqs`` requests whose last page holds 1 to block-room earlier tokens (spread
     evenly over the batch, as in a serving batch), written with ``write_tokens``, then ``spare``
     empty pages; and each request's next slot."""
     block, hkv, d = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
-    fills = [1 + s * (block - 2) // max(1, num_seqs - 1) for s in range(num_seqs)]
+    fills = [1 + s * (block - 1 - room) // max(1, num_seqs - 1) for s in range(num_seqs)]
     cache = torch.zeros(num_seqs + spare, fmt.page_bytes, dtype=torch.uint8, device="cuda")
     earlier = torch.cat([s * block + torch.arange(n, device="cuda") for s, n in enumerate(fills)])
     k0, v0 = (torch.randn(len(earlier), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
@@ -235,6 +235,31 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     label = (f"write k{bits}v{bits}" + (" CUDA" if cuda else "")
              + (f" chunk {chunk_channels}" if chunk_channels else "") + (f" spread {spread}" if spread else "")
              + (f" warps {num_warps}" if num_warps else "") + ("" if dealt is None else f" dealt={dealt}"))
+    return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+
+
+def bench_write_decoding(bits: int, num_seqs: int, hkv: int, d: int, steps: int = 32, block: int = 128,
+                         cuda: bool = False) -> dict:
+    """``steps`` decode steps' cache writes in a row, us a step: each request appends a token to its
+    last page (``_appending_pages``, room for the run) at every step, so a channel's grid meets the
+    tokens after the one that widened it, as in serving (``bench_write`` restores the pages before
+    every write). Pages restored before each run; ``cuda`` as for ``bench_write``."""
+    write_tokens = _write_kernel(cuda)
+    fmt = _format(bits, hkv, d, block)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cache, slots = _appending_pages(write_tokens, fmt, num_seqs, 0, gen, room=steps)
+    saved = cache.clone()
+    k, v = (torch.randn(steps, num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+
+    step_slots = [slots + step for step in range(steps)]
+
+    def run():
+        for step in range(steps):
+            write_tokens(cache, fmt, k[step], v[step], step_slots[step])
+
+    ms = _time_after_ms(lambda: cache.copy_(saved), run, reps=20) / steps
+    nbytes = 2 * num_seqs * fmt.page_bytes
+    label = f"write k{bits}v{bits} {steps} steps in a row" + (" CUDA" if cuda else "")
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
@@ -406,11 +431,13 @@ def main() -> None:
             rows.append(bench_write(bits, args.batch, hkv, d) | {"shape": name})
         rows.append(bench_write_prefill(4, 16, hkv, d) | {"shape": name})
         rows.append(bench_write_mixed(4, 144, 2, 450, hkv, d) | {"shape": name})
+        rows.append(bench_write_decoding(4, 144, hkv, d) | {"shape": name})
         if args.write_cuda:
             for bits in (4, 8, 2):
                 rows.append(bench_write(bits, args.batch, hkv, d, cuda=True) | {"shape": name})
             rows.append(bench_write_prefill(4, 16, hkv, d, cuda=True) | {"shape": name})
             rows.append(bench_write_mixed(4, 144, 2, 450, hkv, d, cuda=True) | {"shape": name})
+            rows.append(bench_write_decoding(4, 144, hkv, d, cuda=True) | {"shape": name})
         for chunk in args.write_chunks:
             rows.append(bench_write(4, args.batch, hkv, d, chunk_channels=chunk) | {"shape": name})
         for spread in args.write_spreads:

@@ -26,9 +26,11 @@ def widening(keys: torch.Tensor, bits: int, block: int) -> tuple[float, float]:
     """keys [T, H, D] -> (units widened, unit-rows rewritten) per appended token and head, over the
     whole blocks of ``keys``, every token appended alone (decoding). A value fits its channel's stored
     grid when its code, floor((x - zero) / scale + 1/2), lies in [0, 2^bits - 1]; a channel it does
-    not fit widens to span its grid and the value: float16 zero = min(zero, x) and scale =
-    (max(zero + scale * (2^bits - 1), x) - zero) / (2^bits - 1). Bytes of 8 / bits channels (2, 4
-    or 8 bits)."""
+    not fit widens to span its grid and the value, with the codec's margin beyond the side the value
+    passed (``widened_span``): float16 zero = lo and scale = (hi - zero) / (2^bits - 1). Bytes of
+    8 / bits channels (2, 4 or 8 bits)."""
+    from vllm_kvcompress.formats.codecs import widened_span
+
     if bits not in (2, 4, 8):
         raise SystemExit(f"--bits {bits}: 2, 4 or 8 (a 3-bit unit is an 11-channel word)")
     top, vals = (1 << bits) - 1, 8 // bits
@@ -40,7 +42,7 @@ def widening(keys: torch.Tensor, bits: int, block: int) -> tuple[float, float]:
         for n in range(1, block):
             code = torch.floor((blk[n] - zero) / scale + 0.5)
             off_grid = (code < 0) | (code > top)
-            new_zero, new_scale = _grid(torch.minimum(zero, blk[n]), torch.maximum(zero + scale * top, blk[n]), top)
+            new_zero, new_scale = _grid(*widened_span(blk[n], blk[n], zero, zero + scale * top), top)
             zero, scale = torch.where(off_grid, new_zero, zero), torch.where(off_grid, new_scale, scale)
             units = off_grid.view(H, D // vals, vals).any(-1).sum().item()
             widened += units

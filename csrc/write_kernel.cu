@@ -8,8 +8,9 @@
 // store per lane, with no block-wide barrier. Where statistics are per channel, the block's work
 // goes to the warps of its last new tokens:
 // - one token appended to stored ones (decoding): the token is coded on its channels' stored grids;
-//   a channel it falls off widens, and only the storage units holding a widened channel are
-//   re-encoded in the earlier rows, those (row, unit) pairs dealt out over the warp's lanes;
+//   a channel it falls off widens (with a margin past the value), and only the storage units
+//   holding a widened channel are re-encoded in the earlier rows, those (row, unit) pairs dealt
+//   out over the warp's lanes;
 // - several new tokens (a prompt's block, or a chunk appended to stored rows): the block's chunks
 //   of 4 channels are dealt out over the warps of its last 32 new tokens, a lane a row, with two
 //   passes over the rows, one for the statistics and one for the codes.
@@ -29,6 +30,7 @@ constexpr float kEps = 1e-6f;  // smallest scale, as the reference's _EPS
 constexpr unsigned kAll = 0xffffffffu;
 constexpr int kWarps = 4;      // warps a thread block (each on its own work item)
 constexpr int kAppendUnroll = 8;  // (row, unit) pairs a lane has in flight at once
+constexpr float kWidenMargin = 0.125f;  // codecs.WIDEN_MARGIN
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -64,6 +66,14 @@ __device__ __forceinline__ float decoded(unsigned code, float zero, float step) 
 __device__ __forceinline__ float2 min_max_stats(float lo, float hi, float top) {
   const float zero = through_half(lo);
   return make_float2(zero, through_half(fmaxf(__fdiv_rn(__fsub_rn(hi, zero), top), kEps)));
+}
+
+// Bounds of a widened channel's grid: its stored grid zero..grid_top and its new values lo..hi,
+// moved out by kWidenMargin of the span on each side they pass (codecs.widened_span).
+__device__ __forceinline__ float2 widened_span(float lo, float hi, float zero, float grid_top) {
+  const float a = fminf(lo, zero), b = fmaxf(hi, grid_top);
+  const float margin = __fmul_rn(__fsub_rn(b, a), kWidenMargin);
+  return make_float2(lo < zero ? __fsub_rn(a, margin) : a, hi > grid_top ? __fadd_rn(b, margin) : b);
 }
 
 struct Tensor {
@@ -161,8 +171,9 @@ struct AppendScratch {
 
 // One token appended at block offset off > 0 to stored rows, statistics per channel (decoding).
 // Append rule: a channel whose new value falls on its stored grid keeps grid and earlier codes;
-// any other widens to span its stored grid and the new value, and its earlier codes are requantized
-// onto the widened grid, every row on its own (docs/formats.md).
+// any other widens to span its stored grid and the new value (and a margin past it, widened_span),
+// and its earlier codes are requantized onto the widened grid, every row on its own
+// (docs/formats.md).
 template <typename T, int BITS, int D>
 __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, int h, int off, int BLOCK, int lane,
                                    AppendScratch<D>& s) {
@@ -183,8 +194,8 @@ __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, in
   for (int k = 0; k < L::CPL; ++k) {
     const float q = code_on(x[k], zero[k], step[k]);
     const bool widen = q < 0.f || q > L::TOP;
-    const float2 wide = min_max_stats(fminf(zero[k], x[k]),
-                                      fmaxf(__fadd_rn(zero[k], __fmul_rn(step[k], L::TOP)), x[k]), L::TOP);
+    const float2 span = widened_span(x[k], x[k], zero[k], __fadd_rn(zero[k], __fmul_rn(step[k], L::TOP)));
+    const float2 wide = min_max_stats(span.x, span.y, L::TOP);
     s.grid[lane * L::CPL + k] = make_float4(zero[k], step[k], wide.x, wide.y);
     widened |= unsigned(widen) << k;
     w |= Word(widen ? clamped_code(x[k], wide.x, wide.y, L::TOP) : unsigned(q)) << L::shift(lane, k);
@@ -240,7 +251,7 @@ __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, in
 // or a chunk appended to stored rows): new rows first..last, row r the batch's token row0 + r. The
 // block's chunks of 4 channels are dealt out over the warps of its last `dealers` new tokens (this
 // one is `rank`), a lane a row. Per channel: the new rows' statistics, widened to span the stored
-// grid where there are stored rows (first > 0); a channel whose new values all fall on its stored
+// grid (and a margin past it) where there are stored rows (first > 0); a channel whose new values all fall on its stored
 // grid keeps grid and earlier codes.
 template <typename T, int BITS, int D>
 __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, int rank, int dealers, uint8_t* page,
@@ -291,8 +302,8 @@ __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, in
       new_zero[k] = zero[k], new_step[k] = step[k];
       if (!((off_grid >> k) & 1)) continue;
       if (has_old) {
-        lo[k] = fminf(lo[k], zero[k]);
-        hi[k] = fmaxf(hi[k], __fadd_rn(zero[k], __fmul_rn(step[k], C::TOP)));
+        const float2 span = widened_span(lo[k], hi[k], zero[k], __fadd_rn(zero[k], __fmul_rn(step[k], C::TOP)));
+        lo[k] = span.x, hi[k] = span.y;
       }
       const float2 g = min_max_stats(lo[k], hi[k], C::TOP);
       new_zero[k] = g.x, new_step[k] = g.y;

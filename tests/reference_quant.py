@@ -55,10 +55,11 @@ def _span_grid(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Ten
 def appended_channel_quant(pieces: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, int, int]:
     """K-style (per channel) quantization of one block written in ``pieces`` ([n_i, H, D] each), under
     the append rule: a channel whose new values all round onto its current grid (codes 0..top) keeps
-    that grid and its earlier codes; otherwise the channel widens to the grid from min(zero, new
-    values) to max(zero + scale * (2**bits - 1), new values), and its decoded earlier values and the
-    new ones are quantized on it. Returns the dequantized block and how many (piece, channel) appends
-    kept their grid and how many re-encoded."""
+    that grid and its earlier codes; otherwise the channel widens to the grid from lo = min(zero, new
+    values) to hi = max(zero + scale * (2**bits - 1), new values), each end that a new value passed
+    moved out by a further (hi - lo) / 8, and its decoded earlier values and the new ones are
+    quantized on it. Returns the dequantized block and how many (piece, channel) appends kept their
+    grid and how many re-encoded."""
     levels = _levels(pieces[0].shape[-1], bits)
     top = float((1 << bits) - 1)
     codes, zero, scale = None, None, None
@@ -73,8 +74,12 @@ def appended_channel_quant(pieces: list[torch.Tensor], bits: int) -> tuple[torch
         q = torch.floor((piece - zero) / step + 0.5)
         fits = ((q >= 0) & (q <= levels)).all(0, keepdim=True)
         values = torch.cat([codes * step + zero, piece])
-        wide_zero, wide_scale = _span_grid(torch.minimum(piece.amin(0, keepdim=True), zero),
-                                           torch.maximum(piece.amax(0, keepdim=True), zero + scale * top), bits)
+        new_lo, new_hi = piece.amin(0, keepdim=True), piece.amax(0, keepdim=True)
+        grid_top = zero + scale * top
+        lo, hi = torch.minimum(new_lo, zero), torch.maximum(new_hi, grid_top)
+        margin = (hi - lo) / 8
+        wide_zero, wide_scale = _span_grid(torch.where(new_lo < zero, lo - margin, lo),
+                                           torch.where(new_hi > grid_top, hi + margin, hi), bits)
         new_zero, new_scale = torch.where(fits, zero, wide_zero), torch.where(fits, scale, wide_scale)
         new_step = new_scale * (top / levels)
         codes = torch.where(fits, torch.cat([codes, q]), _quant(values, new_zero, new_step, levels))

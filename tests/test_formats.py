@@ -175,29 +175,37 @@ def test_append_keeps_a_channel_grid_until_a_value_falls_off_it(bits):
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
-def test_widened_grid_spans_the_decoded_rows(bits):
-    """A widened K channel takes the grid spanning its stored grid and its new values; as every encode
-    leaves a channel's codes 0 and top in some row, that is the min-max grid of its decoded rows and
-    new values (what re-encoding the whole block would compute), to the bit."""
+def test_widened_grid_reaches_past_the_new_value(bits):
+    """A token that falls off a K channel's grid widens it to span the stored grid and the token,
+    and further out by 1/8 of that span on the side the token passed (docs/formats.md), so that a
+    channel drifting that way fits the next tokens; the other side stays where it was."""
     B, H, D = 32, 2, 64
+    top = (1 << bits) - 1
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=4), torch.float32, B, H, D)
     codec = fmt.k
     gen = torch.Generator().manual_seed(bits)
     x = torch.randn(1, B, H, D, generator=gen) * torch.linspace(0.2, 3, D)
     pages = codec.encode(x, torch.tensor([4]))
-    widened = 0
+    below = above = 0
     for n in range(4, B):
         rows = codec.decode(pages)
         rows[0, n] = x[0, n]
         appended = codec.encode(rows, torch.tensor([n + 1]), pages, torch.tensor([n]))
-        zero, scale = (codec._stats_from_page(appended, s)[0, 0] for s in ("zero", "scale"))
-        changed = (zero != codec._stats_from_page(pages, "zero")[0, 0]) | (scale != codec._stats_from_page(pages, "scale")[0, 0])
-        lo, hi = rows[0, :n + 1].amin(0), rows[0, :n + 1].amax(0)
-        span_zero = lo.half().float()
-        span_scale = ((hi - span_zero) / ((1 << bits) - 1)).clamp_min(1e-6).half().float()
-        assert torch.equal(zero[changed], span_zero[changed]) and torch.equal(scale[changed], span_scale[changed])
-        widened, pages = widened + int(changed.sum()), appended
-    assert widened > 0
+        old_zero, old_scale, zero, scale = (codec._stats_from_page(p, s)[0, 0] for p in (pages, appended)
+                                            for s in ("zero", "scale"))
+        new = x[0, n]
+        changed = (zero != old_zero) | (scale != old_scale)
+        old_top = old_zero + old_scale * top
+        lo, hi = torch.minimum(new, old_zero), torch.maximum(new, old_top)
+        span = hi - lo
+        lo, hi = torch.where(new < old_zero, lo - span / 8, lo), torch.where(new > old_top, hi + span / 8, hi)
+        want_zero = lo.half().float()
+        want_scale = ((hi - want_zero) / top).clamp_min(1e-6).half().float()
+        assert torch.equal(zero[changed], want_zero[changed]) and torch.equal(scale[changed], want_scale[changed])
+        below += int((changed & (new < old_zero)).sum())
+        above += int((changed & (new > old_top)).sum())
+        pages = appended
+    assert below > 0 and above > 0
 
 
 def test_uncompressed_write_is_exact():

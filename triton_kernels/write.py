@@ -15,7 +15,7 @@ launch for K and V (V in the first of a token's K shares):
   storage units whose values all fit are written; only the units where a value
   left its grid are re-encoded (the earlier tokens read back from the page, the
   statistics of the channels that no longer fit widened to span their stored
-  grid and the new value), gathered a chunk at a time. The widened statistics
+  grid and the new value, and a margin past it), gathered a chunk at a time. The widened statistics
   need no pass over the rows, so each earlier row's codes are requantized on
   their own. A program's work follows the number of widened channels, and a
   prefill's tokens other than each block's last cost one slot load.
@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.formats.codecs import WIDEN_MARGIN
 
 from .addressing import code_unit_ptr
 from .launch import Variant, launch
@@ -65,6 +66,7 @@ DEALT_PROGRAMS = 8192
 # H200, 4/4, a step of 144 decodes and 2 prompts of 450 tokens: MHA 145.4 -> 138.3 us, GQA 53.9 ->
 # 45.0. In shares, wider gathers were slower (a decode step of 144, MHA: 45.9 us; 71.0 with 8 units)
 APPEND_UNITS = 8
+_WIDEN_MARGIN = tl.constexpr(WIDEN_MARGIN)
 
 
 @triton.jit
@@ -97,6 +99,16 @@ def _min_max_stats(lo, hi, FULL_TOP: tl.constexpr):
     zero = lo.to(tl.float16)
     scale = tl.maximum(tl.math.div_rn(hi - zero.to(tl.float32), FULL_TOP + tl.zeros_like(hi)), 1e-6).to(tl.float16)
     return zero, scale
+
+
+@triton.jit
+def _widened_span(lo, hi, zero, grid_top):
+    """Bounds of a widened channel's grid: its stored grid ``zero .. grid_top`` and its new values
+    ``lo .. hi``, moved out by WIDEN_MARGIN of the span on each side they pass (``codecs.widened_span``)."""
+    a = tl.minimum(lo, zero)
+    b = tl.maximum(hi, grid_top)
+    margin = (b - a) * _WIDEN_MARGIN
+    return tl.where(lo < zero, a - margin, a), tl.where(hi > grid_top, b + margin, b)
 
 
 @triton.jit
@@ -175,8 +187,9 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         has_old = tl.max(stored.to(tl.int32)) > 0
         mn = tl.min(tl.where(newm, x, float("inf")), 0)[None, :, :]
         mx = tl.max(tl.where(newm, x, float("-inf")), 0)[None, :, :]
-        mn = tl.where(has_old, tl.minimum(mn, zero), mn)
-        mx = tl.where(has_old, tl.maximum(mx, zero + scale * full_top), mx)
+        lo, hi = _widened_span(mn, mx, zero, zero + scale * full_top)
+        mn = tl.where(has_old, lo, mn)
+        mx = tl.where(has_old, hi, mx)
     elif PER_CHANNEL:
         mn = tl.min(tl.where(rows_ok, x, float("inf")), 0)[None, :, :]
         mx = tl.max(tl.where(rows_ok, x, float("-inf")), 0)[None, :, :]
@@ -254,7 +267,7 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
     old_step = scale * ratio
     q = _code_on(x, zero, old_step)
     widen = ch_ok & ((q < 0.0) | (q > top))
-    wide_zero, wide_scale = _min_max_stats(tl.minimum(zero, x), tl.maximum(zero + scale * full_top, x), full_top)
+    wide_zero, wide_scale = _min_max_stats(*_widened_span(x, x, zero, zero + scale * full_top), full_top)
     new_zero = tl.where(widen, wide_zero.to(tl.float32), zero)
     new_step = tl.where(widen, wide_scale.to(tl.float32), scale) * ratio
     unit_ok = units_ok[None, :] & (units[None, :] * VALS < D)
