@@ -250,7 +250,6 @@ def bench_write_decoding(bits: int, num_seqs: int, hkv: int, d: int, steps: int 
     cache, slots = _appending_pages(write_tokens, fmt, num_seqs, 0, gen, room=steps)
     saved = cache.clone()
     k, v = (torch.randn(steps, num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-
     step_slots = [slots + step for step in range(steps)]
 
     def run():
