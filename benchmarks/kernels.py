@@ -214,36 +214,15 @@ def _write_kernel(cuda: bool):
 
 def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, chunk_channels: int | None = None,
                 spread: int | None = None, num_warps: int | None = None, cuda: bool = False,
-                dealt: bool | None = None) -> dict:
-    """One decode step's cache write: each request appends a token to its last page
-    (``_appending_pages``), from the same distribution. The pages are restored before every write
-    and only the write is timed, so every write meets the same page state: a token that fits its
-    channels' grids writes one row, one that widens a channel re-encodes that chunk of channels
-    (the restored pages may sit in L2).
+                dealt: bool | None = None, steps: int = 1) -> dict:
+    """Decode steps' cache writes, us a step: each request appends a token to its last page
+    (``_appending_pages``, with room for ``steps`` tokens), from the same distribution. The pages
+    are restored before every run of ``steps`` writes and only the writes are timed, so every run
+    meets the same page state: a token that fits its channels' grids writes one row, one that widens
+    a channel re-encodes that chunk of channels (the restored pages may sit in L2). With ``steps``
+    > 1 a channel's grid meets the tokens after the one that widened it, as in serving.
     ``cuda``: the CUDA kernel (csrc/) instead of the Triton one; ``dealt``: force the Triton write's
     mode (None: its own choice by the step's size)."""
-    write_tokens = _write_kernel(cuda)
-    fmt = _format(bits, hkv, d, block)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    cache, slots = _appending_pages(write_tokens, fmt, num_seqs, 0, gen)
-    saved = cache.clone()
-    k, v = (torch.randn(num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-    tuning = {key: val for key, val in (("chunk_channels", chunk_channels), ("spread", spread), ("num_warps", num_warps))
-              if val} | ({} if dealt is None else {"dealt": dealt})
-    ms = _time_after_ms(lambda: cache.copy_(saved), lambda: write_tokens(cache, fmt, k, v, slots, **tuning))
-    nbytes = 2 * num_seqs * fmt.page_bytes
-    label = (f"write k{bits}v{bits}" + (" CUDA" if cuda else "")
-             + (f" chunk {chunk_channels}" if chunk_channels else "") + (f" spread {spread}" if spread else "")
-             + (f" warps {num_warps}" if num_warps else "") + ("" if dealt is None else f" dealt={dealt}"))
-    return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
-
-
-def bench_write_decoding(bits: int, num_seqs: int, hkv: int, d: int, steps: int = 32, block: int = 128,
-                         cuda: bool = False) -> dict:
-    """``steps`` decode steps' cache writes in a row, us a step: each request appends a token to its
-    last page (``_appending_pages``, room for the run) at every step, so a channel's grid meets the
-    tokens after the one that widened it, as in serving (``bench_write`` restores the pages before
-    every write). Pages restored before each run; ``cuda`` as for ``bench_write``."""
     write_tokens = _write_kernel(cuda)
     fmt = _format(bits, hkv, d, block)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -251,14 +230,18 @@ def bench_write_decoding(bits: int, num_seqs: int, hkv: int, d: int, steps: int 
     saved = cache.clone()
     k, v = (torch.randn(steps, num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     step_slots = [slots + step for step in range(steps)]
+    tuning = {key: val for key, val in (("chunk_channels", chunk_channels), ("spread", spread), ("num_warps", num_warps))
+              if val} | ({} if dealt is None else {"dealt": dealt})
 
     def run():
         for step in range(steps):
-            write_tokens(cache, fmt, k[step], v[step], step_slots[step])
+            write_tokens(cache, fmt, k[step], v[step], step_slots[step], **tuning)
 
-    ms = _time_after_ms(lambda: cache.copy_(saved), run, reps=20) / steps
+    ms = _time_after_ms(lambda: cache.copy_(saved), run, reps=max(20, 100 // steps)) / steps
     nbytes = 2 * num_seqs * fmt.page_bytes
-    label = f"write k{bits}v{bits} {steps} steps in a row" + (" CUDA" if cuda else "")
+    label = (f"write k{bits}v{bits}" + (f" {steps} steps in a row" if steps > 1 else "") + (" CUDA" if cuda else "")
+             + (f" chunk {chunk_channels}" if chunk_channels else "") + (f" spread {spread}" if spread else "")
+             + (f" warps {num_warps}" if num_warps else "") + ("" if dealt is None else f" dealt={dealt}"))
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
@@ -430,13 +413,13 @@ def main() -> None:
             rows.append(bench_write(bits, args.batch, hkv, d) | {"shape": name})
         rows.append(bench_write_prefill(4, 16, hkv, d) | {"shape": name})
         rows.append(bench_write_mixed(4, 144, 2, 450, hkv, d) | {"shape": name})
-        rows.append(bench_write_decoding(4, 144, hkv, d) | {"shape": name})
+        rows.append(bench_write(4, 144, hkv, d, steps=32) | {"shape": name})
         if args.write_cuda:
             for bits in (4, 8, 2):
                 rows.append(bench_write(bits, args.batch, hkv, d, cuda=True) | {"shape": name})
             rows.append(bench_write_prefill(4, 16, hkv, d, cuda=True) | {"shape": name})
             rows.append(bench_write_mixed(4, 144, 2, 450, hkv, d, cuda=True) | {"shape": name})
-            rows.append(bench_write_decoding(4, 144, hkv, d, cuda=True) | {"shape": name})
+            rows.append(bench_write(4, 144, hkv, d, cuda=True, steps=32) | {"shape": name})
         for chunk in args.write_chunks:
             rows.append(bench_write(4, args.batch, hkv, d, chunk_channels=chunk) | {"shape": name})
         for spread in args.write_spreads:

@@ -61,8 +61,9 @@ def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str
 
 
 def device_supported(device: torch.device) -> str | None:
-    """None if this GPU runs the kernel (NVIDIA, compute capability 8.0 or later: mma.sync m16n8k16)."""
-    if device.type != "cuda" or torch.version.hip is not None:
+    """None if this device's compute capability runs the kernel (8.0 or later: mma.sync m16n8k16);
+    ``cuda_jit.choose`` refuses ROCm."""
+    if device.type != "cuda":
         return "not an NVIDIA GPU"
     major, minor = torch.cuda.get_device_capability(device)
     if major < 8:

@@ -9,6 +9,8 @@ import ctypes
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 MODES = ("auto", "triton", "cuda")
 
@@ -27,12 +29,13 @@ def check_mode(variable: str, mode: str, kernel: str) -> None:
 
 def choose(variable: str, mode: str, kernel: str, why_not: Callable[[], str | None]) -> str | None:
     """Under ``variable=mode``: None if the CUDA kernel is used, else why the Triton one is.
-    ``why_not`` says why the CUDA kernel cannot serve (None: it can); ``cuda`` where it cannot is
-    refused."""
+    ``why_not`` says why the CUDA kernel cannot serve (None: it can); a ROCm build of torch or no
+    nvcc rule it out too. ``cuda`` where it cannot be used is refused."""
     check_mode(variable, mode, kernel)
     if mode == "triton":
         return f"{variable}=triton"
-    why = why_not() or (None if nvcc_available() else "no nvcc (set CUDA_HOME to a CUDA toolkit)")
+    why = (why_not() or ("not an NVIDIA GPU" if torch.version.hip is not None else None)
+           or (None if nvcc_available() else "no nvcc (set CUDA_HOME to a CUDA toolkit)"))
     if why is not None and mode == "cuda":
         raise ValueError(f"{variable}=cuda: the CUDA {kernel} kernel cannot be used: {why}; "
                          "allowed: 'auto' or 'triton' (the Triton kernel)")

@@ -52,8 +52,7 @@ SMALL_STEP_PAIRS = 2560
 def choose(mode: str, fmt: KVPageFormat) -> str | None:
     """Under ``KVCOMPRESS_WRITE=mode``: None if the cache write goes to the CUDA kernel, else why it
     goes to the Triton one. ``cuda`` where the CUDA kernel cannot be used is refused."""
-    return cuda_jit.choose("KVCOMPRESS_WRITE", mode, "write",
-                           lambda: supports(fmt) or ("not an NVIDIA GPU" if torch.version.hip else None))
+    return cuda_jit.choose("KVCOMPRESS_WRITE", mode, "write", lambda: supports(fmt))
 
 
 @functools.cache
