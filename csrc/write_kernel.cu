@@ -10,7 +10,9 @@
 // - one token appended to stored ones (decoding): the token is coded on its channels' stored grids;
 //   a channel it falls off widens (with a margin past the value), and only the storage units
 //   holding a widened channel are re-encoded in the earlier rows, those (row, unit) pairs dealt
-//   out over the warp's lanes;
+//   out over the warp's lanes; at 2 and 4 bits a widened channel's earlier codes are mapped
+//   through a table of new code by old code, built first with the reference's arithmetic (the
+//   same bytes, with a divide an old code rather than one a row);
 // - several new tokens (a prompt's block, or a chunk appended to stored rows): the block's chunks
 //   of 4 channels are dealt out over the warps of its last 32 new tokens, a lane a row, with two
 //   passes over the rows, one for the statistics and one for the codes.
@@ -160,10 +162,30 @@ __device__ void write_row_per_token(const Tensor& t, int64_t i, uint8_t* page, i
   }
 }
 
+// At 2 and 4 bits, the new code of each old code of the channels of the storage units that hold a
+// widened channel (none at 8 bits, where a table's 256 divides would outnumber a block's rows).
+// Channel u's table lies in bits u * TABLE_BITS of its unit's WORDS words, old code q's new code in
+// bits q * BITS of it; word w of the pos-th such unit is at tables[w][pos], so that lanes on
+// consecutive units read consecutive words.
+template <int BITS, int D, bool = (BITS <= 4)>
+struct CodeTables {
+  using L = Lanes<BITS, D>;
+  static constexpr int TABLE_BITS = BITS << BITS;
+  using Word = std::conditional_t<(L::UNIT_CHANNELS * TABLE_BITS <= 32), unsigned, unsigned long long>;
+  static constexpr int WORD_BITS = 8 * sizeof(Word);
+  static constexpr int CHANNELS_A_WORD = WORD_BITS / TABLE_BITS;
+  static constexpr int WORDS = L::UNIT_CHANNELS / CHANNELS_A_WORD;
+  Word tables[WORDS][32 / L::G];
+};
+
+template <int BITS, int D>
+struct CodeTables<BITS, D, false> {};
+
 // Per-warp scratch of the append: each channel's stored grid and the grid it takes, which lanes
-// widened which of their channels, and the storage units that hold a widened channel.
-template <int D>
-struct AppendScratch {
+// widened which of their channels, the storage units that hold a widened channel, and (a base, empty
+// at 8 bits) their channels' code tables.
+template <int BITS, int D>
+struct AppendScratch : CodeTables<BITS, D> {
   float4 grid[D];        // (zero, step, widened zero, widened step)
   unsigned widened[32];  // a lane's bit k: its channel k widened
   uint8_t units[32];
@@ -173,10 +195,13 @@ struct AppendScratch {
 // Append rule: a channel whose new value falls on its stored grid keeps grid and earlier codes;
 // any other widens to span its stored grid and the new value (and a margin past it, widened_span),
 // and its earlier codes are requantized onto the widened grid, every row on its own
-// (docs/formats.md).
+// (docs/formats.md). At 2 and 4 bits a requantized code depends on the old code alone, so each
+// channel of a widened unit gets a table of new code by old code (CodeTables), built with the same
+// arithmetic (the identity where the channel keeps its grid), and the earlier rows are mapped
+// through it.
 template <typename T, int BITS, int D>
 __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, int h, int off, int BLOCK, int lane,
-                                   AppendScratch<D>& s) {
+                                   AppendScratch<BITS, D>& s) {
   using L = Lanes<BITS, D>;
   using Word = typename L::Word;
   float x[L::CPL];
@@ -209,33 +234,73 @@ __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, in
   s.widened[lane] = widened;
   if (lane % L::G == 0 && unit_widened) s.units[__popc(leaders & ((1u << lane) - 1))] = lane / L::G;
   __syncwarp();
-  // earlier rows of the widened units: (row, unit) pairs dealt out over the lanes
-  const int count = __popc(leaders), items = count * off;
-  const auto unit_at = [&](int item) {
-    return head_rows + int64_t(item / count) * t.row_bytes + s.units[item % count] * L::UNIT_BYTES;
-  };
-  for (int first = 0; first < items; first += 32 * kAppendUnroll) {
-    Word codes[kAppendUnroll];
-#pragma unroll
-    for (int j = 0; j < kAppendUnroll; ++j) {
-      const int item = first + j * 32 + lane;
-      if (item < items) codes[j] = L::load(unit_at(item));
-    }
-#pragma unroll
-    for (int j = 0; j < kAppendUnroll; ++j) {
-      const int item = first + j * 32 + lane;
-      if (item >= items) continue;
-      const int unit = s.units[item % count];
-      Word c = codes[j];
-#pragma unroll
-      for (int u = 0; u < L::UNIT_CHANNELS; ++u) {
-        const int owner = unit * L::G + u / L::CPL;
-        if (!((s.widened[owner] >> (u % L::CPL)) & 1)) continue;
-        const float4 g = s.grid[unit * L::UNIT_CHANNELS + u];
-        const float value = decoded(unsigned(c >> (u * BITS)) & L::MASK, g.x, g.y);
-        c = (c & ~(Word(L::MASK) << (u * BITS))) | (Word(clamped_code(value, g.z, g.w, L::TOP)) << (u * BITS));
+  const int count = __popc(leaders);
+  using Tables = CodeTables<BITS, D>;
+  if constexpr (BITS <= 4) {
+    // the widened units' tables, one entry a lane: a table word's entries lie on consecutive lanes
+    // and are OR'd together there
+    using TableWord = typename Tables::Word;
+    constexpr int WORD_CODES = Tables::WORD_BITS / BITS;  // 16 or 32, dividing the warp
+    for (int first = 0; first < count * Tables::WORDS * WORD_CODES; first += 32) {
+      const int entry = first + lane, word = entry / WORD_CODES, pos = word / Tables::WORDS;
+      const int u = word % Tables::WORDS * Tables::CHANNELS_A_WORD + entry % WORD_CODES / (1 << BITS);
+      TableWord bits = 0;
+      if (pos < count) {  // (at 2 bits a last round may run past the last unit)
+        const int unit = s.units[pos];
+        unsigned code = entry % (1 << BITS);  // the old code, kept where the channel keeps its grid
+        if ((s.widened[unit * L::G + u / L::CPL] >> (u % L::CPL)) & 1) {
+          const float4 g = s.grid[unit * L::UNIT_CHANNELS + u];
+          code = clamped_code(decoded(code, g.x, g.y), g.z, g.w, L::TOP);
+        }
+        bits = TableWord(code) << (entry % WORD_CODES * BITS);
       }
-      L::store(unit_at(item), c);
+      for (int o = 1; o < WORD_CODES; o <<= 1) bits |= __shfl_xor_sync(kAll, bits, o);
+      if (pos < count && entry % WORD_CODES == 0) s.tables[word % Tables::WORDS][pos] = bits;
+    }
+    __syncwarp();
+  }
+  // earlier rows of the widened units: (row, unit) pairs dealt out over the lanes, item row * count
+  // + pos the row's pos-th widened unit, stepped 32 items at a time rather than divided out
+  const int rows_a_step = 32 / count, pos_a_step = 32 % count;
+  const auto advance = [&](int& row, int& pos) {
+    row += rows_a_step, pos += pos_a_step;
+    if (pos >= count) pos -= count, ++row;
+  };
+  const auto unit_at = [&](int row, int pos) {
+    return head_rows + row * t.row_bytes + s.units[pos] * L::UNIT_BYTES;
+  };
+  int row = lane / count, pos = lane % count;  // the lane's next item
+  while (row < off) {
+    Word codes[kAppendUnroll];
+    int fetch_row = row, fetch_pos = pos;
+#pragma unroll
+    for (int j = 0; j < kAppendUnroll; ++j, advance(fetch_row, fetch_pos))
+      if (fetch_row < off) codes[j] = L::load(unit_at(fetch_row, fetch_pos));
+#pragma unroll
+    for (int j = 0; j < kAppendUnroll; ++j, advance(row, pos)) {
+      if (row >= off) continue;
+      Word c = codes[j];  // the old codes in, the new ones out
+      if constexpr (BITS <= 4) {
+        c = 0;
+#pragma unroll
+        for (int u = 0; u < L::UNIT_CHANNELS; ++u) {
+          const unsigned q = unsigned(codes[j] >> (u * BITS)) & L::MASK;
+          const auto table = s.tables[u / Tables::CHANNELS_A_WORD][pos];
+          c |= Word(unsigned(table >> (u % Tables::CHANNELS_A_WORD * Tables::TABLE_BITS + q * BITS)) & L::MASK)
+               << (u * BITS);
+        }
+      } else {
+        const int unit = s.units[pos];
+#pragma unroll
+        for (int u = 0; u < L::UNIT_CHANNELS; ++u) {
+          const int owner = unit * L::G + u / L::CPL;
+          if (!((s.widened[owner] >> (u % L::CPL)) & 1)) continue;
+          const float4 g = s.grid[unit * L::UNIT_CHANNELS + u];
+          const float value = decoded(unsigned(c >> (u * BITS)) & L::MASK, g.x, g.y);
+          c = (c & ~(Word(L::MASK) << (u * BITS))) | (Word(clamped_code(value, g.z, g.w, L::TOP)) << (u * BITS));
+        }
+      }
+      L::store(unit_at(row, pos), c);
     }
   }
 #pragma unroll
@@ -357,7 +422,7 @@ template <typename T, int BITS, int D>
 __global__ void __launch_bounds__(kWarps * 32, 6)
     write_kernel(Tensor a, Tensor b, int num_tensors, const int64_t* __restrict__ slots, uint8_t* cache,
                  int num_tokens, int H, int64_t page_bytes, int BLOCK) {
-  __shared__ AppendScratch<D> scratch[kWarps];
+  __shared__ AppendScratch<BITS, D> scratch[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int item = blockIdx.x * kWarps + warp;
   if (item >= num_tokens * H * num_tensors) return;
