@@ -8,6 +8,8 @@
 # DATA: ShareGPT as valid JSON (python -m benchmarks.sharegpt OUT --sample 2000).
 # PROFILE=N: also record N engine steps after the first PROFILE_DELAY (default 300) with the torch
 # profiler and print where the GPU time went (benchmarks/trace_summary.py); tokens/s then suffer.
+# Each run also prints its tokens/s as its requests complete (benchmarks/completion.py): the last
+# 1% (the longest outputs, in a small batch) take about as long in every setting.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
@@ -27,5 +29,6 @@ for setting in $SETTINGS; do
     "${kv[@]}" "${prof[@]}" --output-json "$OUT/$SHAPE-$name.json" > "$OUT/$SHAPE-$name.log" 2>&1
   echo "== $SHAPE $name rc=$? $(( $(date +%s) - start ))s: $(grep -hoE 'KV cache size: [0-9,]+ tokens|Throughput: .*' "$OUT/$SHAPE-$name.log" | tr '\n' ' ')"
   grep -E "Error|error:" "$OUT/$SHAPE-$name.log" | grep -v -i "warn" | tail -3
+  python "$REPO/benchmarks/completion.py" "$OUT/$SHAPE-$name.log"  # tokens/s at 50/90/99/100% of requests done
   [ -z "${PROFILE:-}" ] || python "$REPO/benchmarks/trace_summary.py" "$OUT/trace-$SHAPE-$name" --top 15
 done

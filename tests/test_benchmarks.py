@@ -288,3 +288,27 @@ def test_widening_counts_the_units_whose_k_statistics_the_codec_renews(bits):
         widened, rewritten, pages = widened + units, rewritten + units * n, appended
     assert widened > 0
     assert widening(x[0], bits, B) == pytest.approx((widened / (H * (B - 1)), rewritten / (H * (B - 1))))
+
+
+def test_completion_reads_the_rate_at_each_fraction_of_requests_done():
+    """A `vllm bench throughput` progress bar of 100 requests whose last 4 take as long as the other
+    96 (the long outputs a run ends on): the tokens/s at 96% and at 100% done are the bar's own
+    figures at those updates, and a log without the bar is refused by name."""
+    from benchmarks import completion
+
+    def update(done, seconds, tokens):  # tqdm's line: the rate is of completed requests' tokens
+        return (f"Processed prompts: {done}%|#| {done}/100 [{seconds // 60:02d}:{seconds % 60:02d}<00:01, 3.0it/s, "
+                f"est. speed input: {tokens * 0.6 / max(seconds, 1):.2f} toks/s, "
+                f"output: {tokens * 0.4 / max(seconds, 1):.2f} toks/s]")
+
+    bar = "\r".join(update(n, s, t) for n, s, t in ((1, 0, 500), (50, 5, 25_000), (96, 10, 48_000),
+                                                    (99, 15, 51_000), (100, 75, 54_000)))
+    log = f"INFO starting\n{bar}\nThroughput: 1.33 requests/s, 720.00 total tokens/s\n"
+    points = completion.progress(log)
+    assert [p.done for p in points] == [1, 50, 96, 99, 100] and points[-1].seconds == 75
+    assert completion.at_fraction(points, 0.96).tokens_per_s == pytest.approx(4_800)
+    assert completion.at_fraction(points, 0.97).done == 99
+    assert completion.at_fraction(points, 1.0).tokens_per_s == pytest.approx(720)
+    assert completion.summary(log, (0.5, 1.0)) == "50% done at 5 s: 5,000 tokens/s; 100% done at 75 s: 720 tokens/s"
+    with pytest.raises(ValueError, match="no progress bar"):
+        completion.summary("INFO nothing here\n")
