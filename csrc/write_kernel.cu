@@ -162,32 +162,53 @@ __device__ void write_row_per_token(const Tensor& t, int64_t i, uint8_t* page, i
   }
 }
 
-// At 2 and 4 bits, the new code of each old code of the channels of the storage units that hold a
-// widened channel (none at 8 bits, where a table's 256 divides would outnumber a block's rows).
-// Channel u's table lies in bits u * TABLE_BITS of its unit's WORDS words, old code q's new code in
-// bits q * BITS of it; word w of the pos-th such unit is at tables[w][pos], so that lanes on
-// consecutive units read consecutive words.
+// A table word whose channels all keep their grids: each old code maps to itself.
+template <typename Word, int BITS>
+constexpr Word identity_tables() {
+  Word w = 0;
+  for (int bit = 0; bit < int(8 * sizeof(Word)); bit += BITS) w |= Word(bit % (BITS << BITS) / BITS) << bit;
+  return w;
+}
+
+// How the earlier codes of the storage units that hold a widened channel are requantized. At 2 and
+// 4 bits through each channel's table of new code by old code: channel u's table lies in bits
+// u * TABLE_BITS of its unit's WORDS words, old code q's new code in bits q * BITS of it; word w of
+// the pos-th such unit is at tables[w][pos], so that lanes on consecutive units read consecutive
+// words. The tables start as the identity, then the widened channels' are built, one a job.
 template <int BITS, int D, bool = (BITS <= 4)>
-struct CodeTables {
+struct Requantize {
   using L = Lanes<BITS, D>;
   static constexpr int TABLE_BITS = BITS << BITS;
+  static_assert(TABLE_BITS == 8 || TABLE_BITS == 64, "a table is a byte or a whole word");
   using Word = std::conditional_t<(L::UNIT_CHANNELS * TABLE_BITS <= 32), unsigned, unsigned long long>;
+  using Table = std::conditional_t<(TABLE_BITS <= 32), unsigned, unsigned long long>;  // a channel's, built
   static constexpr int WORD_BITS = 8 * sizeof(Word);
   static constexpr int CHANNELS_A_WORD = WORD_BITS / TABLE_BITS;
   static constexpr int WORDS = L::UNIT_CHANNELS / CHANNELS_A_WORD;
+  static constexpr Word IDENTITY = identity_tables<Word, BITS>();
   Word tables[WORDS][32 / L::G];
+  uint8_t jobs[D];  // the widened channels (lane * CPL + k), channel k of every lane before k + 1
+
+  // channel u of the pos-th unit takes table t
+  __device__ void put(int u, int pos, Table t) {
+    if constexpr (CHANNELS_A_WORD == 1) tables[u][pos] = t;
+    else reinterpret_cast<uint8_t*>(&tables[u / CHANNELS_A_WORD][pos])[u % CHANNELS_A_WORD] = uint8_t(t);
+  }
 };
 
+// At 8 bits, where a table's 256 divides would outnumber a block's rows, value by value, testing each
+// channel of the unit: which lanes widened which of their channels.
 template <int BITS, int D>
-struct CodeTables<BITS, D, false> {};
-
-// Per-warp scratch of the append: each channel's stored grid and the grid it takes, which lanes
-// widened which of their channels, the storage units that hold a widened channel, and (a base, empty
-// at 8 bits) their channels' code tables.
-template <int BITS, int D>
-struct AppendScratch : CodeTables<BITS, D> {
-  float4 grid[D];        // (zero, step, widened zero, widened step)
+struct Requantize<BITS, D, false> {
   unsigned widened[32];  // a lane's bit k: its channel k widened
+};
+
+// Per-warp scratch of the append: each channel's stored grid and the grid it takes, how the
+// earlier codes of the storage units that hold a widened channel are requantized, and those units.
+template <int BITS, int D>
+struct AppendScratch {
+  float4 grid[D];  // (zero, step, widened zero, widened step)
+  Requantize<BITS, D> requantize;
   uint8_t units[32];
 };
 
@@ -196,7 +217,7 @@ struct AppendScratch : CodeTables<BITS, D> {
 // any other widens to span its stored grid and the new value (and a margin past it, widened_span),
 // and its earlier codes are requantized onto the widened grid, every row on its own
 // (docs/formats.md). At 2 and 4 bits a requantized code depends on the old code alone, so each
-// channel of a widened unit gets a table of new code by old code (CodeTables), built with the same
+// channel of a widened unit gets a table of new code by old code (Requantize), built with the same
 // arithmetic (the identity where the channel keeps its grid), and the earlier rows are mapped
 // through it.
 template <typename T, int BITS, int D>
@@ -231,34 +252,49 @@ __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, in
   const bool unit_widened = L::gather(widened) != 0;  // (a unit's lanes OR'd)
   const unsigned leaders = __ballot_sync(kAll, lane % L::G == 0 && unit_widened);
   if (leaders == 0) return;  // the common case: every value on its grid
-  s.widened[lane] = widened;
+  using R = Requantize<BITS, D>;
+  R& r = s.requantize;
+  if constexpr (BITS > 4) r.widened[lane] = widened;
   if (lane % L::G == 0 && unit_widened) s.units[__popc(leaders & ((1u << lane) - 1))] = lane / L::G;
-  __syncwarp();
   const int count = __popc(leaders);
-  using Tables = CodeTables<BITS, D>;
   if constexpr (BITS <= 4) {
-    // the widened units' tables, one entry a lane: a table word's entries lie on consecutive lanes
-    // and are OR'd together there
-    using TableWord = typename Tables::Word;
-    constexpr int WORD_CODES = Tables::WORD_BITS / BITS;  // 16 or 32, dividing the warp
-    for (int first = 0; first < count * Tables::WORDS * WORD_CODES; first += 32) {
-      const int entry = first + lane, word = entry / WORD_CODES, pos = word / Tables::WORDS;
-      const int u = word % Tables::WORDS * Tables::CHANNELS_A_WORD + entry % WORD_CODES / (1 << BITS);
-      TableWord bits = 0;
-      if (pos < count) {  // (at 2 bits a last round may run past the last unit)
-        const int unit = s.units[pos];
-        unsigned code = entry % (1 << BITS);  // the old code, kept where the channel keeps its grid
-        if ((s.widened[unit * L::G + u / L::CPL] >> (u % L::CPL)) & 1) {
-          const float4 g = s.grid[unit * L::UNIT_CHANNELS + u];
-          code = clamped_code(decoded(code, g.x, g.y), g.z, g.w, L::TOP);
-        }
-        bits = TableWord(code) << (entry % WORD_CODES * BITS);
-      }
-      for (int o = 1; o < WORD_CODES; o <<= 1) bits |= __shfl_xor_sync(kAll, bits, o);
-      if (pos < count && entry % WORD_CODES == 0) s.tables[word % Tables::WORDS][pos] = bits;
+    // the units' tables start as the identity (a channel that keeps its grid); the widened channels
+    // are listed, the jobs of the build
+    if (lane < count) {
+#pragma unroll
+      for (int word = 0; word < R::WORDS; ++word) r.tables[word][lane] = R::IDENTITY;
+    }
+    int job_count = 0;
+#pragma unroll
+    for (int k = 0; k < L::CPL; ++k) {
+      const bool widen = (widened >> k) & 1;
+      const unsigned widening = __ballot_sync(kAll, widen);
+      if (widen) r.jobs[job_count + __popc(widening & ((1u << lane) - 1))] = lane * L::CPL + k;
+      job_count += __popc(widening);
     }
     __syncwarp();
+    // a job's table by a team of lanes, as many as let every job of a round fit the warp (a lane an
+    // entry at most): each lane works out `share` consecutive entries, so a round's divides are as
+    // few as the warp allows, and the team ORs them together
+    const int team_bits = min(BITS, max(0, __clz(job_count - 1) - 27));  // log2 of 32 / job_count, rounded down
+    const int team = 1 << team_bits, share = (1 << BITS) >> team_bits, first_code = lane % team * share;
+    for (int first = 0; first < job_count; first += 32 >> team_bits) {
+      const int job = first + (lane >> team_bits);
+      const int c = job < job_count ? r.jobs[job] : 0;  // the job's channel
+      typename R::Table table = 0;
+      if (job < job_count) {
+        const float4 g = s.grid[c];
+        for (int q = first_code; q < first_code + share; ++q)
+          table |= typename R::Table(clamped_code(decoded(q, g.x, g.y), g.z, g.w, L::TOP)) << (q * BITS);
+      }
+      for (int o = 1; o < team; o <<= 1) table |= __shfl_xor_sync(kAll, table, o);
+      if (job < job_count && lane % team == 0) {
+        const int unit = c / L::UNIT_CHANNELS;
+        r.put(c % L::UNIT_CHANNELS, __popc(leaders & ((1u << unit * L::G) - 1)), table);
+      }
+    }
   }
+  __syncwarp();
   // earlier rows of the widened units: (row, unit) pairs dealt out over the lanes, item row * count
   // + pos the row's pos-th widened unit, stepped 32 items at a time rather than divided out
   const int rows_a_step = 32 / count, pos_a_step = 32 % count;
@@ -285,8 +321,8 @@ __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, in
 #pragma unroll
         for (int u = 0; u < L::UNIT_CHANNELS; ++u) {
           const unsigned q = unsigned(codes[j] >> (u * BITS)) & L::MASK;
-          const auto table = s.tables[u / Tables::CHANNELS_A_WORD][pos];
-          c |= Word(unsigned(table >> (u % Tables::CHANNELS_A_WORD * Tables::TABLE_BITS + q * BITS)) & L::MASK)
+          const auto table = r.tables[u / R::CHANNELS_A_WORD][pos];
+          c |= Word(unsigned(table >> (u % R::CHANNELS_A_WORD * R::TABLE_BITS + q * BITS)) & L::MASK)
                << (u * BITS);
         }
       } else {
@@ -294,7 +330,7 @@ __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, in
 #pragma unroll
         for (int u = 0; u < L::UNIT_CHANNELS; ++u) {
           const int owner = unit * L::G + u / L::CPL;
-          if (!((s.widened[owner] >> (u % L::CPL)) & 1)) continue;
+          if (!((r.widened[owner] >> (u % L::CPL)) & 1)) continue;
           const float4 g = s.grid[unit * L::UNIT_CHANNELS + u];
           const float value = decoded(unsigned(c >> (u * BITS)) & L::MASK, g.x, g.y);
           c = (c & ~(Word(L::MASK) << (u * BITS))) | (Word(clamped_code(value, g.z, g.w, L::TOP)) << (u * BITS));

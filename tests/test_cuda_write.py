@@ -125,19 +125,3 @@ def test_decode_appends_match_reference_bytes(bits, fills, head_size):
         fused = fused.cuda()
         cuda_write.write_tokens(ours, fmt, fused[:, H:2 * H], fused[:, 2 * H:], slots.cuda())
         assert torch.equal(ours.cpu(), ref), f"step {step}"
-
-
-def test_auto_writes_small_steps_with_the_triton_kernel():
-    """By the step's size alone (a CUDA graph keeps the kernel of the size it was captured for):
-    under SMALL_STEP_PAIRS token x KV-head pairs the Triton kernel, from there on the CUDA one."""
-    pytest.importorskip("vllm")
-    from vllm_kvcompress.backend import KVCompressImpl
-    impl = KVCompressImpl.__new__(KVCompressImpl)  # only the choice, without an engine
-    impl.num_kv_heads = 8
-    impl._write, impl._small_write = cuda_write.write_tokens, paged_torch.write_tokens
-    edge = cuda_write.SMALL_STEP_PAIRS // 8
-    assert impl._writer(edge - 1) is paged_torch.write_tokens
-    assert impl._writer(edge) is cuda_write.write_tokens
-    impl._small_write = None  # KVCOMPRESS_WRITE=cuda
-    assert impl._writer(1) is cuda_write.write_tokens
-

@@ -191,7 +191,6 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._decode_kernel = None  # Triton decode on CUDA where the format has one
         self._warm_up = None  # compiles that kernel's variants, once, outside CUDA-graph capture
         self._write = paged_torch.write_tokens
-        self._small_write = None  # the write of small steps, where another kernel is faster for them
         self._write_warm_up = None  # likewise for the write kernel
         self._kv_cache: torch.Tensor | None = None  # the tensor self._cache_pages views
         self._cache_pages: torch.Tensor | None = None
@@ -216,12 +215,10 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             if why_not is None:  # built here, at startup
                 cuda_write.build()
                 self._write = cuda_write.write_tokens
-                if write == "auto":  # small steps (_writer)
-                    self._small_write = triton_write.write_tokens
             else:
                 logger.info_once("kv-compression: cache write with the Triton kernel; the CUDA kernel: %s", why_not)
                 self._write = triton_write.write_tokens
-            if triton_write.write_tokens in (self._write, self._small_write):
+            if self._write is triton_write.write_tokens:
                 self._write_warm_up = triton_write.warm_up
         if fmt.v is None:
             from .triton_kernels.slim_decode import slim_decode, slim_kernel_supports
@@ -250,10 +247,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 "write with %s", kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}",
                 "the torch reference" if self._decode_kernel is None
                 else f"{self._decode_kernel.__module__}.{self._decode_kernel.__name__}",
-                f"{self._write.__module__}.{self._write.__name__}" + (
-                    "" if self._small_write is None else
-                    f" ({self._small_write.__module__}.{self._small_write.__name__} for steps under "
-                    f"{cuda_write.SMALL_STEP_PAIRS:,} token x KV-head pairs)"))
+                f"{self._write.__module__}.{self._write.__name__}")
         return self._format
 
     def _pages(self, kv_cache: torch.Tensor, fmt: KVPageFormat) -> torch.Tensor:
@@ -274,15 +268,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         if self._write_warm_up is not None and not torch.cuda.is_current_stream_capturing():
             self._write_warm_up(pages, fmt, key.dtype)
             self._write_warm_up = None
-        self._writer(n)(pages, fmt, key[:n].view(n, self.num_kv_heads, -1),
-                        value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
-
-    def _writer(self, num_tokens: int):
-        """The write kernel for a step of ``num_tokens``: by the step's size only, so a CUDA graph
-        captured for that size keeps the right one."""
-        if self._small_write is not None and num_tokens * self.num_kv_heads < cuda_write.SMALL_STEP_PAIRS:
-            return self._small_write
-        return self._write
+        self._write(pages, fmt, key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1),
+                    slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KVCompressMetadata | None, output: torch.Tensor,

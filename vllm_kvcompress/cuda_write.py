@@ -41,14 +41,6 @@ def supports(fmt: KVPageFormat) -> str | None:
     return None
 
 
-# (tokens x KV heads) under which a step's write goes to the Triton kernel under ``auto``: there,
-# on decode steps, its four programs a token beat one warp a token (H200, 4/4: batch 64 x 32 KV
-# heads 23.7 against 26.6 us, 144 x 8 17.2 against 19.4); from 2,992 pairs up the CUDA kernel is
-# faster (a mixed step of 144 decodes and a 230-token prompt, 8 KV heads: 21.3 against 47.1 us;
-# 144 decodes x 32 heads: 41.2 against 46.3; docs/benchmarks.md). Not measured in between.
-SMALL_STEP_PAIRS = 2560
-
-
 def choose(mode: str, fmt: KVPageFormat) -> str | None:
     """Under ``KVCOMPRESS_WRITE=mode``: None if the cache write goes to the CUDA kernel, else why it
     goes to the Triton one. ``cuda`` where the CUDA kernel cannot be used is refused."""
