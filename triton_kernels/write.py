@@ -17,8 +17,9 @@ launch for K and V (V in the first of a token's K shares):
   statistics of the channels that no longer fit widened to span their stored
   grid and the new value, and a margin past it), gathered a chunk at a time.
   The widened statistics need no pass over the rows, so each earlier row's
-  codes are requantized on their own. A program's work follows the number of widened channels, and a
-  prefill's tokens other than each block's last cost one slot load.
+  codes are requantized on their own. A program's work follows the number of
+  widened channels, and a prefill's tokens other than each block's last cost one
+  slot load.
 - ZipCache channel scales (V): the block's last new token re-encodes the whole
   block, as every row's statistics depend on the block-wide channel scales.
 
