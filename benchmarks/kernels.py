@@ -156,7 +156,7 @@ def bench_prompt_rows(bits: int, num_prompts: int, hq: int, hkv: int, d: int, pr
     starts = torch.arange(0, n + 1, prompt, dtype=torch.int32, device="cuda")
     seq_lens = torch.full((num_prompts,), prompt, dtype=torch.int32, device="cuda")
     prompt_rows = tuning.pop("prompt_rows", PROMPT_ROWS)
-    rows = token_rows(starts, starts.tolist(), seq_lens, table, prompt, rows_per_program(hq // hkv, prompt_rows))
+    rows = token_rows(starts.tolist(), seq_lens, table, prompt, rows_per_program(hq // hkv, prompt_rows))
     out = torch.empty_like(q)
     ms = _time_ms(lambda: paged_decode(q, cache, fmt, rows.block_table, rows.seq_lens, d ** -0.5, prompt, out=out,
                                        groups=rows.groups, **tuning))
@@ -331,8 +331,7 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
     slots = torch.cat([table[:nd, 0].long() * 128 + 5,
                        table[nd, :4].long().repeat_interleave(128) * 128 + torch.arange(prompt, device="cuda") % 128])
     def build_rows():
-        return token_rows(starts_dev[nd:] - nd, [x - nd for x in starts[nd:]], seq_lens[nd:], table[nd:], prompt,
-                          rows_per_program(hq // hkv))
+        return token_rows([x - nd for x in starts[nd:]], seq_lens[nd:], table[nd:], prompt, rows_per_program(hq // hkv))
     rows = build_rows()
     k_cache = torch.randn(t * 64, 16, hkv, d, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
@@ -350,7 +349,7 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
             q, k_cache, v_cache, max_seqlen_q=prompt, cu_seqlens_q=starts_dev, max_seqlen_k=900, seqused_k=seq_lens,
             softmax_scale=d ** -0.5, causal=True, block_table=flat_table, out=out, fa_version=3),
     }
-    once_a_step = {"kernel": "ours: token_rows (once a step)", "host_us": _host_us(build_rows, calls=4)}  # ~15 launches
+    once_a_step = {"kernel": "ours: token_rows (once a step)", "host_us": _host_us(build_rows, calls=4)}
     return [{"kernel": name, "host_us": _host_us(fn)} for name, fn in cases.items()] + [once_a_step]
 
 

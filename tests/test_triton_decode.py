@@ -171,8 +171,7 @@ def test_mixed_batch_as_token_rows_equals_reference(bits, prompt_rows, num_split
     q = qkv[:, :HQ * D].view(qsl[-1], HQ, D)
     ref = paged_torch.attend(q.float().cpu(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
     per_group = rows_per_program(HQ // H, prompt_rows) if prompt_rows else 1
-    rows = token_rows(torch.tensor(qsl, device=DEVICE), qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE),
-                      max(seq_lens), per_group)
+    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), max(seq_lens), per_group)
     assert rows.seq_lens.tolist() == [21, 1] + list(range(16, 41)) + list(range(1, 10))
     if prompt_rows == 16:
         assert per_group == 8
@@ -284,12 +283,12 @@ def test_ptx_unpacking_equals_masked_fields(bits):
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("q_lens", [[1, 1, 37], [37], [5, 9]], ids=["decodes-and-a-prompt", "one-prompt", "two-prompts"])
 def test_a_mixed_step_never_waits_for_the_gpu(q_lens):
-    """token_rows, the decode kernel and the cache write queue their work without synchronizing
-    with the GPU (torch raises on a synchronizing call in this mode): the host must stay ahead,
-    launching the step's layers while the GPU works. One prompt alone once made token_rows read a
-    repeat count back to the host."""
+    """token_rows, the decode rows' order from the host's lengths, the decode kernel and the cache
+    write queue their work without synchronizing with the GPU (torch raises on a synchronizing call
+    in this mode): the host must stay ahead, launching the step's layers while the GPU works. One
+    prompt alone once made token_rows read a repeat count back to the host."""
     from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels.decode import rows_per_program
+    from vllm_kvcompress.triton_kernels.decode import longest_first, rows_per_program
     from vllm_kvcompress.triton_kernels.write import write_tokens
     B, H, HQ, D = 16, 2, 4, 64
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.bfloat16, B, H, D)
@@ -301,15 +300,19 @@ def test_a_mixed_step_never_waits_for_the_gpu(q_lens):
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
-    qsl_dev, lens = torch.tensor(qsl, dtype=torch.int32).cuda(), torch.tensor(seq_lens, dtype=torch.int32).cuda()
+    lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
     q = torch.randn(qsl[-1], HQ, D, dtype=torch.bfloat16).cuda()
     kv = torch.randn(qsl[-1], H, D, dtype=torch.bfloat16).cuda()
+    order = torch.full((len(q_lens),), -1, dtype=torch.int32, device="cuda")
     for _ in range(2):  # the second time through the kept compiled kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
+            longest_first(torch.tensor(seq_lens, dtype=torch.int32), out=order)
             write_tokens(cache, fmt, kv, kv, slots)
-            rows = token_rows(qsl_dev, qsl, lens, table, max(seq_lens), rows_per_program(HQ // H))
+            rows = token_rows(qsl, lens, table, max(seq_lens), rows_per_program(HQ // H))
             paged_decode(q, cache, fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len, groups=rows.groups)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    assert sorted(order.tolist()) == list(range(len(q_lens)))
+    assert [seq_lens[r] for r in order.tolist()] == sorted(seq_lens, reverse=True)

@@ -554,9 +554,14 @@ def longest_first(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> to
     """Rows in decreasing context length, int32 (``paged_decode``'s ``row_order``), into ``out`` where
     given. On an H200, a serving step's decode rows (144 requests, contexts 16..900, 4/4) took 131.7
     us in this order against 143.7 as drawn (GQA 42.7 against 51.6): a long row launched last keeps
-    its SMs busy after the others are done."""
-    order = torch.argsort(seq_lens, descending=True)
-    return order.to(torch.int32) if out is None else out.copy_(order)
+    its SMs busy after the others are done. Lengths on the host are sorted there and the order
+    copied to ``out``'s device from pinned memory, without waiting for the GPU."""
+    order = torch.argsort(seq_lens, descending=True).to(torch.int32)
+    if out is None:
+        return order
+    if order.device != out.device and out.device.type == "cuda":
+        order = order.pin_memory()
+    return out.copy_(order, non_blocking=True)
 
 
 def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype) -> None:

@@ -132,23 +132,29 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
               fast_build: bool = False) -> KVCompressMetadata:
         cam = common_attn_metadata
         n = cam.num_reqs
-        seq_lens = cam.seq_lens_cpu_upper_bound
-        if seq_lens is None:
-            seq_lens = cam.seq_lens.cpu()
-        seq_lens = seq_lens[:n].tolist()
+        seq_lens_host = cam.seq_lens_cpu_upper_bound
+        if seq_lens_host is None:
+            seq_lens_host = cam.seq_lens.cpu()
+        seq_lens_host = seq_lens_host[:n]
+        seq_lens = seq_lens_host.tolist()
         query_start_loc = cam.query_start_loc_cpu[: n + 1].tolist()
         num_decodes = 0
         while num_decodes < n and query_start_loc[num_decodes + 1] - query_start_loc[num_decodes] == 1:
             num_decodes += 1
+        # A full CUDA graph's batch is padded after its decodes with requests of no tokens: not
+        # prompts, but rows of the graph's decode launch (context 0, so taken last in the order).
+        has_prompts = query_start_loc[num_decodes] < query_start_loc[n]
         rows, order = None, None
         if self._row_order is not None and num_decodes:
             from .triton_kernels.decode import longest_first
-            order = longest_first(cam.seq_lens[:num_decodes], out=self._row_order[:num_decodes])
-        if self.device.type == "cuda" and num_decodes < n:  # the prefill chunks' tokens, after the decodes
+            ordered = num_decodes if has_prompts else n
+            # from the host's context lengths (upper bounds are as good for an order): a sort on the
+            # device costs the host more than the step's other metadata
+            order = longest_first(seq_lens_host[:ordered], out=self._row_order[:ordered])[:num_decodes]
+        if self.device.type == "cuda" and has_prompts:  # the prefill chunks' tokens, after the decodes
             d, first = num_decodes, query_start_loc[num_decodes]
-            rows = token_rows(cam.query_start_loc[d: n + 1] - first, [x - first for x in query_start_loc[d: n + 1]],
-                              cam.seq_lens[d:n], cam.block_table_tensor[d:n], max(seq_lens[d:n]),
-                              self._rows_per_group)
+            rows = token_rows([x - first for x in query_start_loc[d: n + 1]], cam.seq_lens[d:n],
+                              cam.block_table_tensor[d:n], max(seq_lens[d:n]), self._rows_per_group)
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -298,8 +304,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 self._decode_kernel(*decode_args, slim, out=out[:nd])
             else:
                 self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order)
-        if nd < len(md.seq_lens):
-            start = md.query_start_loc[nd]
+        start = md.query_start_loc[nd]
+        if start < t:  # prompt tokens (a full CUDA graph's padding has none)
             if slim is None and self._decode_kernel is not None and md.token_rows is not None:
                 # prompt tokens as decode rows, in groups of a chunk's consecutive tokens (a launch of
                 # their own: groups take more rows of products than a decode row needs)
