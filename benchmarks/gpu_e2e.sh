@@ -10,6 +10,8 @@
 # profiler and print where the GPU time went (benchmarks/trace_summary.py); tokens/s then suffer.
 # Each run also prints its tokens/s as its requests complete (benchmarks/completion.py): the last
 # 1% (the longest outputs, in a small batch) take about as long in every setting.
+# STEPS=1: also log every engine step (benchmarks/step_log) and print the run's time by kind of
+# step (benchmarks/step_times.py).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
@@ -22,13 +24,19 @@ for setting in $SETTINGS; do
     rm -rf "$OUT/trace-$SHAPE-$name"
     prof=(--profile --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$OUT/trace-$SHAPE-$name\", \"torch_profiler_with_stack\": false, \"delay_iterations\": ${PROFILE_DELAY:-300}, \"max_iterations\": $PROFILE}")
   fi
+  steps=()
+  if [ -n "${STEPS:-}" ]; then
+    rm -f "$OUT/steps-$SHAPE-$name".*
+    steps=(env KVCOMPRESS_STEP_LOG="$OUT/steps-$SHAPE-$name" PYTHONPATH="$REPO/benchmarks/step_log${PYTHONPATH:+:$PYTHONPATH}")
+  fi
   start=$(date +%s)
-  timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
+  "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
     --load-format dummy --dtype bfloat16 --max-model-len 2048 --kv-cache-memory-bytes 8589934592 \
     --dataset-name sharegpt --dataset-path "$DATA" --num-prompts "${NUM_PROMPTS:-1000}" --seed 0 \
     "${kv[@]}" "${prof[@]}" --output-json "$OUT/$SHAPE-$name.json" > "$OUT/$SHAPE-$name.log" 2>&1
   echo "== $SHAPE $name rc=$? $(( $(date +%s) - start ))s: $(grep -hoE 'KV cache size: [0-9,]+ tokens|Throughput: .*' "$OUT/$SHAPE-$name.log" | tr '\n' ' ')"
   grep -E "Error|error:" "$OUT/$SHAPE-$name.log" | grep -v -i "warn" | tail -3
   python "$REPO/benchmarks/completion.py" "$OUT/$SHAPE-$name.log"  # tokens/s at 50/90/99/100% of requests done
+  [ -z "${STEPS:-}" ] || python "$REPO/benchmarks/step_times.py" "$OUT/steps-$SHAPE-$name".*
   [ -z "${PROFILE:-}" ] || python "$REPO/benchmarks/trace_summary.py" "$OUT/trace-$SHAPE-$name" --top 15
 done

@@ -312,3 +312,52 @@ def test_completion_reads_the_rate_at_each_fraction_of_requests_done():
     assert completion.summary(log, (0.5, 1.0)) == "50% done at 5 s: 5,000 tokens/s; 100% done at 75 s: 720 tokens/s"
     with pytest.raises(ValueError, match="no progress bar"):
         completion.summary("INFO nothing here\n")
+
+
+def test_step_log_records_each_metadata_build(tmp_path):
+    """``benchmarks/step_log`` on PYTHONPATH wraps our builder once its module is imported: a
+    padded decode batch (3 decodes, 2 requests of no tokens) and a mixed one each add a line of
+    requests, decodes, padding and tokens, in a file named by the process id."""
+    script = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_backend_metadata import _build
+_build([1, 1, 1, 0, 0], [5, 9, 7, 0, 0])
+_build([1, 1, 5, 2], [5, 9, 12, 2])
+"""
+    env = dict(os.environ, KVCOMPRESS_STEP_LOG=str(tmp_path / "steps"),
+               PYTHONPATH=os.pathsep.join([str(REPO / "benchmarks" / "step_log"), str(REPO)]))
+    subprocess.run([sys.executable, "-c", script, str(REPO / "tests")], env=env, check=True, timeout=300)
+    (log,) = tmp_path.glob("steps.*")
+    lines = [line.split() for line in log.read_text().splitlines()]
+    assert [line[1:] for line in lines] == [["5", "3", "2", "3"], ["4", "2", "0", "9"]]
+    assert float(lines[0][0]) <= float(lines[1][0])
+
+
+def test_step_times_splits_a_run_by_kind_of_step():
+    """A step log with the engine's start-up (a dummy batch, CUDA-graph capture, one-request
+    warm-up steps) before the run: the run starts at its first big step, each step lasts until the
+    next build, padded decode batches count as decode steps, and the kinds' seconds add up."""
+    from benchmarks import step_times
+
+    log = "\n".join([
+        "0.0 480 0 0 960",       # start-up: a dummy batch (2 tokens a request)
+        "30.0 1 1 0 1",          # warm-up on one request
+        "31.0 512 512 0 512",    # capture (after the first single request: under 1,024 tokens)
+        "33.0 1 0 0 10",         # the benchmark's own warm-up
+        "35.0 40 1 0 4000",      # the run: a big mixed step (no CUDA graph) ...
+        "35.5 130 128 2 130",    # ... a padded decode batch of 128 requests, 0.01 s
+        "35.51 129 128 0 328",   # ... a mixed step of 200 prompt tokens, 0.02 s
+        "35.53 10 10 0 10",      # ... a small decode step, 0.01 s
+        "35.54 10 10 0 10",      # (the last build: its step has no end)
+    ])
+    run = step_times.steps(log)
+    assert [(s.decodes, s.prompt_tokens) for s in run] == [(1, 3999), (128, 0), (128, 200), (10, 0)]
+    assert [s.seconds for s in run] == pytest.approx([0.5, 0.01, 0.02, 0.01])
+    table = step_times.table(run)
+    assert table.splitlines()[0] == "4 steps, 0.54 s"
+    rows = {line[:34].strip(): line[34:].split() for line in table.splitlines()[2:]}
+    assert rows["decode, 120 rows or more"][:2] == ["1", "0.01"]
+    assert rows["mixed, up to 256 prompt tokens"][:2] == ["1", "0.02"]
+    assert rows["mixed, over 512 (no CUDA graph)"][:3] == ["1", "0.50", "92.6%"]
+    assert rows["decode, under 20 rows"][:2] == ["1", "0.01"]

@@ -1,0 +1,78 @@
+"""Where a `vllm bench throughput` run's time goes, by kind of engine step, from the step log that
+``benchmarks/step_log`` writes (``gpu_e2e.sh`` with ``STEPS=1``).
+
+A step's time is the interval from its metadata build to the next one on the host. With vLLM's
+asynchronous scheduling the host prepares a step while the GPU runs the one before, so over many
+steps these intervals add up to the run's time, while a single one may hold part of its
+neighbour's. The run starts at the first step of 1,024 tokens or more after a step of one request:
+the engine starts with dummy batches (of any size), captures CUDA graphs and warms up on single
+requests, all under 1,024 tokens after the first single request; the benchmark then hands all its
+prompts over at once.
+
+    python -m benchmarks.step_times STEPLOG.PID [...]     # a table per log
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+
+FIRST_STEP_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Step:
+    seconds: float       # until the next step's build
+    decodes: int         # requests with one new token
+    prompt_tokens: int   # tokens of the other requests (0: a decode-only step, padding aside)
+
+
+def steps(text: str) -> list[Step]:
+    """The run's steps from a step log (``host_time requests decodes padding tokens`` a line)."""
+    rows = [[float(x) for x in line.split()] for line in text.splitlines() if line.strip()]
+    single = next((i for i, r in enumerate(rows) if r[1] == 1), 0)
+    start = next((i for i in range(single, len(rows)) if rows[i][4] >= FIRST_STEP_TOKENS), 0)
+    rows = rows[start:]
+    out = []
+    for (t, requests, decodes, padding, tokens), nxt in zip(rows, rows[1:]):
+        prompt = 0 if requests - padding == decodes else int(tokens - decodes)
+        out.append(Step(nxt[0] - t, int(decodes), prompt))
+    return out
+
+
+KINDS = (  # name, test
+    ("decode, under 20 rows", lambda s: not s.prompt_tokens and s.decodes < 20),
+    ("decode, 20 to 119 rows", lambda s: not s.prompt_tokens and 20 <= s.decodes < 120),
+    ("decode, 120 rows or more", lambda s: not s.prompt_tokens and s.decodes >= 120),
+    ("mixed, up to 256 prompt tokens", lambda s: 0 < s.prompt_tokens <= 256),
+    ("mixed, 257 to 512", lambda s: 256 < s.prompt_tokens <= 512),
+    ("mixed, over 512 (no CUDA graph)", lambda s: s.prompt_tokens > 512),
+)
+
+
+def table(run: list[Step]) -> str:
+    total = sum(s.seconds for s in run)
+    lines = [f"{len(run)} steps, {total:.2f} s",
+             f"{'kind':34s} {'steps':>6s} {'s':>7s} {'share':>6s} {'median ms':>10s} {'decode rows':>12s} {'prompt tokens':>14s}"]
+    for name, test in KINDS:
+        kind = [s for s in run if test(s)]
+        if not kind:
+            continue
+        seconds = sum(s.seconds for s in kind)
+        lines.append(f"{name:34s} {len(kind):6d} {seconds:7.2f} {seconds / total:6.1%} "
+                     f"{median(s.seconds for s in kind) * 1e3:10.2f} {sum(s.decodes for s in kind) / len(kind):12.0f} "
+                     f"{sum(s.prompt_tokens for s in kind) / len(kind):14.0f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("logs", nargs="+", type=Path)
+    for path in ap.parse_args().logs:
+        print(f"{path.name}: {table(steps(path.read_text()))}")
+
+
+if __name__ == "__main__":
+    main()
