@@ -4,13 +4,18 @@
 GPU (the tensors stay on the CPU: the metadata is indices, checked against numbers worked by hand).
 """
 
+import os
 from types import SimpleNamespace
 
-import torch
+# the backend imports the Triton kernels' modules: Triton's interpreter must be chosen before they
+# are (the CPU suite runs the kernels' tests in it, in the same process)
+os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
 
-from vllm.v1.attention.backend import CommonAttentionMetadata
+import torch  # noqa: E402
 
-from vllm_kvcompress.backend import KVCompressMetadataBuilder
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+
+from vllm_kvcompress.backend import KVCompressMetadataBuilder  # noqa: E402
 
 
 def _build(q_lens: list[int], seq_lens: list[int], rows_per_group: int = 1):
