@@ -360,6 +360,9 @@ __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, in
   using C = Lanes<BITS, 128>;  // a chunk is the unit of a lane that holds 4 channels
   using Word = typename C::Word;
   constexpr int CC = 4;
+  // new rows a lane keeps in registers between the two passes (its first ones; a 64-token block's
+  // all): two where that stays under the kernel's register budget without spilling, else one
+  constexpr int kKeptRows = BITS * D > 1024 ? 1 : 2;
   const bool has_old = first > 0;
   const T* src = static_cast<const T*>(t.src) + h * D;
   uint8_t* head_rows = page + t.codes + int64_t(h) * BLOCK * t.row_bytes;
@@ -375,18 +378,32 @@ __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, in
       lo[k] = INFINITY, hi[k] = -INFINITY;
     }
     // row r's values of the chunk's channels
-    const auto load_chunk = [&](int r) {
+    const auto load_chunk = [&](int r, float (&v)[CC]) {
 #pragma unroll
-      for (int k = 0; k < CC; ++k) x[k] = to_float(src[int64_t(row0 + r) * t.src_stride + c0 + k]);
+      for (int k = 0; k < CC; ++k) v[k] = to_float(src[int64_t(row0 + r) * t.src_stride + c0 + k]);
     };
-    for (int r = first + lane; r <= last; r += 32) {
-      load_chunk(r);
+    // a new row's values into the statistics; whether they fall on the stored grid only where there is one
+    const auto take = [&](const float (&v)[CC]) {
 #pragma unroll
       for (int k = 0; k < CC; ++k) {
-        lo[k] = fminf(lo[k], x[k]), hi[k] = fmaxf(hi[k], x[k]);
-        const float q = code_on(x[k], zero[k], step[k]);
-        off_grid |= unsigned(q < 0.f || q > C::TOP) << k;
+        lo[k] = fminf(lo[k], v[k]), hi[k] = fmaxf(hi[k], v[k]);
+        if (has_old) {
+          const float q = code_on(v[k], zero[k], step[k]);
+          off_grid |= unsigned(q < 0.f || q > C::TOP) << k;
+        }
       }
+    };
+    float kept[kKeptRows][CC];
+#pragma unroll
+    for (int j = 0; j < kKeptRows; ++j) {
+      const int r = first + lane + 32 * j;
+      if (r > last) break;
+      load_chunk(r, kept[j]);
+      take(kept[j]);
+    }
+    for (int r = first + lane + 32 * kKeptRows; r <= last; r += 32) {
+      load_chunk(r, x);
+      take(x);
     }
     for (int o = 16; o > 0; o >>= 1) {
       off_grid |= __shfl_xor_sync(kAll, off_grid, o);
@@ -409,24 +426,36 @@ __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, in
       const float2 g = min_max_stats(lo[k], hi[k], C::TOP);
       new_zero[k] = g.x, new_step[k] = g.y;
     }
-    for (int r = lane; r <= last; r += 32) {
+    // the stored rows: their codes move to the new grid where their channel's grid changed
+    for (int r = lane; r < first; r += 32) {
       uint8_t* unit = head_rows + r * t.row_bytes + chunk * C::UNIT_BYTES;
+      const Word old = C::load(unit);
       Word w = 0;
-      if (r >= first) {
-        load_chunk(r);
 #pragma unroll
-        for (int k = 0; k < CC; ++k) w |= Word(clamped_code(x[k], new_zero[k], new_step[k], C::TOP)) << (k * BITS);
-      } else {
-        const Word old = C::load(unit);
-#pragma unroll
-        for (int k = 0; k < CC; ++k) {
-          unsigned code = unsigned(old >> (k * BITS)) & C::MASK;
-          if ((off_grid >> k) & 1)
-            code = clamped_code(decoded(code, zero[k], step[k]), new_zero[k], new_step[k], C::TOP);
-          w |= Word(code) << (k * BITS);
-        }
+      for (int k = 0; k < CC; ++k) {
+        unsigned code = unsigned(old >> (k * BITS)) & C::MASK;
+        if ((off_grid >> k) & 1)
+          code = clamped_code(decoded(code, zero[k], step[k]), new_zero[k], new_step[k], C::TOP);
+        w |= Word(code) << (k * BITS);
       }
       C::store(unit, w);
+    }
+    // the new rows, on the new grid
+    const auto store_codes = [&](int r, const float (&v)[CC]) {
+      Word w = 0;
+#pragma unroll
+      for (int k = 0; k < CC; ++k) w |= Word(clamped_code(v[k], new_zero[k], new_step[k], C::TOP)) << (k * BITS);
+      C::store(head_rows + r * t.row_bytes + chunk * C::UNIT_BYTES, w);
+    };
+#pragma unroll
+    for (int j = 0; j < kKeptRows; ++j) {
+      const int r = first + lane + 32 * j;
+      if (r > last) break;
+      store_codes(r, kept[j]);
+    }
+    for (int r = first + lane + 32 * kKeptRows; r <= last; r += 32) {
+      load_chunk(r, x);
+      store_codes(r, x);
     }
 #pragma unroll
     for (int k = 0; k < CC; ++k) {
