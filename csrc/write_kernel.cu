@@ -393,18 +393,22 @@ __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, in
         }
       }
     };
+    // the lane's new rows r, each with where its values are: kept (a lane's first kKeptRows rows,
+    // loaded by the first pass, read again by the second) or x (loaded by each pass)
     float kept[kKeptRows][CC];
+    const auto each_new_row = [&](auto&& visit) {
 #pragma unroll
-    for (int j = 0; j < kKeptRows; ++j) {
-      const int r = first + lane + 32 * j;
-      if (r > last) break;
-      load_chunk(r, kept[j]);
-      take(kept[j]);
-    }
-    for (int r = first + lane + 32 * kKeptRows; r <= last; r += 32) {
-      load_chunk(r, x);
-      take(x);
-    }
+      for (int j = 0; j < kKeptRows; ++j) {
+        const int r = first + lane + 32 * j;
+        if (r > last) break;
+        visit(r, kept[j], true);
+      }
+      for (int r = first + lane + 32 * kKeptRows; r <= last; r += 32) visit(r, x, false);
+    };
+    each_new_row([&](int r, float (&v)[CC], bool) {
+      load_chunk(r, v);
+      take(v);
+    });
     for (int o = 16; o > 0; o >>= 1) {
       off_grid |= __shfl_xor_sync(kAll, off_grid, o);
 #pragma unroll
@@ -447,16 +451,10 @@ __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, in
       for (int k = 0; k < CC; ++k) w |= Word(clamped_code(v[k], new_zero[k], new_step[k], C::TOP)) << (k * BITS);
       C::store(head_rows + r * t.row_bytes + chunk * C::UNIT_BYTES, w);
     };
-#pragma unroll
-    for (int j = 0; j < kKeptRows; ++j) {
-      const int r = first + lane + 32 * j;
-      if (r > last) break;
-      store_codes(r, kept[j]);
-    }
-    for (int r = first + lane + 32 * kKeptRows; r <= last; r += 32) {
-      load_chunk(r, x);
-      store_codes(r, x);
-    }
+    each_new_row([&](int r, float (&v)[CC], bool is_kept) {
+      if (!is_kept) load_chunk(r, v);
+      store_codes(r, v);
+    });
 #pragma unroll
     for (int k = 0; k < CC; ++k) {
       if (lane != k) continue;

@@ -51,13 +51,14 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
     num_tokens = int(starts[-1])
     request = np.repeat(np.arange(len(q_lens), dtype=np.int32), q_lens)
     offset = np.arange(num_tokens, dtype=np.int32) - starts[request]
-    parts = [request, offset + 1 - q_lens[request]]  # a token's context: its request's, less the chunk's later tokens
+    q_len = q_lens[request]  # of each token's chunk
+    parts = [request, offset + 1 - q_len]  # a token's context: its request's, less the chunk's later tokens
     if rows_per_group > 1:
         per_request = -(-q_lens // rows_per_group)
         first_group = np.repeat(np.cumsum(per_request) - per_request, per_request)
         group_starts = (np.repeat(starts[:-1], per_request)
                         + (np.arange(len(first_group), dtype=np.int32) - first_group) * rows_per_group)
-        parts += [np.where(offset % rows_per_group == 0, np.minimum(q_lens[request] - offset, rows_per_group), 0),
+        parts += [np.where(offset % rows_per_group == 0, np.minimum(q_len - offset, rows_per_group), 0),
                   group_starts]
     request_dev, shift, *grouping = _to_device(parts, seq_lens.device)
     groups = TokenGroups(grouping[0], grouping[1], rows_per_group) if grouping else None
