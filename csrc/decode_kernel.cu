@@ -16,7 +16,8 @@
 //
 // Page format (docs/formats.md): K codes row by row, [H, BLOCK, 16 * BITS bytes], 8 / BITS channels
 // a byte (channel j * planes + k in bits k * BITS), scale and zero per channel [H, 128] float16; V
-// codes unit-major, [H, 16 * BITS units, BLOCK], scale and zero per token [H, BLOCK] float16.
+// codes in groups of 32 tokens, unit-major within a group, [H, BLOCK / 32, 16 * BITS units, 32], scale
+// and zero per token [H, BLOCK] float16.
 // Codes enter the products as float16 1024 + code (OR'd into 1024's mantissa); the offset is taken
 // out with sums of the right operand. Logits are in base-2 units (log2(e) folded into the query scale).
 //
@@ -33,6 +34,7 @@ constexpr int kHead = 128;    // head size
 constexpr int kBlock = 128;   // tokens a page
 constexpr int kSlice = 64;    // tokens of a page one warp takes
 constexpr int kWarps = kBlock / kSlice;
+constexpr int kTokenGroup = 32;  // codecs.TOKEN_GROUP: V codes of a unit's 32 consecutive tokens lie together
 constexpr uint32_t kMagic = 0x64006400u;  // float16 1024.0, twice
 constexpr unsigned kAll = 0xffffffffu;
 
@@ -147,11 +149,14 @@ __device__ __forceinline__ void load_v(PageLoads<BITS, STATS>& in, const uint8_t
                                        int lane, int slice0) {
   using G = Geometry<BITS>;
   const int g = lane >> 2, c = lane & 3;
-  const uint8_t* units = page + o.v_codes + (size_t(h) * G::kUnits + g) * kBlock + slice0 + 16 * c;
+  // the lane's tokens 16c.. of the slice lie in group tok / kTokenGroup, unit u of it at byte u * kTokenGroup
+  const int tok = slice0 + 16 * c;
+  const uint8_t* units = page + o.v_codes + ((size_t(h) * (kBlock / kTokenGroup) + tok / kTokenGroup) * G::kUnits + g) *
+                                                kTokenGroup + tok % kTokenGroup;
 #pragma unroll
   for (int i = 0; i < G::kTiles; ++i) {
-    in.v[i][0] = load16(units + (16 * i) * kBlock);
-    in.v[i][1] = load16(units + (16 * i + 8) * kBlock);
+    in.v[i][0] = load16(units + (16 * i) * kTokenGroup);
+    in.v[i][1] = load16(units + (16 * i + 8) * kTokenGroup);
   }
   const uint8_t* stats = page + (h * kBlock + slice0 + 16 * c) * 2;
   in.vs[0] = load16(stats + o.v_scale);

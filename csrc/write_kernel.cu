@@ -33,6 +33,7 @@ constexpr unsigned kAll = 0xffffffffu;
 constexpr int kWarps = 4;      // warps a thread block (each on its own work item)
 constexpr int kAppendUnroll = 8;  // (row, unit) pairs a lane has in flight at once
 constexpr float kWidenMargin = 0.125f;  // codecs.WIDEN_MARGIN
+constexpr int kTokenGroup = 32;         // codecs.TOKEN_GROUP (2- and 4-bit codes)
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -130,8 +131,9 @@ __device__ __forceinline__ void load_row(const T* row, int lane, float (&x)[D / 
   for (int k = 0; k < D / 32; ++k) x[k] = to_float(row[lane * (D / 32) + k]);
 }
 
-// Statistics per token: the token's own row. Its codes are stored unit-major, [H, row bytes, BLOCK]
-// (MinMaxCodec), so a byte of consecutive tokens lies together.
+// Statistics per token: the token's own row. Its codes are stored in groups of G tokens, unit-major
+// within a group, [H, BLOCK / G, row bytes, G] (MinMaxCodec.token_group: 32 at 2 and 4 bits, else the
+// block), so a byte of G consecutive tokens lies together and the token's bytes within G x row bytes.
 template <typename T, int BITS, int D>
 __device__ void write_row_per_token(const Tensor& t, int64_t i, uint8_t* page, int h, int off, int BLOCK,
                                     int lane) {
@@ -152,9 +154,12 @@ __device__ void write_row_per_token(const Tensor& t, int64_t i, uint8_t* page, i
     w |= typename L::Word(clamped_code(x[k], stats.x, stats.y, L::TOP)) << L::shift(lane, k);
   w = L::gather(w);
   if (lane % L::G == 0) {
-    uint8_t* unit = page + t.codes + (int64_t(h) * t.row_bytes + (lane / L::G) * L::UNIT_BYTES) * BLOCK + off;
+    const int group = (BITS == 2 || BITS == 4) && BLOCK % kTokenGroup == 0 ? kTokenGroup : BLOCK;
+    uint8_t* unit = page + t.codes +
+                    ((int64_t(h) * (BLOCK / group) + off / group) * t.row_bytes + (lane / L::G) * L::UNIT_BYTES) * group +
+                    off % group;
 #pragma unroll
-    for (int b = 0; b < L::UNIT_BYTES; ++b) unit[b * BLOCK] = uint8_t(w >> (8 * b));
+    for (int b = 0; b < L::UNIT_BYTES; ++b) unit[b * group] = uint8_t(w >> (8 * b));
   }
   if (lane == 0) {
     store_half(page + t.scale + (h * BLOCK + off) * 2, stats.y);

@@ -62,14 +62,17 @@ def _page_and_reference_rows(bits, axis, B=16, H=3, D=64):
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
-def test_token_statistics_codes_are_stored_unit_major(bits):
+@pytest.mark.parametrize("B", [64, 48])
+def test_token_statistics_codes_are_stored_unit_major_in_token_groups(bits, B):
     """docs/formats.md: with statistics per token, storage unit u (a byte; a 32-bit word at 3 bits)
-    of token t and head h is unit (h * units + u) * B + t of the codes region."""
-    page, rows = _page_and_reference_rows(bits, "token")
+    of token t and head h is unit ((h * B / G + t // G) * units + u) * G + t % G of the codes region:
+    groups of G = 32 tokens at 2 and 4 bits where 32 divides the block, else the whole block."""
+    group = 32 if bits in (2, 4) and B % 32 == 0 else B
+    page, rows = _page_and_reference_rows(bits, "token", B=B)
     B, H, R = rows.shape
     ub = 4 if bits == 3 else 1
     t, h, u = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(R // ub), indexing="ij")
-    where = (h * (R // ub) + u) * B + t
+    where = ((h * (B // group) + t // group) * (R // ub) + u) * group + t % group
     stored = page[:rows.numel()].reshape(-1, ub)[where.reshape(-1)]
     assert torch.equal(stored, rows.reshape(-1, ub))
 

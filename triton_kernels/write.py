@@ -161,8 +161,8 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     oldm = stored & ch_ok
     x_new = tl.load(src_ptr + j[:, None, None] * src_stride + h * D + ch, mask=newm, other=0.0).to(tl.float32)
 
-    # earlier tokens, decoded from the page (a new row's stored bytes are not read: unit-major,
-    # each of its units would be a 32-byte sector of its own)
+    # earlier tokens, decoded from the page (a new row's stored bytes are not read: with statistics
+    # per token its units lie 16 bytes apart, a sector for every two)
     unit = _load_units(code_unit_ptr(page, CODES, t, h, u, ROW, BLOCK, BITS, not PER_CHANNEL), stored & unit_ok, BITS)
     old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
     if PER_CHANNEL:

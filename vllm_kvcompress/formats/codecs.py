@@ -25,6 +25,11 @@ _EPS = 1e-6
 # keys at 4 bits, 48% fewer rows re-encoded and a smaller error than the bare span). A power of two,
 # so that the product is exact and an FMA in a kernel rounds as the reference does.
 WIDEN_MARGIN = 0.125
+# Tokens of a group of 2- and 4-bit codes with statistics per token (``MinMaxCodec.token_group``):
+# a decoding token's write touches a quarter of the 128-byte lines it would touch with the block's
+# tokens together, and a warp's loads of 16 tokens a lane still cover whole lines (docs/formats.md).
+TOKEN_GROUP = 32
+TOKEN_GROUP_BITS = (2, 4)
 
 
 def widened_span(lo: torch.Tensor, hi: torch.Tensor, zero: torch.Tensor, grid_top: torch.Tensor):
@@ -106,9 +111,12 @@ class MinMaxCodec:
     for 3 bits). With statistics per channel a page stores them row by row,
     head-major ``[H, B, units]``: a head's block of rows lies together, so
     re-encoding a channel reads and writes one stretch of memory; with
-    statistics per token, unit-major ``[H, units, B]``: a unit's codes of
-    consecutive tokens lie together, which is the order the decode kernel's
-    tensor-core product over tokens (``p . V``) consumes.
+    statistics per token, in groups of G = ``token_group`` tokens, unit-major
+    within a group ``[H, B / G, units, G]``: a unit's codes of G consecutive
+    tokens lie together, the order the decode kernels' product over tokens
+    (``p . V``) consumes, and a token's units lie within one group's
+    ``units x G`` bytes, so a decoding token's write touches fewer of the
+    page's 128-byte lines (docs/formats.md).
     """
 
     bits: int
@@ -117,6 +125,14 @@ class MinMaxCodec:
     block_size: int
     num_heads: int
     head_size: int
+
+    @property
+    def token_group(self) -> int:
+        """Tokens whose codes of one storage unit lie together where statistics are per token:
+        ``TOKEN_GROUP`` at 2 and 4 bits where it divides the block, else the whole block (8- and
+        3-bit codes: the Triton kernel, which decodes them, reads grouped ones 4 to 9% slower)."""
+        grouped = self.bits in TOKEN_GROUP_BITS and self.block_size % TOKEN_GROUP == 0
+        return TOKEN_GROUP if grouped else self.block_size
 
     @cached_property  # read by every kernel launch (page offsets)
     def _layout(self) -> _Layout:
@@ -217,8 +233,8 @@ class MinMaxCodec:
         if self.axis == "channel":
             return rows.transpose(1, 2)
         N, B, H, R = rows.shape
-        ub = self._unit_bytes()
-        return rows.reshape(N, B, H, R // ub, ub).permute(0, 2, 3, 1, 4)
+        ub, g = self._unit_bytes(), self.token_group
+        return rows.reshape(N, B // g, g, H, R // ub, ub).permute(0, 3, 1, 4, 2, 5)
 
     def _page_codes(self, pages: torch.Tensor) -> torch.Tensor:
         """[N, B, H, D] int32 codes of pages."""
@@ -227,9 +243,9 @@ class MinMaxCodec:
         if self.axis == "channel":
             rows = self._layout.view(pages, "codes", torch.uint8, (H, B, R)).transpose(1, 2)
         else:
-            ub = self._unit_bytes()
-            units = self._layout.view(pages, "codes", torch.uint8, (H, R // ub, B, ub))
-            rows = units.permute(0, 3, 1, 2, 4).reshape(pages.shape[0], B, H, R)
+            ub, g = self._unit_bytes(), self.token_group
+            units = self._layout.view(pages, "codes", torch.uint8, (H, B // g, R // ub, g, ub))
+            rows = units.permute(0, 2, 4, 1, 3, 5).reshape(pages.shape[0], B, H, R)
         return unpack(rows, self.bits, D)
 
     def _stats_to_page(self, stat: torch.Tensor) -> torch.Tensor:
