@@ -28,16 +28,36 @@ def test_write_matches_reference_bytes(layer_format, dealt):
     decode steps, then a chunk of several tokens appended to two partly filled blocks: identical
     pages, whether a block's chunks go to shares of each token's programs or are dealt out over the
     programs of its last tokens (as for a prefill's many tokens)."""
-    B, H, D = 16, 2, 64
-    fmt = KVPageFormat.from_layer_format(layer_format, torch.float32, B, H, D)
-    gen = torch.Generator().manual_seed(0)
-    ref = torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)
-    steps = [
+    B = 16
+    _steps_match_reference(layer_format, dealt, B, [
         torch.cat([torch.arange(3 * B, 3 * B + 16), torch.arange(5 * B, 5 * B + 5), torch.arange(1 * B, 1 * B + 9)]),
         torch.tensor([5 * B + 5, 1 * B + 9]),
         torch.tensor([5 * B + 6, -1, 1 * B + 10]),
         torch.cat([torch.arange(5 * B + 7, 5 * B + 13), torch.arange(1 * B + 11, 1 * B + 14)]),
-    ]
+    ])
+
+
+@pytest.mark.parametrize("dealt", [False, True], ids=["shares", "dealt"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_write_matches_reference_bytes_in_token_groups(bits, dealt):
+    """64-token blocks, whose 2- and 4-bit V codes lie in two groups of 32 tokens (docs/formats.md):
+    a full block, a prefill ending in its second group, decode steps, and chunks crossing from the
+    first group into the second."""
+    B = 64
+    _steps_match_reference(LayerFormat(k_bits=bits, v_bits=bits), dealt, B, [
+        torch.cat([torch.arange(3 * B, 4 * B), torch.arange(5 * B, 5 * B + 40), torch.arange(1 * B, 1 * B + 9)]),
+        torch.tensor([5 * B + 40, 1 * B + 9]),
+        torch.cat([torch.arange(5 * B + 41, 5 * B + 50), torch.arange(1 * B + 10, 1 * B + 36)]),
+    ])
+
+
+def _steps_match_reference(layer_format, dealt, B, steps):
+    """Writes ``steps`` (each a step's slots) with the kernel and with the reference: identical
+    pages decoded wherever a step wrote."""
+    H, D = 2, 64
+    fmt = KVPageFormat.from_layer_format(layer_format, torch.float32, B, H, D)
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)
     ours = ref.clone().to(DEVICE)
     for slots in steps:
         k = torch.randn(len(slots), H, D, generator=gen) * 2 + 0.5
