@@ -18,6 +18,6 @@ def code_unit_ptr(page, CODES: tl.constexpr, t, h, u, ROW: tl.constexpr, BLOCK: 
     UB: tl.constexpr = 4 if BITS == 3 else 1
     if TOKEN_MAJOR:
         G: tl.constexpr = 32 if (BITS == 2 or BITS == 4) and BLOCK % 32 == 0 else BLOCK
-        return page + CODES + ((h * (BLOCK // G) + t // G) * (ROW // UB * G) + t % G + u * G) * UB
+        return page + CODES + (((h * (BLOCK // G) + t // G) * (ROW // UB) + u) * G + t % G) * UB
     else:
         return page + CODES + (h * BLOCK + t) * ROW + u * UB
