@@ -349,6 +349,14 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
             q, k_cache, v_cache, max_seqlen_q=prompt, cu_seqlens_q=starts_dev, max_seqlen_k=900, seqused_k=seq_lens,
             softmax_scale=d ** -0.5, causal=True, block_table=flat_table, out=out, fa_version=3),
     }
+    from vllm_kvcompress import cuda_jit
+    if cuda_jit.nvcc_available():  # what the backend launches where nvcc exists
+        from vllm_kvcompress import cuda_decode, cuda_write
+        order = torch.argsort(seq_lens[:nd], descending=True).int()
+        cases[f"ours k{bits}v{bits}: cache write (K and V), CUDA"] = lambda: cuda_write.write_tokens(
+            cache, fmt, k, v, slots)
+        cases[f"ours k{bits}v{bits}: decode rows, CUDA"] = lambda: cuda_decode.paged_decode(
+            q[:nd], cache, fmt, table[:nd], seq_lens[:nd], d ** -0.5, 900, out=out[:nd], row_order=order)
     once_a_step = {"kernel": "ours: token_rows (once a step)", "host_us": _host_us(build_rows, calls=4)}
     return [{"kernel": name, "host_us": _host_us(fn)} for name, fn in cases.items()] + [once_a_step]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 # names of our kernels and of the parts of a step they belong to, for the summary lines
 GROUPS = {
-    "decode attention (ours)": ("_decode_kernel", "decode_mha", "decode_gqa", "_merge_splits_kernel", "_slim_decode"),
+    "decode attention (ours)": ("_decode_kernel", "decode_mha", "decode_gqa", "merge_splits", "_slim_decode"),
     "cache write (ours)": ("_write_kernel", "write_kernel<"),
     "attention (vLLM)": ("flash", "fmha", "attn"),
     "matmul": ("gemm", "sm90_xmma", "cutlass", "nvjet", "ampere_", "matmul"),

@@ -22,7 +22,8 @@
 // out with sums of the right operand. Logits are in base-2 units (log2(e) folded into the query scale).
 //
 // A thread block of 2 warps takes one (row, KV head, split); warp w takes tokens 64w..64w+63 of
-// every page, with its own running maximum, sum and output, merged at the end.
+// every page that holds any of them, with its own running maximum, sum and output, merged at the
+// end. A split launch's partial outputs are merged by merge_splits, launched by the same call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -299,13 +300,18 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   float acc[G::kTiles][P][4] = {};  // output of plane k, rows g, g + 8 of m-tile i: channels P (16i + g (+ 8)) + k
 
   PageLoads<BITS> in;
-  if (b_start < b_end) {
+  if (b_start < b_end && b_start * kBlock + slice0 < L) {
     const uint8_t* page = page_of(cache, table, b_start, page_bytes);
     load_k(in, page, o, h, lane, slice0, stats0);
     load_v(in, page, o, h, lane, slice0);
   }
+  // a warp stops at the first page that holds none of its slice (on a request's last page, warp 1
+  // past a context that ends in the first half), loading nothing for it; stated as a break rather
+  // than as the warp's own b_end, with which nvcc gave the 2-bit kernel 81 more registers and spills
   for (int b = b_start; b < b_end; ++b) {
-    const uint8_t* next = b + 1 < b_end ? page_of(cache, table, b + 1, page_bytes) : nullptr;
+    if (b * kBlock + slice0 >= L) break;
+    const uint8_t* next =
+        b + 1 < b_end && (b + 1) * kBlock + slice0 < L ? page_of(cache, table, b + 1, page_bytes) : nullptr;
 
     // the query scaled by K's channel scales: this lane's two registers, then gathered into the
     // product's operand order: k-step (w, plane k) of lane c takes the channels of bytes (0, 2) and
@@ -494,13 +500,15 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   float acc[G::kTiles][P][4] = {};
 
   PageLoads<BITS, STATS> in;
-  if (b_start < b_end) {
+  if (b_start < b_end && b_start * kBlock + slice0 < L) {
     const uint8_t* page = page_of(cache, table, b_start, page_bytes);
     load_k(in, page, o, h, lane, slice0, stats0);
     load_v(in, page, o, h, lane, slice0);
   }
   for (int b = b_start; b < b_end; ++b) {
-    const uint8_t* next = b + 1 < b_end ? page_of(cache, table, b + 1, page_bytes) : nullptr;
+    if (b * kBlock + slice0 >= L) break;  // as decode_mha
+    const uint8_t* next =
+        b + 1 < b_end && (b + 1) * kBlock + slice0 < L ? page_of(cache, table, b + 1, page_bytes) : nullptr;
 
     // scaled query: this lane's pairs, then each lane gathers column g's operand (as decode_mha)
     uint32_t qa[G::kWords][P], qb[G::kWords][P];
@@ -674,6 +682,26 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   }
 }
 
+// The output of a split launch from its partials ([rows, query heads, splits, head size + 2]: the
+// split's unnormalized output, its maximum in base-2 units, its sum), as triton_kernels/decode.py's
+// _merge_splits_kernel: a thread block a (row, query head), a thread a channel.
+template <typename T>
+__global__ void __launch_bounds__(kHead) merge_splits(const float* __restrict__ part, T* __restrict__ out,
+                                                      int64_t out_stride, int num_splits) {
+  const int row = blockIdx.x, qhead = blockIdx.y, ch = threadIdx.x;
+  const float* split0 = part + (int64_t(row) * gridDim.y + qhead) * num_splits * (kHead + 2);
+  float mm = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) mm = fmaxf(mm, split0[s * (kHead + 2) + kHead]);
+  float sum_out = 0.f, sum_l = 0.f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float* split = split0 + s * (kHead + 2);
+    const float w = ex2(split[kHead] - mm);  // 0 for a split that saw no token (maximum -inf)
+    sum_out = fmaf(split[ch], w, sum_out);
+    sum_l = fmaf(split[kHead + 1], w, sum_l);
+  }
+  out[int64_t(row) * out_stride + qhead * kHead + ch] = from_float(sum_out / sum_l, static_cast<T*>(nullptr));
+}
+
 }  // namespace
 
 template <int BITS, int GROUP, typename T>
@@ -690,6 +718,9 @@ static void launch(dim3 grid, cudaStream_t s, const void* query, const uint8_t* 
         static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
         q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
   }
+  if (num_splits > 1)
+    merge_splits<T><<<dim3(grid.x / num_heads, num_heads * GROUP), kHead, 0, s>>>(
+        static_cast<const float*>(part), static_cast<T*>(out), out_stride, num_splits);
 }
 
 using Launcher = void (*)(dim3, cudaStream_t, const void*, const uint8_t*, const int32_t*, const int32_t*,
@@ -710,7 +741,9 @@ static Launcher launcher(int group) {
 }
 
 // Launches on `stream` (a cudaStream_t) for codes of `bits` (2 or 4) bits and `group` (1, 2 or 4;
-// 2 bits: 1 or 4) query heads a KV head (`num_heads` KV heads); returns the launch's cudaError_t
+// 2 bits: 1 or 4) query heads a KV head (`num_heads` KV heads), and where `num_splits` > 1 the merge
+// of the splits' partials (`part`, [num_rows, query heads, num_splits, 130] float32) into `out`,
+// so one call (one pass through ctypes) does the whole decode; returns the launch's cudaError_t
 // (cudaErrorInvalidValue for other widths or groups).
 extern "C" int kvc_decode(const void* query, const void* cache, const void* block_table, const void* seq_lens,
                           const void* row_order, void* out, void* part, float q_scale, int64_t q_stride,

@@ -71,6 +71,31 @@ def test_rows_taken_longest_first_equal_reference(num_splits):
         assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
 
 
+def test_split_launches_share_one_partials_buffer():
+    """A step's layers launch one after another on one stream, so their split partials share one
+    buffer (no allocation a layer): two layers' launches of different batches, each merged before
+    the next writes, both equal the reference, and the second took its partials from the first's
+    buffer, grown only for a larger split count asked for explicitly."""
+    from vllm_kvcompress.triton_kernels import decode
+    B, H, HQ, D = 16, 2, 4, 64
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), dtype, B, H, D)
+    starts = []
+    for layer, (seq_lens, num_splits) in enumerate((([70, 5, 33], 2), ([40, 17], 2), ([64, 9, 50, 3], 4))):
+        cache, table = fill_pages(fmt, seq_lens, 1, seed=20 + layer)
+        q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(layer)).to(dtype)
+        ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, D ** -0.5)
+        run = decode.split_launch(q.to(DEVICE), fmt, max(seq_lens), num_splits, None)
+        starts.append((run.part.data_ptr(), run.part.untyped_storage().nbytes()))
+        got = paged_decode(q.to(DEVICE), cache.to(DEVICE), fmt, table.to(DEVICE),
+                           torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), D ** -0.5, max(seq_lens),
+                           num_splits=num_splits)
+        torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    assert starts[1] == starts[0]
+    needed = 4 * HQ * 4 * (D + 2) * 4  # the third launch's partials, in bytes
+    assert starts[2][1] >= needed and (starts[2] == starts[0] or starts[0][1] < needed)
+
+
 def test_row_strided_and_misaligned_views_equal_reference():
     """Queries and outputs as row-strided views (rows wider than the heads, as in a fused QKV
     output), first 16-byte aligned, then at an odd element offset: on the GPU the kernel compiled

@@ -24,7 +24,7 @@ from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .addressing import code_unit_ptr
-from .launch import Variant, launch
+from .launch import Variant, launch, stream_handle
 from .layout import page_layout
 
 
@@ -380,13 +380,16 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
                       device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Enough programs to give each SM ``programs_per_sm``, at least one block per split, a power of two."""
     if device.type != "cuda":
         return 1
-    index = torch.cuda.current_device() if device.index is None else device.index
-    want = max(1, -(-programs_per_sm * _multiprocessors(index) // (num_seqs * num_kv_heads)))
+    want = max(1, -(-programs_per_sm * _multiprocessors(_device_index(device)) // (num_seqs * num_kv_heads)))
     max_blocks = max(1, -(-max_seq_len // block_size))
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), MAX_SPLITS)
 
@@ -507,8 +510,29 @@ def split_launch(query: torch.Tensor, fmt: KVPageFormat, max_seq_len: int, num_s
         raise ValueError(f"out: strides {out.stride()}; heads and channels must be contiguous within a row")
     part = out
     if num_splits > 1:
-        part = torch.empty(n, hq, num_splits, d + 2, dtype=torch.float32, device=query.device)
+        part = _partials(n * hq * num_splits * (d + 2), query.device, programs_per_sm * (hq // fmt.k.num_heads) * (d + 2)
+                         ).view(n, hq, num_splits, d + 2)
     return SplitLaunch(query, q_stride, out, num_splits, blocks_per_split, part)
+
+
+_partials_buffers: dict[tuple, list[torch.Tensor]] = {}  # by device and stream, the largest last
+
+
+def _partials(numel: int, device: torch.device, per_program: int) -> torch.Tensor:
+    """Float32 room for a split launch's partials (``per_program`` floats a program of a KV head), at
+    the start of a buffer kept for the device's current stream and shared by every launch on it: a
+    launch's merge has read them before the next launch on the stream writes them. A step's layers
+    then allocate nothing (two tensors a layer cost the host microseconds outside CUDA graphs), and
+    the buffer stays where CUDA graphs captured it. It is made large enough for any split count that
+    ``choose_num_splits`` gives, under 4 x its programs (the power of two past a count that fills
+    the SMs); one made too small for a count asked for explicitly is kept when a larger one is made."""
+    cuda = device.type == "cuda"
+    key = (device.type, device.index, stream_handle(device) if cuda else 0)
+    buffers = _partials_buffers.setdefault(key, [])
+    if not buffers or buffers[-1].numel() < numel:
+        least = 4 * _multiprocessors(_device_index(device)) * per_program if cuda else 0
+        buffers.append(torch.empty(max(numel, least), dtype=torch.float32, device=device))
+    return buffers[-1][:numel]
 
 
 def merge_splits(run: SplitLaunch) -> None:

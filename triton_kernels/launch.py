@@ -60,6 +60,13 @@ def launch(variant: Variant, grid: tuple[int, ...], args: tuple) -> None:
                  *args, *tail)
 
 
+def stream_handle(device: torch.device) -> int:
+    """The handle of ``device``'s current CUDA stream, got as Triton's launcher gets it: a third of
+    ``torch.cuda.current_stream(device).cuda_stream``'s host time, which builds a Stream object."""
+    current_stream, current_device = _stream_getters()
+    return current_stream(current_device() if device.index is None else device.index)
+
+
 @functools.cache
 def _stream_getters():
     """Bound on first use: the CPU (interpreter) has no GPU driver."""

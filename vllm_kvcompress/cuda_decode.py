@@ -7,7 +7,7 @@ ctypes, so the build includes no torch headers (a few seconds).
 
 ``paged_decode`` has the Triton kernel's signature: decode rows (one token a request) go to the
 CUDA kernel, prompt tokens taken in groups (``groups``) to the Triton kernel. Splits of a long
-context are merged by the Triton kernel's merge.
+context are merged by a CUDA kernel launched in the same call.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 from vllm_kvcompress.token_rows import TokenGroups
 
 from . import cuda_jit
+from .triton_kernels.launch import stream_handle
 from .triton_kernels.layout import page_layout
 
 _LOG2E = 1.4426950408889634
@@ -115,9 +116,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         None if row_order is None else row_order.data_ptr(), run.out.data_ptr(), run.part.data_ptr(),
         sm_scale * _LOG2E, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes,
         run.blocks_per_split, run.num_splits, n, h, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale,
-        lay.v.zero, lay.k.bits, hq // h, int(query.dtype == torch.bfloat16),
-        torch.cuda.current_stream(query.device).cuda_stream)
+        lay.v.zero, lay.k.bits, hq // h, int(query.dtype == torch.bfloat16), stream_handle(query.device))
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")
-    triton_decode.merge_splits(run)
     return run.out

@@ -19,6 +19,7 @@ import torch
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 
 from . import cuda_jit
+from .triton_kernels.launch import stream_handle
 from .triton_kernels.layout import page_layout
 
 def supports(fmt: KVPageFormat) -> str | None:
@@ -95,7 +96,7 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     slots = slot_mapping.long()
     sources = (key, value)
     tail = (slots.data_ptr(), cache.data_ptr(), n, fmt.k.num_heads, fmt.k.head_size, fmt.page_bytes, fmt.block_size)
-    stream = torch.cuda.current_stream(cache.device).cuda_stream
+    stream = stream_handle(cache.device)
     for count, a, a_layout, b, b_layout, bits in _launches(fmt):
         err = _library().kvc_write(count, *_source(sources[a]), *a_layout, *_source(sources[b]), *b_layout, *tail,
                                    bits, _DTYPES[key.dtype], stream)
