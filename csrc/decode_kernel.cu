@@ -35,7 +35,9 @@ constexpr int kHead = 128;    // head size
 constexpr int kBlock = 128;   // tokens a page
 constexpr int kSlice = 64;    // tokens of a page one warp takes
 constexpr int kWarps = kBlock / kSlice;
-constexpr int kTokenGroup = 32;  // codecs.TOKEN_GROUP: V codes of a unit's 32 consecutive tokens lie together
+// V codes of a unit's 32 consecutive tokens lie together (TensorLayout.token_group; cuda_decode.supports
+// refuses other groups)
+constexpr int kTokenGroup = 32;
 constexpr uint32_t kMagic = 0x64006400u;  // float16 1024.0, twice
 constexpr unsigned kAll = 0xffffffffu;
 
@@ -195,6 +197,9 @@ __device__ __forceinline__ const uint8_t* page_of(const uint8_t* cache, const in
   return cache + int64_t(table[b]) * page_bytes;
 }
 
+// Whether page b of a context of L tokens holds any of the warp's slice (its tokens slice0.. of a page)
+__device__ __forceinline__ bool holds_slice(int b, int slice0, int L) { return b * kBlock + slice0 < L; }
+
 // q.K of the warp's slice: s[i][0..1] for token 8g + i (product row g), s[i][2..3] for token 8g + 4 + i
 // (row g + 8), columns 2c, 2c + 1 of the right operand (qa, qb: the scaled query of k-step (w, plane))
 template <int BITS, int STATS>
@@ -300,7 +305,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   float acc[G::kTiles][P][4] = {};  // output of plane k, rows g, g + 8 of m-tile i: channels P (16i + g (+ 8)) + k
 
   PageLoads<BITS> in;
-  if (b_start < b_end && b_start * kBlock + slice0 < L) {
+  if (b_start < b_end && holds_slice(b_start, slice0, L)) {
     const uint8_t* page = page_of(cache, table, b_start, page_bytes);
     load_k(in, page, o, h, lane, slice0, stats0);
     load_v(in, page, o, h, lane, slice0);
@@ -309,9 +314,9 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   // past a context that ends in the first half), loading nothing for it; stated as a break rather
   // than as the warp's own b_end, with which nvcc gave the 2-bit kernel 81 more registers and spills
   for (int b = b_start; b < b_end; ++b) {
-    if (b * kBlock + slice0 >= L) break;
+    if (!holds_slice(b, slice0, L)) break;
     const uint8_t* next =
-        b + 1 < b_end && (b + 1) * kBlock + slice0 < L ? page_of(cache, table, b + 1, page_bytes) : nullptr;
+        b + 1 < b_end && holds_slice(b + 1, slice0, L) ? page_of(cache, table, b + 1, page_bytes) : nullptr;
 
     // the query scaled by K's channel scales: this lane's two registers, then gathered into the
     // product's operand order: k-step (w, plane k) of lane c takes the channels of bytes (0, 2) and
@@ -500,15 +505,15 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   float acc[G::kTiles][P][4] = {};
 
   PageLoads<BITS, STATS> in;
-  if (b_start < b_end && b_start * kBlock + slice0 < L) {
+  if (b_start < b_end && holds_slice(b_start, slice0, L)) {
     const uint8_t* page = page_of(cache, table, b_start, page_bytes);
     load_k(in, page, o, h, lane, slice0, stats0);
     load_v(in, page, o, h, lane, slice0);
   }
   for (int b = b_start; b < b_end; ++b) {
-    if (b * kBlock + slice0 >= L) break;  // as decode_mha
+    if (!holds_slice(b, slice0, L)) break;  // as decode_mha
     const uint8_t* next =
-        b + 1 < b_end && (b + 1) * kBlock + slice0 < L ? page_of(cache, table, b + 1, page_bytes) : nullptr;
+        b + 1 < b_end && holds_slice(b + 1, slice0, L) ? page_of(cache, table, b + 1, page_bytes) : nullptr;
 
     // scaled query: this lane's pairs, then each lane gathers column g's operand (as decode_mha)
     uint32_t qa[G::kWords][P], qb[G::kWords][P];

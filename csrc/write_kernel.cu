@@ -33,7 +33,6 @@ constexpr unsigned kAll = 0xffffffffu;
 constexpr int kWarps = 4;      // warps a thread block (each on its own work item)
 constexpr int kAppendUnroll = 8;  // (row, unit) pairs a lane has in flight at once
 constexpr float kWidenMargin = 0.125f;  // codecs.WIDEN_MARGIN
-constexpr int kTokenGroup = 32;         // codecs.TOKEN_GROUP (2- and 4-bit codes)
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -83,7 +82,9 @@ struct Tensor {
   const void* src;   // [N, H, D] rows src_stride elements apart
   int64_t src_stride;
   int codes, row_bytes, scale, zero;  // byte offsets in a page, bytes of one (token, head) row
-  bool per_channel;
+  // statistics per token: tokens whose codes of one unit lie together (TensorLayout.token_group);
+  // 0: statistics per channel, rows head-major
+  int token_group;
 };
 
 // How a warp holds one row of D channels at BITS bits. A lane's codes fill LANE_BITS; where that is
@@ -131,9 +132,9 @@ __device__ __forceinline__ void load_row(const T* row, int lane, float (&x)[D / 
   for (int k = 0; k < D / 32; ++k) x[k] = to_float(row[lane * (D / 32) + k]);
 }
 
-// Statistics per token: the token's own row. Its codes are stored in groups of G tokens, unit-major
-// within a group, [H, BLOCK / G, row bytes, G] (MinMaxCodec.token_group: 32 at 2 and 4 bits, else the
-// block), so a byte of G consecutive tokens lies together and the token's bytes within G x row bytes.
+// Statistics per token: the token's own row. Its codes are stored in groups of G = t.token_group
+// tokens, unit-major within a group, [H, BLOCK / G, row bytes, G], so a byte of G consecutive tokens
+// lies together and the token's bytes within G x row bytes.
 template <typename T, int BITS, int D>
 __device__ void write_row_per_token(const Tensor& t, int64_t i, uint8_t* page, int h, int off, int BLOCK,
                                     int lane) {
@@ -154,7 +155,7 @@ __device__ void write_row_per_token(const Tensor& t, int64_t i, uint8_t* page, i
     w |= typename L::Word(clamped_code(x[k], stats.x, stats.y, L::TOP)) << L::shift(lane, k);
   w = L::gather(w);
   if (lane % L::G == 0) {
-    const int group = (BITS == 2 || BITS == 4) && BLOCK % kTokenGroup == 0 ? kTokenGroup : BLOCK;
+    const int group = t.token_group;
     uint8_t* unit = page + t.codes +
                     ((int64_t(h) * (BLOCK / group) + off / group) * t.row_bytes + (lane / L::G) * L::UNIT_BYTES) * group +
                     off % group;
@@ -496,7 +497,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6)
   if (item >= num_tokens * H * num_tensors) return;
   const Tensor t = item % num_tensors == 0 ? a : b;
   const int i = item / num_tensors / H, h = item / num_tensors % H;
-  const bool per_channel = t.per_channel;
+  const bool per_channel = t.token_group == 0;
   // the slots right after and before token i, loaded with its own (per-channel statistics only)
   const int64_t next = per_channel && i + 1 + lane < num_tokens ? slots[i + 1 + lane] : -1;
   const int64_t prev = per_channel && i - 1 - lane >= 0 ? slots[i - 1 - lane] : -1;
@@ -544,16 +545,16 @@ Launcher launcher_of(int head_size, int bits) {
 
 // One or two tensors of the pages (K, and V where it has K's width) at `bits` bits, each from its
 // source [N, H, head_size] (rows src_stride elements apart; channels contiguous) with its page
-// layout: statistics per channel or not, byte offsets of codes, scale and zero, bytes a row. slots
+// layout: its token group (0: statistics per channel), byte offsets of codes, scale and zero, bytes a row. slots
 // [N] int64 (-1: skip), cache [num_blocks, page_bytes] uint8; dtype 0 float32, 1 float16, 2 bfloat16.
 // Returns a cudaError_t (cudaErrorInvalidValue for what the kernel does not cover).
-extern "C" int kvc_write(int num_tensors, const void* a_src, int64_t a_stride, int a_per_channel, int a_codes,
+extern "C" int kvc_write(int num_tensors, const void* a_src, int64_t a_stride, int a_token_group, int a_codes,
                          int a_row_bytes, int a_scale, int a_zero, const void* b_src, int64_t b_stride,
-                         int b_per_channel, int b_codes, int b_row_bytes, int b_scale, int b_zero, const void* slots,
+                         int b_token_group, int b_codes, int b_row_bytes, int b_scale, int b_zero, const void* slots,
                          void* cache, int num_tokens, int num_heads, int head_size, int64_t page_bytes,
                          int block_size, int bits, int dtype, void* stream) {
-  const Tensor a{a_src, a_stride, a_codes, a_row_bytes, a_scale, a_zero, a_per_channel != 0};
-  const Tensor b{b_src, b_stride, b_codes, b_row_bytes, b_scale, b_zero, b_per_channel != 0};
+  const Tensor a{a_src, a_stride, a_codes, a_row_bytes, a_scale, a_zero, a_token_group};
+  const Tensor b{b_src, b_stride, b_codes, b_row_bytes, b_scale, b_zero, b_token_group};
   const Launcher f = dtype == 0   ? launcher_of<float>(head_size, bits)
                      : dtype == 1 ? launcher_of<__half>(head_size, bits)
                      : dtype == 2 ? launcher_of<__nv_bfloat16>(head_size, bits)

@@ -24,21 +24,21 @@ from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .addressing import code_unit_ptr
-from .launch import Variant, launch, stream_handle
+from .launch import Variant, device_index, launch, stream_handle
 from .layout import page_layout
 
 
 @triton.jit
 def _gathered_codes(page, CODES: tl.constexpr, tok, h, ROW: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                    BITS: tl.constexpr, TOKEN_MAJOR: tl.constexpr, ASM: tl.constexpr):
+                    BITS: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
     """Codes [T, D] of tokens ``tok`` ([T, 1]) of 8- or 3-bit rows as float16 (see ``_as_fp16``),
-    one load per channel (``code_unit_ptr`` places them)."""
+    one load per channel (``code_unit_ptr`` places them, ``GROUP`` as there)."""
     d = tl.arange(0, D)[None, :]
     if BITS == 8:
-        c, _, _, _ = _unpacked_planes(tl.load(code_unit_ptr(page, CODES, tok, h, d, ROW, BLOCK, 8, TOKEN_MAJOR)), 8, ASM)
+        c, _, _, _ = _unpacked_planes(tl.load(code_unit_ptr(page, CODES, tok, h, d, ROW, BLOCK, 8, GROUP)), 8, ASM)
         return c
     else:  # 3 bits: ten 3-bit codes + one 2-bit code per little-endian 32-bit word
-        words = code_unit_ptr(page, CODES, tok, h, d // 11, ROW, BLOCK, 3, TOKEN_MAJOR).to(tl.pointer_type(tl.int32))
+        words = code_unit_ptr(page, CODES, tok, h, d // 11, ROW, BLOCK, 3, GROUP).to(tl.pointer_type(tl.int32))
         w = tl.load(words)
         return _as_fp16((w >> ((d % 11) * 3)) & tl.where(d % 11 == 10, 3, 7))
 
@@ -148,8 +148,8 @@ def _decode_kernel(
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
-    V_ZERO: tl.constexpr, V_CS: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr, ONE_ROW: tl.constexpr,
-    ROW_QUERY: tl.constexpr,
+    V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_GROUP: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr,
+    ONE_ROW: tl.constexpr, ROW_QUERY: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one
     token of a prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group
@@ -165,6 +165,7 @@ def _decode_kernel(
     GP rows of which GP - 1 are zero.
 
     KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
+    V_GROUP: V's tokens a group (``TensorLayout.token_group``; K's codes are rows per channel).
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
     per plane, so packed bytes go to the tensor cores without being interleaved.
 
@@ -248,11 +249,11 @@ def _decode_kernel(
             qs = (qc * ks[None, :]).to(tl.float16)
             bias = tl.sum(qf * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
             if KP == 1:  # 8 bits, or 3 bits gathered
-                s = tl.dot(qs, tl.trans(_gathered_codes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, False,
+                s = tl.dot(qs, tl.trans(_gathered_codes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, 0,
                                                         ASM)))
             else:
                 kb = tl.load(code_unit_ptr(page, K_CODES, tok[:, None], h, tl.arange(0, D // KP)[None, :], K_ROW, BLOCK,
-                                           K_BITS, False))
+                                           K_BITS, 0))
                 k0, k1, k2, k3 = _unpacked_planes(kb, K_BITS, ASM)
                 qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
                 if ROW_QUERY:  # every row of the products is the query's
@@ -316,12 +317,12 @@ def _decode_kernel(
                 c0, c1, c2, c3 = 1.0, 1.0, 1.0, 1.0
             if VP == 1:  # 8 bits, or 3 bits gathered
                 unit = tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0) if V_BITS == 3 else 1.0
-                codes = _gathered_codes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, True, ASM)
+                codes = _gathered_codes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, V_GROUP, ASM)
                 acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, codes, unit, c0)
             else:
                 # codes unit-major (statistics per token): a unit's tokens lie together, the order of
                 # the product over tokens
-                vb = tl.load(code_unit_ptr(page, V_CODES, tok[:, None], h, dv, V_ROW, BLOCK, V_BITS, True))
+                vb = tl.load(code_unit_ptr(page, V_CODES, tok[:, None], h, dv, V_ROW, BLOCK, V_BITS, V_GROUP))
                 v0, v1, v2, v3 = _unpacked_planes(vb, V_BITS, ASM)
                 acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, v0, 1.0, c0)
                 acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1.0 / (1 << V_BITS), c1)
@@ -380,16 +381,12 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _device_index(device: torch.device) -> int:
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
                       device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Enough programs to give each SM ``programs_per_sm``, at least one block per split, a power of two."""
     if device.type != "cuda":
         return 1
-    want = max(1, -(-programs_per_sm * _multiprocessors(_device_index(device)) // (num_seqs * num_kv_heads)))
+    want = max(1, -(-programs_per_sm * _multiprocessors(device_index(device)) // (num_seqs * num_kv_heads)))
     max_blocks = max(1, -(-max_seq_len // block_size))
     return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), MAX_SPLITS)
 
@@ -425,7 +422,8 @@ def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, grou
         K_BITS=lay.k.bits, KP=_planes(lay.k.bits), K_CODES=lay.k.codes, K_ROW=lay.k.row_bytes,
         K_SCALE=lay.k.scale, K_ZERO=lay.k.zero,
         V_BITS=lay.v.bits, VP=_planes(lay.v.bits), V_CODES=lay.v.codes, V_ROW=lay.v.row_bytes,
-        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale, ASM=asm_unpack, ORDERED=ordered,
+        V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale, V_GROUP=lay.v.token_group,
+        ASM=asm_unpack, ORDERED=ordered,
         ONE_ROW=one_row,
         # 2-bit K only: scaling four planes of one row saves most (H200, MHA 2/2, batch 64 at 4,096
         # tokens 382.8 -> 369.4 us, a serving step's rows 122.4 -> 113.6); at 4 and 8 bits the
@@ -530,7 +528,7 @@ def _partials(numel: int, device: torch.device, per_program: int) -> torch.Tenso
     key = (device.type, device.index, stream_handle(device) if cuda else 0)
     buffers = _partials_buffers.setdefault(key, [])
     if not buffers or buffers[-1].numel() < numel:
-        least = 4 * _multiprocessors(_device_index(device)) * per_program if cuda else 0
+        least = 4 * _multiprocessors(device_index(device)) * per_program if cuda else 0
         buffers.append(torch.empty(max(numel, least), dtype=torch.float32, device=device))
     return buffers[-1][:numel]
 

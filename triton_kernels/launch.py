@@ -60,11 +60,16 @@ def launch(variant: Variant, grid: tuple[int, ...], args: tuple) -> None:
                  *args, *tail)
 
 
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index, the current device's where ``device`` names none."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def stream_handle(device: torch.device) -> int:
     """The handle of ``device``'s current CUDA stream, got as Triton's launcher gets it: a third of
     ``torch.cuda.current_stream(device).cuda_stream``'s host time, which builds a Stream object."""
-    current_stream, current_device = _stream_getters()
-    return current_stream(current_device() if device.index is None else device.index)
+    current_stream, _ = _stream_getters()
+    return current_stream(device_index(device))
 
 
 @functools.cache

@@ -17,6 +17,9 @@ class TensorLayout:
     scale: int = 0
     zero: int = 0
     channel_scale: int = -1  # -1: none
+    # statistics per token: tokens whose codes of one storage unit lie together (MinMaxCodec.token_group);
+    # 0: statistics per channel (or raw values), rows head-major
+    token_group: int = 0
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,8 @@ def _tensor_layout(codec, base: int) -> TensorLayout:
     off = codec._layout.offsets
     return TensorLayout(codec.bits, base + off["codes"][0], packed_row_bytes(codec.head_size, codec.bits),
                         base + off["scale"][0], base + off["zero"][0],
-                        base + off["channel_scale"][0] if codec.channel_scaling else -1)
+                        base + off["channel_scale"][0] if codec.channel_scaling else -1,
+                        codec.token_group if codec.axis == "token" else 0)
 
 
 @functools.cache

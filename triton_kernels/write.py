@@ -140,7 +140,7 @@ def _store_units(ptr, packed, mask, BITS: tl.constexpr):
 def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units_ok,
                  D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr,
                  PER: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr,
-                 ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+                 ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr):
     """Encode rows ``t`` (block offsets, [ROWS]) of storage units ``units`` ([UC], those where
     ``units_ok``) of one head's tensor. Row r takes its values from source row ``j[r]`` where
     ``is_new[r]``, else from the page; statistics cover the rows where ``valid[r]``."""
@@ -163,7 +163,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
 
     # earlier tokens, decoded from the page (a new row's stored bytes are not read: with statistics
     # per token its units lie 16 bytes apart, a sector for every two)
-    unit = _load_units(code_unit_ptr(page, CODES, t, h, u, ROW, BLOCK, BITS, not PER_CHANNEL), stored & unit_ok, BITS)
+    unit = _load_units(code_unit_ptr(page, CODES, t, h, u, ROW, BLOCK, BITS, GROUP), stored & unit_ok, BITS)
     old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
     if PER_CHANNEL:
         sz = (h * D + ch) * 2
@@ -212,7 +212,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         codes = tl.where(keep & oldm, old_codes, codes)
     codes = tl.where(rows_ok, codes, 0.0).to(tl.uint32)
     packed = tl.sum(codes << shift.to(tl.uint32), 2)  # [ROWS, UC]; disjoint bits, below 2^32
-    _store_units(code_unit_ptr(page, CODES, t2, h, u2, ROW, BLOCK, BITS, not PER_CHANNEL), packed,
+    _store_units(code_unit_ptr(page, CODES, t2, h, u2, ROW, BLOCK, BITS, GROUP), packed,
                  (u2 * VALS < D) & units_ok[None, :], BITS)
     if PER_CHANNEL:  # statistics [1, UC, PER]
         tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h, mask=ch_ok)
@@ -241,7 +241,7 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr
     q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0) * ratio)
     misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1)
     packed = tl.sum(tl.where(ch_ok & (misfit[:, None] == 0), q, 0.0).to(tl.uint32) << shift.to(tl.uint32), 1)
-    _store_units(code_unit_ptr(page, CODES, off, h, units, ROW, BLOCK, BITS, False), packed,
+    _store_units(code_unit_ptr(page, CODES, off, h, units, ROW, BLOCK, BITS, 0), packed,
                  (units * VALS < D) & (misfit == 0), BITS)
     return misfit
 
@@ -275,7 +275,7 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
     for r0 in range(0, off + 1, RT):
         t2 = r0 + tl.arange(0, RT)[:, None]
         t = t2[:, :, None]
-        row_units = code_unit_ptr(page, CODES, t2, h, units[None, :], ROW, BLOCK, BITS, False)
+        row_units = code_unit_ptr(page, CODES, t2, h, units[None, :], ROW, BLOCK, BITS, 0)
         unit = _load_units(row_units, (t2 < off) & unit_ok, BITS)[:, :, None]
         old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
         values = tl.where(t == off, x, old_codes * old_step + zero)
@@ -325,13 +325,14 @@ def _block_window(slot_ptr, num_tokens, i, off, blk, BLOCK: tl.constexpr):
 def _encode_chunks(src_ptr, src_stride, t, j, is_new, last, first, step, page, h, D: tl.constexpr,
                    BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UNITS: tl.constexpr,
                    PER: tl.constexpr, UC: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
-                   SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+                   SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                   GROUP: tl.constexpr):
     """Encode the block's rows up to offset ``last`` (``_block_window``'s t, j, is_new), for the
     chunks of UC units starting at unit ``first``, every ``step`` units (channels are independent)."""
     for unit in range(first, UNITS, step):
         units = unit + tl.arange(0, UC)
         _encode_rows(src_ptr, src_stride, t, j, is_new, t <= last, page, h, units, units < UNITS, D,
-                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
+                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL, GROUP)
 
 
 @triton.jit
@@ -339,7 +340,8 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                   H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr,
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, OWN: tl.constexpr,
                   CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr,
-                  PER_CHANNEL: tl.constexpr, AG: tl.constexpr, RT: tl.constexpr, DEAL: tl.constexpr):
+                  PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, AG: tl.constexpr, RT: tl.constexpr,
+                  DEAL: tl.constexpr):
     """Token i's write of one tensor (K or V) for head h, as share ``share`` of ``shares``. Where
     statistics are per channel, the block's chunks of UC units are dealt out over the shares (share
     s takes every shares-th chunk, OWN units in all), so a block's re-encoding runs in that many
@@ -369,7 +371,7 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                 else:
                     _encode_chunks(src_ptr, src_stride, t, j, is_new, last, (rank * shares + share) * UC,
                                    dealers * shares * UC, page, h, D, BLOCK, BITS, VALS, UNITS, PER, UC, CODES, ROW,
-                                   SCALE, ZERO, CS, PER_CHANNEL)
+                                   SCALE, ZERO, CS, PER_CHANNEL, GROUP)
     elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
         nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
         if (nxt < 0) | (nxt // BLOCK != blk):
@@ -380,13 +382,13 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
             else:
                 t, j, is_new = _block_window(slot_ptr, num_tokens, i, off, blk, BLOCK)
                 _encode_chunks(src_ptr, src_stride, t, j, is_new, off, share * UC, shares * UC, page, h, D, BLOCK,
-                               BITS, VALS, UNITS, PER, UC, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL)
+                               BITS, VALS, UNITS, PER, UC, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL, GROUP)
     else:  # statistics per token: only its own row changes
         one = tl.arange(0, 1)
         all_units = tl.arange(0, UNITS)
         _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, all_units,
                      all_units < UNITS, D, BLOCK, BITS, VALS, UNITS, PER, CODES, ROW, SCALE, ZERO, CS,
-                     PER_CHANNEL)
+                     PER_CHANNEL, GROUP)
 
 
 # a step's token count is not specialized on (1, multiples of 16): no compile in the middle of serving
@@ -396,11 +398,12 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_s
                   K_BITS: tl.constexpr, K_VALS: tl.constexpr, K_UNITS: tl.constexpr, K_PER: tl.constexpr,
                   K_UC: tl.constexpr, K_OWN: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr,
                   K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, K_CS: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
-                  K_AG: tl.constexpr, K_RT: tl.constexpr, K_DEAL: tl.constexpr, HAS_V: tl.constexpr,
+                  K_GROUP: tl.constexpr, K_AG: tl.constexpr, K_RT: tl.constexpr, K_DEAL: tl.constexpr,
+                  HAS_V: tl.constexpr,
                   V_BITS: tl.constexpr, V_VALS: tl.constexpr, V_UNITS: tl.constexpr, V_PER: tl.constexpr,
                   V_UC: tl.constexpr, V_OWN: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr,
                   V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
-                  V_AG: tl.constexpr, V_RT: tl.constexpr, V_DEAL: tl.constexpr):
+                  V_GROUP: tl.constexpr, V_AG: tl.constexpr, V_RT: tl.constexpr, V_DEAL: tl.constexpr):
     """Program (token i, head h, share s) writes K as share s of the grid's third axis, and, in
     share 0, V (one launch for both: V's own launch cost a decode step of 144 requests 15.6 us on
     an H200, MHA 4/4)."""
@@ -412,12 +415,12 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_s
         page = cache_ptr + (slot // BLOCK) * page_bytes
         _write_tensor(k_ptr, k_stride, slot_ptr, num_tokens, i, h, share, tl.num_programs(2), slot, page, H, D, BLOCK,
                       K_BITS, K_VALS, K_UNITS, K_PER, K_UC, K_OWN, K_CODES, K_ROW, K_SCALE, K_ZERO, K_CS,
-                      K_PER_CHANNEL, K_AG, K_RT, K_DEAL)
+                      K_PER_CHANNEL, K_GROUP, K_AG, K_RT, K_DEAL)
         if HAS_V:
             if share == 0:
                 _write_tensor(v_ptr, v_stride, slot_ptr, num_tokens, i, h, 0, 1, slot, page, H, D, BLOCK,
                               V_BITS, V_VALS, V_UNITS, V_PER, V_UC, V_OWN, V_CODES, V_ROW, V_SCALE, V_ZERO, V_CS,
-                              V_PER_CHANNEL, V_AG, V_RT, V_DEAL)
+                              V_PER_CHANNEL, V_GROUP, V_AG, V_RT, V_DEAL)
 
 
 def _geometry(bits: int, d: int) -> tuple[int, int, int]:
@@ -445,6 +448,7 @@ def _tensor_constants(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channel
     rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread in a chunk
     return dict(BITS=lay.bits, VALS=vals, UNITS=units, PER=per, UC=chunk, OWN=units // shares, CODES=lay.codes,
                 ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale, PER_CHANNEL=per_channel,
+                GROUP=lay.token_group,
                 AG=gathered, RT=rows_per_tile, DEAL=deal), shares
 
 

@@ -55,6 +55,8 @@ def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str
     if fmt.block_size != 128:
         return f"pages of {fmt.block_size} tokens (128 only)"
     lay = page_layout(fmt)
+    if lay.v.token_group != 32:  # csrc/decode_kernel.cu's kTokenGroup
+        return f"V codes in groups of {lay.v.token_group} tokens (32 only)"
     offsets = (fmt.page_bytes, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero)
     if any(x % 16 for x in offsets):
         return "page regions not on 16-byte boundaries"

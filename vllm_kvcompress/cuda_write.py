@@ -69,13 +69,13 @@ _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 @functools.cache
 def _launches(fmt: KVPageFormat) -> tuple[tuple, ...]:
     """The format's launches, each (tensors, first source, its layout, second source, its layout,
-    bits): source 0 is the key, 1 the value; a layout is (statistics per channel, codes, row bytes,
-    scale, zero). K and V of one width go in one launch."""
+    bits): source 0 is the key, 1 the value; a layout is (token group, 0 where statistics are per
+    channel; codes, row bytes, scale, zero). K and V of one width go in one launch."""
     lay = page_layout(fmt)
-    k = (0, (int(fmt.k.axis == "channel"), lay.k.codes, lay.k.row_bytes, lay.k.scale, lay.k.zero))
+    k = (0, (lay.k.token_group, lay.k.codes, lay.k.row_bytes, lay.k.scale, lay.k.zero))
     if fmt.v is None:  # K-only pages
         return ((1, *k, *k, lay.k.bits),)
-    v = (1, (int(fmt.v.axis == "channel"), lay.v.codes, lay.v.row_bytes, lay.v.scale, lay.v.zero))
+    v = (1, (lay.v.token_group, lay.v.codes, lay.v.row_bytes, lay.v.scale, lay.v.zero))
     if lay.k.bits == lay.v.bits:
         return ((2, *k, *v, lay.k.bits),)
     return ((1, *k, *k, lay.k.bits), (1, *v, *v, lay.v.bits))
