@@ -1,5 +1,5 @@
 // Decode attention of one query token per (request, KV head) over 4/4- or 2/2-bit "quant" pages,
-// for one, 2 or 4 query heads a KV head, head size 128, pages of 128 tokens.
+// for one, 2 or 4 query heads a KV head, head size 128, pages of 64 or 128 tokens.
 // Same contract and outputs as triton_kernels/decode.py's paged_decode (its ungrouped rows,
 // with or without row_order and splits); the torch reference is paged_torch.attend.
 //
@@ -21,9 +21,11 @@
 // Codes enter the products as float16 1024 + code (OR'd into 1024's mantissa); the offset is taken
 // out with sums of the right operand. Logits are in base-2 units (log2(e) folded into the query scale).
 //
-// A thread block of 2 warps takes one (row, KV head, split); warp w takes tokens 64w..64w+63 of
-// every page that holds any of them, with its own running maximum, sum and output, merged at the
-// end. A split launch's partial outputs are merged by merge_splits, launched by the same call.
+// A thread block of 2 warps takes one (row, KV head, split); the context is read in slices of 64
+// tokens, and warp w takes slices w, w + 2, ...: on 128-token pages tokens 64w..64w+63 of every page
+// that holds any of them, on 64-token pages every other page. Each warp keeps its own running
+// maximum, sum and output, merged at the end. A split launch's partial outputs are merged by
+// merge_splits, launched by the same call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -32,9 +34,8 @@
 namespace {
 
 constexpr int kHead = 128;    // head size
-constexpr int kBlock = 128;   // tokens a page
-constexpr int kSlice = 64;    // tokens of a page one warp takes
-constexpr int kWarps = kBlock / kSlice;
+constexpr int kSlice = 64;    // tokens one warp takes at a time
+constexpr int kWarps = 2;
 // V codes of a unit's 32 consecutive tokens lie together (TensorLayout.token_group; cuda_decode.supports
 // refuses other groups)
 constexpr int kTokenGroup = 32;
@@ -121,12 +122,12 @@ struct PageLoads {
 };
 
 // K's codes, and K's statistics of 8 * STATS channels from channel `stats0`
-template <int BITS, int STATS>
+template <int BLOCK, int BITS, int STATS>
 __device__ __forceinline__ void load_k(PageLoads<BITS, STATS>& in, const uint8_t* page, const Offsets& o, int h,
                                        int lane, int slice0, int stats0) {
   using G = Geometry<BITS>;
   const int g = lane >> 2, c = lane & 3;
-  const uint8_t* rows = page + o.k_codes + (size_t(h) * kBlock + slice0 + 8 * g) * G::kRow + G::kRow / 4 * c;
+  const uint8_t* rows = page + o.k_codes + (size_t(h) * BLOCK + slice0 + 8 * g) * G::kRow + G::kRow / 4 * c;
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -147,21 +148,21 @@ __device__ __forceinline__ void load_k(PageLoads<BITS, STATS>& in, const uint8_t
   }
 }
 
-template <int BITS, int STATS>
+template <int BLOCK, int BITS, int STATS>
 __device__ __forceinline__ void load_v(PageLoads<BITS, STATS>& in, const uint8_t* page, const Offsets& o, int h,
                                        int lane, int slice0) {
   using G = Geometry<BITS>;
   const int g = lane >> 2, c = lane & 3;
   // the lane's tokens 16c.. of the slice lie in group tok / kTokenGroup, unit u of it at byte u * kTokenGroup
   const int tok = slice0 + 16 * c;
-  const uint8_t* units = page + o.v_codes + ((size_t(h) * (kBlock / kTokenGroup) + tok / kTokenGroup) * G::kUnits + g) *
+  const uint8_t* units = page + o.v_codes + ((size_t(h) * (BLOCK / kTokenGroup) + tok / kTokenGroup) * G::kUnits + g) *
                                                 kTokenGroup + tok % kTokenGroup;
 #pragma unroll
   for (int i = 0; i < G::kTiles; ++i) {
     in.v[i][0] = load16(units + (16 * i) * kTokenGroup);
     in.v[i][1] = load16(units + (16 * i + 8) * kTokenGroup);
   }
-  const uint8_t* stats = page + (h * kBlock + slice0 + 16 * c) * 2;
+  const uint8_t* stats = page + (h * BLOCK + slice0 + 16 * c) * 2;
   in.vs[0] = load16(stats + o.v_scale);
   in.vs[1] = load16(stats + o.v_scale + 16);
   in.vz[0] = load16(stats + o.v_zero);
@@ -198,7 +199,18 @@ __device__ __forceinline__ const uint8_t* page_of(const uint8_t* cache, const in
 }
 
 // Whether page b of a context of L tokens holds any of the warp's slice (its tokens slice0.. of a page)
-__device__ __forceinline__ bool holds_slice(int b, int slice0, int L) { return b * kBlock + slice0 < L; }
+template <int BLOCK>
+__device__ __forceinline__ bool holds_slice(int b, int slice0, int L) { return b * BLOCK + slice0 < L; }
+
+// Where a warp's slices lie: pages b_first, b_first + STEP, ... of its split, tokens slice0.. of each
+template <int BLOCK>
+struct WarpSlices {
+  static_assert(BLOCK == kSlice || BLOCK == kWarps * kSlice, "pages of 64 or 128 tokens");
+  static constexpr int SLICES = BLOCK / kSlice;   // a page's slices
+  static constexpr int STEP = kWarps / SLICES;    // pages from one of a warp's slices to its next
+  __device__ static int first_page(int b_start, int warp) { return b_start + (SLICES == 1 ? warp : 0); }
+  __device__ static int slice0(int warp) { return (warp % SLICES) * kSlice; }
+};
 
 // q.K of the warp's slice: s[i][0..1] for token 8g + i (product row g), s[i][2..3] for token 8g + 4 + i
 // (row g + 8), columns 2c, 2c + 1 of the right operand (qa, qb: the scaled query of k-step (w, plane))
@@ -266,7 +278,7 @@ __device__ __forceinline__ void weighted_values(float (&acc)[Geometry<BITS>::kPl
   }
 }
 
-template <int BITS, typename T>
+template <int BLOCK, int BITS, typename T>
 __global__ void __launch_bounds__(kWarps * 32) decode_mha(
     const T* __restrict__ query, const uint8_t* __restrict__ cache, const int32_t* __restrict__ block_table,
     const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ row_order, T* __restrict__ out,
@@ -282,8 +294,9 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   const int split = blockIdx.y;
   const int L = seq_lens[row];
   const int b_start = split * blocks_per_split;
-  const int b_end = min(b_start + blocks_per_split, (L + kBlock - 1) / kBlock);
-  const int slice0 = warp * kSlice;
+  const int b_end = min(b_start + blocks_per_split, (L + BLOCK - 1) / BLOCK);
+  using S = WarpSlices<BLOCK>;
+  const int b_first = S::first_page(b_start, warp), slice0 = S::slice0(warp);
   const int32_t* table = block_table + row * bt_stride;
 
   using G = Geometry<BITS>;
@@ -305,18 +318,19 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   float acc[G::kTiles][P][4] = {};  // output of plane k, rows g, g + 8 of m-tile i: channels P (16i + g (+ 8)) + k
 
   PageLoads<BITS> in;
-  if (b_start < b_end && holds_slice(b_start, slice0, L)) {
-    const uint8_t* page = page_of(cache, table, b_start, page_bytes);
-    load_k(in, page, o, h, lane, slice0, stats0);
-    load_v(in, page, o, h, lane, slice0);
+  if (b_first < b_end && holds_slice<BLOCK>(b_first, slice0, L)) {
+    const uint8_t* page = page_of(cache, table, b_first, page_bytes);
+    load_k<BLOCK>(in, page, o, h, lane, slice0, stats0);
+    load_v<BLOCK>(in, page, o, h, lane, slice0);
   }
   // a warp stops at the first page that holds none of its slice (on a request's last page, warp 1
   // past a context that ends in the first half), loading nothing for it; stated as a break rather
   // than as the warp's own b_end, with which nvcc gave the 2-bit kernel 81 more registers and spills
-  for (int b = b_start; b < b_end; ++b) {
-    if (!holds_slice(b, slice0, L)) break;
-    const uint8_t* next =
-        b + 1 < b_end && holds_slice(b + 1, slice0, L) ? page_of(cache, table, b + 1, page_bytes) : nullptr;
+  for (int b = b_first; b < b_end; b += S::STEP) {
+    if (!holds_slice<BLOCK>(b, slice0, L)) break;
+    const uint8_t* next = b + S::STEP < b_end && holds_slice<BLOCK>(b + S::STEP, slice0, L)
+                              ? page_of(cache, table, b + S::STEP, page_bytes)
+                              : nullptr;
 
     // the query scaled by K's channel scales: this lane's two registers, then gathered into the
     // product's operand order: k-step (w, plane k) of lane c takes the channels of bytes (0, 2) and
@@ -347,10 +361,10 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
     // logits: s[i][0] of token 8g + i, s[i][2] of token 8g + 4 + i
     float s[4][4];
     logits<BITS>(s, in, qa, qb);
-    if (next != nullptr) load_k(in, next, o, h, lane, slice0, stats0);  // K's registers are free
+    if (next != nullptr) load_k<BLOCK>(in, next, o, h, lane, slice0, stats0);  // K's registers are free
 
     // softmax over the slice: tokens at or past L (on the last page) get no weight
-    const int pos = b * kBlock + slice0;  // position of the slice's token 0
+    const int pos = b * BLOCK + slice0;  // position of the slice's token 0
     float mx = -INFINITY;
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -405,7 +419,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
       }
       weighted_values<BITS>(acc[i], in.v[i], pa, pb);
     }
-    if (next != nullptr) load_v(in, next, o, h, lane, slice0);
+    if (next != nullptr) load_v<BLOCK>(in, next, o, h, lane, slice0);
   }
 
   // lane partials -> the warp's (lanes of one g hold its 64 tokens); then the warps merged
@@ -462,7 +476,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
 // the right operand's columns (column n: head n % G), so a page is read once for all of them. Each column has its own
 // running maximum and sum; a lane's logits and outputs are those of columns 2c and 2c + 1, its
 // probabilities (the right operand of p.V) those of column g. Everything else as decode_mha.
-template <int BITS, int GROUP, typename T>
+template <int BLOCK, int BITS, int GROUP, typename T>
 __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
     const T* __restrict__ query, const uint8_t* __restrict__ cache, const int32_t* __restrict__ block_table,
     const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ row_order, T* __restrict__ out,
@@ -484,8 +498,9 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   const int split = blockIdx.y;
   const int L = seq_lens[row];
   const int b_start = split * blocks_per_split;
-  const int b_end = min(b_start + blocks_per_split, (L + kBlock - 1) / kBlock);
-  const int slice0 = warp * kSlice;
+  const int b_end = min(b_start + blocks_per_split, (L + BLOCK - 1) / BLOCK);
+  using S = WarpSlices<BLOCK>;
+  const int b_first = S::first_page(b_start, warp), slice0 = S::slice0(warp);
   const int32_t* table = block_table + row * bt_stride;
 
   // This lane scales the query of head `qh` (of the group) over channels stats0 .. stats0 + 4 GROUP - 1:
@@ -505,15 +520,16 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   float acc[G::kTiles][P][4] = {};
 
   PageLoads<BITS, STATS> in;
-  if (b_start < b_end && holds_slice(b_start, slice0, L)) {
-    const uint8_t* page = page_of(cache, table, b_start, page_bytes);
-    load_k(in, page, o, h, lane, slice0, stats0);
-    load_v(in, page, o, h, lane, slice0);
+  if (b_first < b_end && holds_slice<BLOCK>(b_first, slice0, L)) {
+    const uint8_t* page = page_of(cache, table, b_first, page_bytes);
+    load_k<BLOCK>(in, page, o, h, lane, slice0, stats0);
+    load_v<BLOCK>(in, page, o, h, lane, slice0);
   }
-  for (int b = b_start; b < b_end; ++b) {
-    if (!holds_slice(b, slice0, L)) break;  // as decode_mha
-    const uint8_t* next =
-        b + 1 < b_end && holds_slice(b + 1, slice0, L) ? page_of(cache, table, b + 1, page_bytes) : nullptr;
+  for (int b = b_first; b < b_end; b += S::STEP) {
+    if (!holds_slice<BLOCK>(b, slice0, L)) break;  // as decode_mha
+    const uint8_t* next = b + S::STEP < b_end && holds_slice<BLOCK>(b + S::STEP, slice0, L)
+                              ? page_of(cache, table, b + S::STEP, page_bytes)
+                              : nullptr;
 
     // scaled query: this lane's pairs, then each lane gathers column g's operand (as decode_mha)
     uint32_t qa[G::kWords][P], qb[G::kWords][P];
@@ -555,9 +571,9 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
     // logits: s[i][e] of token 8g + i, s[i][2 + e] of token 8g + 4 + i, column 2c + e
     float s[4][4];
     logits<BITS>(s, in, qa, qb);
-    if (next != nullptr) load_k(in, next, o, h, lane, slice0, stats0);
+    if (next != nullptr) load_k<BLOCK>(in, next, o, h, lane, slice0, stats0);
 
-    const int pos = b * kBlock + slice0;
+    const int pos = b * BLOCK + slice0;
     float alpha[2], m_ref[2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -618,7 +634,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
         for (int r = 0; r < 4; ++r) acc[i][pl][r] = fmaf(acc[i][pl][r], alpha[r & 1], -offset[r & 1]);
       weighted_values<BITS>(acc[i], in.v[i], pa, pb);
     }
-    if (next != nullptr) load_v(in, next, o, h, lane, slice0);
+    if (next != nullptr) load_v<BLOCK>(in, next, o, h, lane, slice0);
   }
 
   // column g's sums over the warp, then each lane takes those of its columns 2c, 2c + 1
@@ -709,17 +725,17 @@ __global__ void __launch_bounds__(kHead) merge_splits(const float* __restrict__ 
 
 }  // namespace
 
-template <int BITS, int GROUP, typename T>
+template <int BLOCK, int BITS, int GROUP, typename T>
 static void launch(dim3 grid, cudaStream_t s, const void* query, const uint8_t* cache, const int32_t* bt,
                    const int32_t* sl, const int32_t* ro, void* out, void* part, float q_scale, int64_t q_stride,
                    int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split, int num_splits,
                    int num_heads, Offsets o) {
   if constexpr (GROUP == 1) {
-    decode_mha<BITS, T><<<grid, kWarps * 32, 0, s>>>(
+    decode_mha<BLOCK, BITS, T><<<grid, kWarps * 32, 0, s>>>(
         static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
         q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
   } else {
-    decode_gqa<BITS, GROUP, T><<<grid, kWarps * 32, 0, s>>>(
+    decode_gqa<BLOCK, BITS, GROUP, T><<<grid, kWarps * 32, 0, s>>>(
         static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
         q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
   }
@@ -735,26 +751,35 @@ using Launcher = void (*)(dim3, cudaStream_t, const void*, const uint8_t*, const
 // A group's query scaling deals whole words to a lane, so the group is a multiple of the planes
 // (2-bit codes: 4 query heads a KV head, or one). Groups of 8 compile (255 registers) but were no
 // faster than the Triton kernel (docs/benchmarks.md), so they are not launched.
-template <int BITS, typename T>
+template <int BLOCK, int BITS, typename T>
 static Launcher launcher(int group) {
   constexpr int P = Geometry<BITS>::kPlanes;
-  if (group == 1) return launch<BITS, 1, T>;
+  if (group == 1) return launch<BLOCK, BITS, 1, T>;
   if constexpr (2 % P == 0) {
-    if (group == 2) return launch<BITS, 2, T>;
+    if (group == 2) return launch<BLOCK, BITS, 2, T>;
   }
-  return group == 4 ? launch<BITS, 4, T> : nullptr;
+  return group == 4 ? launch<BLOCK, BITS, 4, T> : nullptr;
 }
 
-// Launches on `stream` (a cudaStream_t) for codes of `bits` (2 or 4) bits and `group` (1, 2 or 4;
-// 2 bits: 1 or 4) query heads a KV head (`num_heads` KV heads), and where `num_splits` > 1 the merge
-// of the splits' partials (`part`, [num_rows, query heads, num_splits, 130] float32) into `out`,
-// so one call (one pass through ctypes) does the whole decode; returns the launch's cudaError_t
-// (cudaErrorInvalidValue for other widths or groups).
+template <int BLOCK>
+static Launcher launcher(int bits, int group, int bf16) {
+  return bits == 4 ? (bf16 ? launcher<BLOCK, 4, __nv_bfloat16>(group) : launcher<BLOCK, 4, __half>(group))
+         : bits == 2 ? (bf16 ? launcher<BLOCK, 2, __nv_bfloat16>(group) : launcher<BLOCK, 2, __half>(group))
+                     : nullptr;
+}
+
+// Launches on `stream` (a cudaStream_t) for pages of `block_size` (64 or 128) tokens, codes of
+// `bits` (2 or 4) bits and `group` (1, 2 or 4; 2 bits: 1 or 4) query heads a KV head (`num_heads` KV
+// heads), and where `num_splits` > 1 the merge of the splits' partials (`part`, [num_rows, query
+// heads, num_splits, 130] float32) into `out`, so one call (one pass through ctypes) does the whole
+// decode; returns the launch's cudaError_t
+// (cudaErrorInvalidValue for other page sizes, widths or groups).
 extern "C" int kvc_decode(const void* query, const void* cache, const void* block_table, const void* seq_lens,
                           const void* row_order, void* out, void* part, float q_scale, int64_t q_stride,
                           int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split,
                           int num_splits, int num_rows, int num_heads, int k_codes, int k_scale, int k_zero,
-                          int v_codes, int v_scale, int v_zero, int bits, int group, int bf16, void* stream) {
+                          int v_codes, int v_scale, int v_zero, int block_size, int bits, int group, int bf16,
+                          void* stream) {
   const Offsets o{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero};
   const dim3 grid(num_rows * num_heads, num_splits);
   auto s = static_cast<cudaStream_t>(stream);
@@ -762,8 +787,9 @@ extern "C" int kvc_decode(const void* query, const void* cache, const void* bloc
   const auto* bt = static_cast<const int32_t*>(block_table);
   const auto* sl = static_cast<const int32_t*>(seq_lens);
   const auto* ro = static_cast<const int32_t*>(row_order);
-  const Launcher f = bits == 4 ? (bf16 ? launcher<4, __nv_bfloat16>(group) : launcher<4, __half>(group))
-                   : bits == 2 ? (bf16 ? launcher<2, __nv_bfloat16>(group) : launcher<2, __half>(group)) : nullptr;
+  const Launcher f = block_size == 128  ? launcher<128>(bits, group, bf16)
+                     : block_size == 64 ? launcher<64>(bits, group, bf16)
+                                        : nullptr;
   if (f == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   f(grid, s, query, c, bt, sl, ro, out, part, q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split,
     num_splits, num_heads, o);

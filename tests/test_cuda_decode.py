@@ -31,7 +31,10 @@ def _fmt(layer_format=FOUR, block=128, heads=4, head_size=128, dtype=torch.bfloa
     (FOUR, 128, 128, 32, torch.bfloat16, "32 query heads for 4 KV heads (1, 2, 4 query heads"),
     (FOUR, 128, 128, 6, torch.bfloat16, "6 query heads for 4 KV heads"),
     (FOUR, 128, 128, 64, torch.bfloat16, "64 query heads"),
-    (FOUR, 64, 128, 4, torch.bfloat16, "pages of 64 tokens"),
+    (FOUR, 64, 128, 4, torch.bfloat16, None),
+    (TWO, 64, 128, 16, torch.bfloat16, None),
+    (FOUR, 32, 128, 4, torch.bfloat16, "pages of 32 tokens (64 or 128 only)"),
+    (FOUR, 256, 128, 4, torch.bfloat16, "pages of 256 tokens"),
     (FOUR, 128, 64, 4, torch.bfloat16, "head size 64"),
     (FOUR, 128, 128, 4, torch.float32, "queries in torch.float32"),
     (LayerFormat(k_bits=8, v_bits=8), 128, 128, 4, torch.bfloat16, "K not at 2 or 4 bits"),
@@ -95,8 +98,11 @@ def _reference(q, cache, fmt, table, seq_lens, scale):
 @pytest.mark.parametrize("num_splits", [1, 2, 3, None])
 @pytest.mark.parametrize("seq_lens", [[1, 63, 64, 65, 127, 128, 129, 300], [1000, 17, 2049, 4096, 256]],
                          ids=["short", "long"])
-def test_decode_equals_reference(layer_format, group, dtype, num_splits, seq_lens):
-    fmt = _fmt(layer_format, heads=4, dtype=dtype)
+@pytest.mark.parametrize("block", [128, 64])
+def test_decode_equals_reference(layer_format, group, dtype, num_splits, seq_lens, block):
+    """On 64-token pages a warp takes every other page rather than half of each; split counts 2 and 3
+    give splits of odd page counts there."""
+    fmt = _fmt(layer_format, block, heads=4, dtype=dtype)
     if cuda_decode.supports(fmt, 4 * group, dtype):
         pytest.skip(cuda_decode.supports(fmt, 4 * group, dtype))
     cache, table = fill_pages(fmt, seq_lens, 3, seed=len(seq_lens), garbage=True)
@@ -112,11 +118,12 @@ def test_decode_equals_reference(layer_format, group, dtype, num_splits, seq_len
 @gpu
 @pytest.mark.parametrize("layer_format", [FOUR, TWO], ids=["4-4", "2-2"])
 @pytest.mark.parametrize("group", [1, 4])
-def test_rows_in_given_order_and_strided_views(layer_format, group):
+@pytest.mark.parametrize("block", [128, 64])
+def test_rows_in_given_order_and_strided_views(layer_format, group, block):
     """``row_order`` (rows longest first, as the backend passes them) and a query and output that
     are views into wider rows (the fused QKV output) land each row in its own place."""
     seq_lens = [5, 700, 130, 1]
-    fmt = _fmt(layer_format, heads=2)
+    fmt = _fmt(layer_format, block, heads=2)
     w = 2 * group * 128  # query heads x head size
     cache, table = fill_pages(fmt, seq_lens, 2, seed=9, garbage=True)
     qkv = torch.randn(len(seq_lens), 3 * w, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)

@@ -1,5 +1,5 @@
 """Decode attention as a CUDA kernel (``csrc/decode_kernel.cu``) for the formats where the Triton
-kernel leaves most speed behind: 4/4- and 2/2-bit pages, head size 128, pages of 128 tokens, one
+kernel leaves most speed behind: 4/4- and 2/2-bit pages, head size 128, pages of 64 or 128 tokens, one
 query head a KV head (MHA) or groups of 2 or 4 (GQA; 4 at 2 bits). Groups of 8 were no faster than
 the Triton kernel (``docs/benchmarks.md``) and stay with it. Built just in time with nvcc through
 ``torch.utils.cpp_extension`` (cached by torch under ``TORCH_EXTENSIONS_DIR``) and called through
@@ -25,6 +25,10 @@ from .triton_kernels.launch import stream_handle
 from .triton_kernels.layout import page_layout
 
 _LOG2E = 1.4426950408889634
+PAGE_SIZES = (64, 128)  # tokens a page (csrc/decode_kernel.cu's WarpSlices)
+# A thread block's two warps take 64 tokens each at a time, so a split is sized in 128-token steps
+# whatever the page size: on 64-token pages, a split of one page would leave a warp idle.
+_TOKENS_A_STEP = 128
 
 
 def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str | None:
@@ -52,8 +56,8 @@ def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str
                 f"({', '.join(map(str, groups))} query heads a KV head at {fmt.k.bits} bits)")
     if fmt.k.head_size != 128:
         return f"head size {fmt.k.head_size} (128 only)"
-    if fmt.block_size != 128:
-        return f"pages of {fmt.block_size} tokens (128 only)"
+    if fmt.block_size not in PAGE_SIZES:
+        return f"pages of {fmt.block_size} tokens ({' or '.join(map(str, PAGE_SIZES))} only)"
     lay = page_layout(fmt)
     if lay.v.token_group != 32:  # csrc/decode_kernel.cu's kTokenGroup
         return f"V codes in groups of {lay.v.token_group} tokens (32 only)"
@@ -87,7 +91,7 @@ def _library() -> ctypes.CDLL:
     lib = cuda_jit.load("kvcompress_decode", "decode_kernel.cu", "KVCOMPRESS_DECODE")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.kvc_decode.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, i64, i64, i64, i64, i32, i32, i32, i32,
-                               i32, i32, i32, i32, i32, i32, i32, i32, i32, p]
+                               i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, p]
     lib.kvc_decode.restype = i32
     return lib
 
@@ -107,6 +111,9 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     if groups is not None:
         return triton_decode.paged_decode(query, cache, fmt, block_table, seq_lens, sm_scale, max_seq_len,
                                           num_splits=num_splits, out=out, groups=groups)
+    if num_splits is None:
+        num_splits = triton_decode.choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, _TOKENS_A_STEP,
+                                                     query.device)
     run = triton_decode.split_launch(query, fmt, max_seq_len, num_splits, out)
     n, hq, _ = run.query.shape
     if n == 0:
@@ -118,7 +125,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         None if row_order is None else row_order.data_ptr(), run.out.data_ptr(), run.part.data_ptr(),
         sm_scale * _LOG2E, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes,
         run.blocks_per_split, run.num_splits, n, h, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale,
-        lay.v.zero, lay.k.bits, hq // h, int(query.dtype == torch.bfloat16), stream_handle(query.device))
+        lay.v.zero, fmt.block_size, lay.k.bits, hq // h, int(query.dtype == torch.bfloat16), stream_handle(query.device))
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")
     return run.out
