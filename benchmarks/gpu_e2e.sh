@@ -12,11 +12,14 @@
 # 1% (the longest outputs, in a small batch) take about as long in every setting.
 # STEPS=1: also log every engine step (benchmarks/step_log) and print the run's time by kind of
 # step (benchmarks/step_times.py).
+# EXTRA_ARGS: more vLLM flags for every run, e.g. "--max-cudagraph-capture-size 512" (our settings
+# then keep vLLM's CUDA-graph sizes; see vllm_kvcompress/graph_sizes.py).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
 source "$REPO/benchmarks/gpu_common.sh"
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
+read -ra extra <<< "${EXTRA_ARGS:-}"
 for setting in $SETTINGS; do
   kv_flags "$setting"
   prof=()
@@ -33,7 +36,7 @@ for setting in $SETTINGS; do
   "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
     --load-format dummy --dtype bfloat16 --max-model-len 2048 --kv-cache-memory-bytes 8589934592 \
     --dataset-name sharegpt --dataset-path "$DATA" --num-prompts "${NUM_PROMPTS:-1000}" --seed 0 \
-    "${kv[@]}" "${prof[@]}" --output-json "$OUT/$SHAPE-$name.json" > "$OUT/$SHAPE-$name.log" 2>&1
+    "${kv[@]}" "${extra[@]}" "${prof[@]}" --output-json "$OUT/$SHAPE-$name.json" > "$OUT/$SHAPE-$name.log" 2>&1
   echo "== $SHAPE $name rc=$? $(( $(date +%s) - start ))s: $(grep -hoE 'KV cache size: [0-9,]+ tokens|Throughput: .*' "$OUT/$SHAPE-$name.log" | tr '\n' ' ')"
   grep -E "Error|error:" "$OUT/$SHAPE-$name.log" | grep -v -i "warn" | tail -3
   python "$REPO/benchmarks/completion.py" "$OUT/$SHAPE-$name.log"  # tokens/s at 50/90/99/100% of requests done

@@ -28,6 +28,10 @@ class Step:
     decodes: int         # requests with one new token
     prompt_tokens: int   # tokens of the other requests (0: a decode-only step, padding aside)
 
+    @property
+    def tokens(self) -> int:
+        return self.decodes + self.prompt_tokens
+
 
 def steps(text: str) -> list[Step]:
     """The run's steps from a step log (``host_time requests decodes padding tokens`` a line)."""
@@ -46,9 +50,12 @@ KINDS = (  # name, test
     ("decode, under 20 rows", lambda s: not s.prompt_tokens and s.decodes < 20),
     ("decode, 20 to 119 rows", lambda s: not s.prompt_tokens and 20 <= s.decodes < 120),
     ("decode, 120 rows or more", lambda s: not s.prompt_tokens and s.decodes >= 120),
-    ("mixed, up to 256 prompt tokens", lambda s: 0 < s.prompt_tokens <= 256),
-    ("mixed, 257 to 512", lambda s: 256 < s.prompt_tokens <= 512),
-    ("mixed, over 512 (no CUDA graph)", lambda s: s.prompt_tokens > 512),
+    # by the batch's tokens, decode rows included, which decide whether a step replays CUDA graphs:
+    # vLLM captures batches of up to 512 tokens by default, and our settings up to 2,048
+    # (vllm_kvcompress/graph_sizes.py)
+    ("mixed, batch up to 512 tokens", lambda s: s.prompt_tokens and s.tokens <= 512),
+    ("mixed, batch 513 to 2,048 tokens", lambda s: s.prompt_tokens and 512 < s.tokens <= 2048),
+    ("mixed, batch over 2,048 tokens", lambda s: s.prompt_tokens and s.tokens > 2048),
 )
 
 

@@ -345,7 +345,7 @@ def test_step_times_splits_a_run_by_kind_of_step():
         "30.0 1 1 0 1",          # warm-up on one request
         "31.0 512 512 0 512",    # capture (after the first single request: under 1,024 tokens)
         "33.0 1 0 0 10",         # the benchmark's own warm-up
-        "35.0 40 1 0 4000",      # the run: a big mixed step (no CUDA graph) ...
+        "35.0 40 1 0 4000",      # the run: a big mixed step ...
         "35.5 130 128 2 130",    # ... a padded decode batch of 128 requests, 0.01 s
         "35.51 129 128 0 328",   # ... a mixed step of 200 prompt tokens, 0.02 s
         "35.53 10 10 0 10",      # ... a small decode step, 0.01 s
@@ -358,6 +358,7 @@ def test_step_times_splits_a_run_by_kind_of_step():
     assert table.splitlines()[0] == "4 steps, 0.54 s"
     rows = {line[:34].strip(): line[34:].split() for line in table.splitlines()[2:]}
     assert rows["decode, 120 rows or more"][:2] == ["1", "0.01"]
-    assert rows["mixed, up to 256 prompt tokens"][:2] == ["1", "0.02"]
-    assert rows["mixed, over 512 (no CUDA graph)"][:3] == ["1", "0.50", "92.6%"]
+    assert rows["mixed, batch up to 512 tokens"][:2] == ["1", "0.02"]  # 128 decode rows + 200
+    assert rows["mixed, batch over 2,048 tokens"][:3] == ["1", "0.50", "92.6%"]
+    assert "mixed, batch 513 to 2,048 tokens" not in rows
     assert rows["decode, under 20 rows"][:2] == ["1", "0.01"]
