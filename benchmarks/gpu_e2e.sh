@@ -12,8 +12,7 @@
 # 1% (the longest outputs, in a small batch) take about as long in every setting.
 # STEPS=1: also log every engine step (benchmarks/step_log) and print the run's time by kind of
 # step (benchmarks/step_times.py).
-# EXTRA_ARGS: more vLLM flags for every run, e.g. "--max-cudagraph-capture-size 512" (our settings
-# then keep vLLM's CUDA-graph sizes; see vllm_kvcompress/graph_sizes.py).
+# EXTRA_ARGS: more vLLM flags for every run, e.g. "--max-cudagraph-capture-size 2048".
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"

@@ -4,10 +4,10 @@
 A step's time is the interval from its metadata build to the next one on the host. With vLLM's
 asynchronous scheduling the host prepares a step while the GPU runs the one before, so over many
 steps these intervals add up to the run's time, while a single one may hold part of its
-neighbour's. The run starts at the first step of 1,024 tokens or more after a step of one request:
-the engine starts with dummy batches (of any size), captures CUDA graphs and warms up on single
-requests, all under 1,024 tokens after the first single request; the benchmark then hands all its
-prompts over at once.
+neighbour's. The run starts at the first step of 1,024 tokens or more, after a step of one
+request, after which the number of requests climbs: the engine starts with dummy batches (of any
+size), captures CUDA graphs (dummy batches of a fixed request count) and warms up on single
+requests; the benchmark then hands all its prompts over at once.
 
     python -m benchmarks.step_times STEPLOG.PID [...]     # a table per log
 """
@@ -37,7 +37,8 @@ def steps(text: str) -> list[Step]:
     """The run's steps from a step log (``host_time requests decodes padding tokens`` a line)."""
     rows = [[float(x) for x in line.split()] for line in text.splitlines() if line.strip()]
     single = next((i for i, r in enumerate(rows) if r[1] == 1), 0)
-    start = next((i for i in range(single, len(rows)) if rows[i][4] >= FIRST_STEP_TOKENS), 0)
+    start = next((i for i in range(single, len(rows) - 1)
+                  if rows[i][4] >= FIRST_STEP_TOKENS and rows[i + 1][1] > rows[i][1]), 0)
     rows = rows[start:]
     out = []
     for (t, requests, decodes, padding, tokens), nxt in zip(rows, rows[1:]):
@@ -50,9 +51,8 @@ KINDS = (  # name, test
     ("decode, under 20 rows", lambda s: not s.prompt_tokens and s.decodes < 20),
     ("decode, 20 to 119 rows", lambda s: not s.prompt_tokens and 20 <= s.decodes < 120),
     ("decode, 120 rows or more", lambda s: not s.prompt_tokens and s.decodes >= 120),
-    # by the batch's tokens, decode rows included, which decide whether a step replays CUDA graphs:
-    # vLLM captures batches of up to 512 tokens by default, and our settings up to 2,048
-    # (vllm_kvcompress/graph_sizes.py)
+    # by the batch's tokens, decode rows included, which decide whether a step replays CUDA graphs
+    # (vLLM captures batches of up to 512 tokens by default)
     ("mixed, batch up to 512 tokens", lambda s: s.prompt_tokens and s.tokens <= 512),
     ("mixed, batch 513 to 2,048 tokens", lambda s: s.prompt_tokens and 512 < s.tokens <= 2048),
     ("mixed, batch over 2,048 tokens", lambda s: s.prompt_tokens and s.tokens > 2048),

@@ -362,3 +362,20 @@ def test_step_times_splits_a_run_by_kind_of_step():
     assert rows["mixed, batch over 2,048 tokens"][:3] == ["1", "0.50", "92.6%"]
     assert "mixed, batch 513 to 2,048 tokens" not in rows
     assert rows["decode, under 20 rows"][:2] == ["1", "0.01"]
+
+
+def test_step_times_run_starts_after_graph_capture_of_big_batches():
+    """Capture of batches of 1,024 tokens or more after the first single request (dummy batches of
+    a fixed request count) is not the run: the run starts where the number of requests climbs."""
+    from benchmarks import step_times
+
+    log = "\n".join([
+        "0.0 1 1 0 1",              # a single request
+        "1.0 1024 0 0 2048",        # capture: dummy batches of 2,048 and 1,024 tokens
+        "1.1 1024 0 0 1024",
+        "2.0 1 1 0 1",              # warm-up
+        "3.0 18 1 0 3994",          # the run: the prompts arrive ...
+        "3.1 96 18 0 8192",         # ... and the requests climb
+        "3.2 96 96 0 96",
+    ])
+    assert [(s.decodes, s.prompt_tokens) for s in step_times.steps(log)] == [(1, 3993), (18, 8174)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 
-from . import graph_sizes
 from .engine_config import (
     ADDITIONAL_CONFIG_KEY,
     ModelKVShape,
@@ -75,8 +74,7 @@ def _add_cli_flag() -> None:
 
 def _unwrap_config_errors(engine_args_cls) -> None:
     """Our startup checks run inside VllmConfig's validation, which wraps them in a long
-    pydantic error; raise our one-line message instead. Also tells ``activate`` whether the
-    arguments chose CUDA-graph capture sizes (``graph_sizes.building``)."""
+    pydantic error; raise our one-line message instead."""
     from pydantic import ValidationError
 
     from .config import KVCompressionConfigError
@@ -85,8 +83,7 @@ def _unwrap_config_errors(engine_args_cls) -> None:
 
     def create_engine_config(self, *args, **kwargs):
         try:
-            with graph_sizes.building(self):
-                return original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
         except ValidationError as exc:
             ours = [e.get("ctx", {}).get("error") for e in exc.errors()]
             ours = [e for e in ours if isinstance(e, KVCompressionConfigError)]
@@ -161,13 +158,6 @@ def activate(vllm_config) -> None:
     ratio, line = capacity_report(cfg, shape)
     logger.info("%s (config: %s)", line, cfg.source)
     vllm_config.additional_config["kv_compression_capacity_ratio"] = round(ratio, 4)
-    vllm_largest = vllm_config.compilation_config.max_cudagraph_capture_size
-    added = graph_sizes.extend(vllm_config)
-    if added:
-        logger.info("kv-compression: CUDA graphs also captured for batches of %d to %d tokens (%d sizes past "
-                    "vLLM's %d): a decode batch of the requests compressed pages hold, plus a prompt chunk, passes "
-                    "%d tokens. --cudagraph-capture-sizes or --max-cudagraph-capture-size choose otherwise.",
-                    added[0], added[-1], len(added), vllm_largest, vllm_largest)
 
 
 # --- per-layer page sizes ------------------------------------------------------
