@@ -198,6 +198,13 @@ __device__ __forceinline__ const uint8_t* page_of(const uint8_t* cache, const in
   return cache + int64_t(table[b]) * page_bytes;
 }
 
+// The block-table entry of a warp's first page, loaded before the context length it would otherwise
+// wait for (the page's loads wait for both, one trip to memory sooner); 0 past the `table_blocks`
+// entries a launch may index (ceil(max_seq_len / BLOCK), within the table's row)
+__device__ __forceinline__ int first_table_entry(const int32_t* table, int b_first, int table_blocks) {
+  return b_first < table_blocks ? table[b_first] : 0;
+}
+
 // Whether page b of a context of L tokens holds any of the warp's slice (its tokens slice0.. of a page)
 template <int BLOCK>
 __device__ __forceinline__ bool holds_slice(int b, int slice0, int L) { return b * BLOCK + slice0 < L; }
@@ -283,7 +290,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
     const T* __restrict__ query, const uint8_t* __restrict__ cache, const int32_t* __restrict__ block_table,
     const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ row_order, T* __restrict__ out,
     float* __restrict__ part, float q_scale, int64_t q_stride, int64_t out_stride, int64_t bt_stride,
-    int64_t page_bytes, int blocks_per_split, int num_splits, int num_heads, Offsets o) {
+    int64_t page_bytes, int blocks_per_split, int num_splits, int table_blocks, int num_heads, Offsets o) {
   __shared__ float4 probs[kWarps][kSlice / 4];  // a warp's probabilities, from the logits' lanes to the products'
   __shared__ float other_out[kHead];            // warp 1's output, merged by warp 0
   __shared__ float other_ml[2];
@@ -292,12 +299,13 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   const int h = blockIdx.x % num_heads;
   const int row = row_order != nullptr ? row_order[blockIdx.x / num_heads] : blockIdx.x / num_heads;
   const int split = blockIdx.y;
-  const int L = seq_lens[row];
   const int b_start = split * blocks_per_split;
-  const int b_end = min(b_start + blocks_per_split, (L + BLOCK - 1) / BLOCK);
   using S = WarpSlices<BLOCK>;
   const int b_first = S::first_page(b_start, warp), slice0 = S::slice0(warp);
   const int32_t* table = block_table + row * bt_stride;
+  const int first_entry = first_table_entry(table, b_first, table_blocks);  // beside L, not after it
+  const int L = seq_lens[row];
+  const int b_end = min(b_start + blocks_per_split, (L + BLOCK - 1) / BLOCK);
 
   using G = Geometry<BITS>;
   constexpr int P = G::kPlanes;
@@ -319,7 +327,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
 
   PageLoads<BITS> in;
   if (b_first < b_end && holds_slice<BLOCK>(b_first, slice0, L)) {
-    const uint8_t* page = page_of(cache, table, b_first, page_bytes);
+    const uint8_t* page = cache + int64_t(first_entry) * page_bytes;
     load_k<BLOCK>(in, page, o, h, lane, slice0, stats0);
     load_v<BLOCK>(in, page, o, h, lane, slice0);
   }
@@ -481,7 +489,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
     const T* __restrict__ query, const uint8_t* __restrict__ cache, const int32_t* __restrict__ block_table,
     const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ row_order, T* __restrict__ out,
     float* __restrict__ part, float q_scale, int64_t q_stride, int64_t out_stride, int64_t bt_stride,
-    int64_t page_bytes, int blocks_per_split, int num_splits, int num_heads, Offsets o) {
+    int64_t page_bytes, int blocks_per_split, int num_splits, int table_blocks, int num_heads, Offsets o) {
   using G = Geometry<BITS>;
   constexpr int P = G::kPlanes;
   constexpr int LANES = 32 / GROUP;  // lanes that scale one head's query
@@ -496,12 +504,13 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   const int h = blockIdx.x % num_heads;
   const int row = row_order != nullptr ? row_order[blockIdx.x / num_heads] : blockIdx.x / num_heads;
   const int split = blockIdx.y;
-  const int L = seq_lens[row];
   const int b_start = split * blocks_per_split;
-  const int b_end = min(b_start + blocks_per_split, (L + BLOCK - 1) / BLOCK);
   using S = WarpSlices<BLOCK>;
   const int b_first = S::first_page(b_start, warp), slice0 = S::slice0(warp);
   const int32_t* table = block_table + row * bt_stride;
+  const int first_entry = first_table_entry(table, b_first, table_blocks);  // beside L, not after it
+  const int L = seq_lens[row];
+  const int b_end = min(b_start + blocks_per_split, (L + BLOCK - 1) / BLOCK);
 
   // This lane scales the query of head `qh` (of the group) over channels stats0 .. stats0 + 4 GROUP - 1:
   // operand pairs j = GROUP * (lane % LANES) + t, t < GROUP, pair j being word j / P at plane j % P
@@ -521,7 +530,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
 
   PageLoads<BITS, STATS> in;
   if (b_first < b_end && holds_slice<BLOCK>(b_first, slice0, L)) {
-    const uint8_t* page = page_of(cache, table, b_first, page_bytes);
+    const uint8_t* page = cache + int64_t(first_entry) * page_bytes;
     load_k<BLOCK>(in, page, o, h, lane, slice0, stats0);
     load_v<BLOCK>(in, page, o, h, lane, slice0);
   }
@@ -729,15 +738,15 @@ template <int BLOCK, int BITS, int GROUP, typename T>
 static void launch(dim3 grid, cudaStream_t s, const void* query, const uint8_t* cache, const int32_t* bt,
                    const int32_t* sl, const int32_t* ro, void* out, void* part, float q_scale, int64_t q_stride,
                    int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split, int num_splits,
-                   int num_heads, Offsets o) {
+                   int table_blocks, int num_heads, Offsets o) {
   if constexpr (GROUP == 1) {
     decode_mha<BLOCK, BITS, T><<<grid, kWarps * 32, 0, s>>>(
         static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
-        q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
+        q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, table_blocks, num_heads, o);
   } else {
     decode_gqa<BLOCK, BITS, GROUP, T><<<grid, kWarps * 32, 0, s>>>(
         static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
-        q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, num_heads, o);
+        q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, table_blocks, num_heads, o);
   }
   if (num_splits > 1)
     merge_splits<T><<<dim3(grid.x / num_heads, num_heads * GROUP), kHead, 0, s>>>(
@@ -746,7 +755,7 @@ static void launch(dim3 grid, cudaStream_t s, const void* query, const uint8_t* 
 
 using Launcher = void (*)(dim3, cudaStream_t, const void*, const uint8_t*, const int32_t*, const int32_t*,
                           const int32_t*, void*, void*, float, int64_t, int64_t, int64_t, int64_t, int, int, int,
-                          Offsets);
+                          int, Offsets);
 
 // A group's query scaling deals whole words to a lane, so the group is a multiple of the planes
 // (2-bit codes: 4 query heads a KV head, or one). Groups of 8 compile (255 registers) but were no
@@ -772,12 +781,12 @@ static Launcher launcher(int bits, int group, int bf16) {
 // `bits` (2 or 4) bits and `group` (1, 2 or 4; 2 bits: 1 or 4) query heads a KV head (`num_heads` KV
 // heads), and where `num_splits` > 1 the merge of the splits' partials (`part`, [num_rows, query
 // heads, num_splits, 130] float32) into `out`, so one call (one pass through ctypes) does the whole
-// decode; returns the launch's cudaError_t
-// (cudaErrorInvalidValue for other page sizes, widths or groups).
+// decode; `table_blocks` block-table entries a row (ceil(max_seq_len / block_size)) may be read.
+// Returns the launch's cudaError_t (cudaErrorInvalidValue for other page sizes, widths or groups).
 extern "C" int kvc_decode(const void* query, const void* cache, const void* block_table, const void* seq_lens,
                           const void* row_order, void* out, void* part, float q_scale, int64_t q_stride,
                           int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split,
-                          int num_splits, int num_rows, int num_heads, int k_codes, int k_scale, int k_zero,
+                          int num_splits, int table_blocks, int num_rows, int num_heads, int k_codes, int k_scale, int k_zero,
                           int v_codes, int v_scale, int v_zero, int block_size, int bits, int group, int bf16,
                           void* stream) {
   const Offsets o{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero};
@@ -792,6 +801,6 @@ extern "C" int kvc_decode(const void* query, const void* cache, const void* bloc
                                         : nullptr;
   if (f == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   f(grid, s, query, c, bt, sl, ro, out, part, q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split,
-    num_splits, num_heads, o);
+    num_splits, table_blocks, num_heads, o);
   return static_cast<int>(cudaGetLastError());
 }

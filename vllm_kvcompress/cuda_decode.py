@@ -91,7 +91,7 @@ def _library() -> ctypes.CDLL:
     lib = cuda_jit.load("kvcompress_decode", "decode_kernel.cu", "KVCOMPRESS_DECODE")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.kvc_decode.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, i64, i64, i64, i64, i32, i32, i32, i32,
-                               i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, p]
+                               i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, p]
     lib.kvc_decode.restype = i32
     return lib
 
@@ -124,7 +124,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         run.query.data_ptr(), cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
         None if row_order is None else row_order.data_ptr(), run.out.data_ptr(), run.part.data_ptr(),
         sm_scale * _LOG2E, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes,
-        run.blocks_per_split, run.num_splits, n, h, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale,
+        run.blocks_per_split, run.num_splits, -(-max_seq_len // fmt.block_size), n, h, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale,
         lay.v.zero, fmt.block_size, lay.k.bits, hq // h, int(query.dtype == torch.bfloat16), stream_handle(query.device))
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")
