@@ -313,7 +313,7 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
     from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels.decode import paged_decode, rows_per_program
+    from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode, rows_per_program
     from vllm_kvcompress.triton_kernels.write import write_tokens
 
     fmt = _format(bits, hkv, d, 128)
@@ -352,7 +352,7 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
     from vllm_kvcompress import cuda_jit
     if cuda_jit.nvcc_available():  # what the backend launches where nvcc exists
         from vllm_kvcompress import cuda_decode, cuda_write
-        order = torch.argsort(seq_lens[:nd], descending=True).int()
+        order = longest_first(seq_lens[:nd])
         cases[f"ours k{bits}v{bits}: cache write (K and V), CUDA"] = lambda: cuda_write.write_tokens(
             cache, fmt, k, v, slots)
         cases[f"ours k{bits}v{bits}: decode rows, CUDA"] = lambda: cuda_decode.paged_decode(

@@ -192,15 +192,14 @@ __device__ __forceinline__ float half_at(const uint4 (&v)[N], int t) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>((t & 1) ? (w >> 16) : (w & 0xFFFF))));
 }
 
-// Page b of a row (its block table `table`)
-__device__ __forceinline__ const uint8_t* page_of(const uint8_t* cache, const int32_t* table, int b,
-                                                  int64_t page_bytes) {
-  return cache + int64_t(table[b]) * page_bytes;
+// The page of block-table entry `entry`
+__device__ __forceinline__ const uint8_t* page_of(const uint8_t* cache, int entry, int64_t page_bytes) {
+  return cache + int64_t(entry) * page_bytes;
 }
 
 // The block-table entry of a warp's first page, loaded before the context length it would otherwise
 // wait for (the page's loads wait for both, one trip to memory sooner); 0 past the `table_blocks`
-// entries a launch may index (ceil(max_seq_len / BLOCK), within the table's row)
+// entries a launch may index (the pages of max_seq_len, within the table's row)
 __device__ __forceinline__ int first_table_entry(const int32_t* table, int b_first, int table_blocks) {
   return b_first < table_blocks ? table[b_first] : 0;
 }
@@ -327,7 +326,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
 
   PageLoads<BITS> in;
   if (b_first < b_end && holds_slice<BLOCK>(b_first, slice0, L)) {
-    const uint8_t* page = cache + int64_t(first_entry) * page_bytes;
+    const uint8_t* page = page_of(cache, first_entry, page_bytes);
     load_k<BLOCK>(in, page, o, h, lane, slice0, stats0);
     load_v<BLOCK>(in, page, o, h, lane, slice0);
   }
@@ -337,7 +336,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   for (int b = b_first; b < b_end; b += S::STEP) {
     if (!holds_slice<BLOCK>(b, slice0, L)) break;
     const uint8_t* next = b + S::STEP < b_end && holds_slice<BLOCK>(b + S::STEP, slice0, L)
-                              ? page_of(cache, table, b + S::STEP, page_bytes)
+                              ? page_of(cache, table[b + S::STEP], page_bytes)
                               : nullptr;
 
     // the query scaled by K's channel scales: this lane's two registers, then gathered into the
@@ -530,14 +529,14 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
 
   PageLoads<BITS, STATS> in;
   if (b_first < b_end && holds_slice<BLOCK>(b_first, slice0, L)) {
-    const uint8_t* page = cache + int64_t(first_entry) * page_bytes;
+    const uint8_t* page = page_of(cache, first_entry, page_bytes);
     load_k<BLOCK>(in, page, o, h, lane, slice0, stats0);
     load_v<BLOCK>(in, page, o, h, lane, slice0);
   }
   for (int b = b_first; b < b_end; b += S::STEP) {
     if (!holds_slice<BLOCK>(b, slice0, L)) break;  // as decode_mha
     const uint8_t* next = b + S::STEP < b_end && holds_slice<BLOCK>(b + S::STEP, slice0, L)
-                              ? page_of(cache, table, b + S::STEP, page_bytes)
+                              ? page_of(cache, table[b + S::STEP], page_bytes)
                               : nullptr;
 
     // scaled query: this lane's pairs, then each lane gathers column g's operand (as decode_mha)
@@ -781,14 +780,14 @@ static Launcher launcher(int bits, int group, int bf16) {
 // `bits` (2 or 4) bits and `group` (1, 2 or 4; 2 bits: 1 or 4) query heads a KV head (`num_heads` KV
 // heads), and where `num_splits` > 1 the merge of the splits' partials (`part`, [num_rows, query
 // heads, num_splits, 130] float32) into `out`, so one call (one pass through ctypes) does the whole
-// decode; `table_blocks` block-table entries a row (ceil(max_seq_len / block_size)) may be read.
+// decode; `table_blocks`: the block-table entries a row may be read at (the pages of max_seq_len).
 // Returns the launch's cudaError_t (cudaErrorInvalidValue for other page sizes, widths or groups).
 extern "C" int kvc_decode(const void* query, const void* cache, const void* block_table, const void* seq_lens,
                           const void* row_order, void* out, void* part, float q_scale, int64_t q_stride,
                           int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split,
-                          int num_splits, int table_blocks, int num_rows, int num_heads, int k_codes, int k_scale, int k_zero,
-                          int v_codes, int v_scale, int v_zero, int block_size, int bits, int group, int bf16,
-                          void* stream) {
+                          int num_splits, int table_blocks, int num_rows, int num_heads, int k_codes, int k_scale,
+                          int k_zero, int v_codes, int v_scale, int v_zero, int block_size, int bits, int group,
+                          int bf16, void* stream) {
   const Offsets o{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero};
   const dim3 grid(num_rows * num_heads, num_splits);
   auto s = static_cast<cudaStream_t>(stream);

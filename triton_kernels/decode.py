@@ -489,6 +489,7 @@ class SplitLaunch(NamedTuple):
     q_stride: int
     out: torch.Tensor
     num_splits: int
+    max_blocks: int       # pages of the longest context (at least 1): the block-table entries a row may be read at
     blocks_per_split: int
     part: torch.Tensor    # ``out``, or float32 partials [N, Hq, splits, D + 2] (``merge_splits``)
 
@@ -501,16 +502,17 @@ def split_launch(query: torch.Tensor, fmt: KVPageFormat, max_seq_len: int, num_s
     if num_splits is None:
         num_splits = choose_num_splits(n, fmt.k.num_heads, max_seq_len, fmt.block_size, query.device,
                                        programs_per_sm)
-    blocks_per_split = -(-max(1, -(-max_seq_len // fmt.block_size)) // num_splits)
+    max_blocks = max(1, -(-max_seq_len // fmt.block_size))
+    blocks_per_split = -(-max_blocks // num_splits)
     if out is None:
         out = torch.empty_like(query)
     elif out.stride(2) != 1 or out.stride(1) != d:
         raise ValueError(f"out: strides {out.stride()}; heads and channels must be contiguous within a row")
     part = out
     if num_splits > 1:
-        part = _partials(n * hq * num_splits * (d + 2), query.device, programs_per_sm * (hq // fmt.k.num_heads) * (d + 2)
-                         ).view(n, hq, num_splits, d + 2)
-    return SplitLaunch(query, q_stride, out, num_splits, blocks_per_split, part)
+        per_program = programs_per_sm * (hq // fmt.k.num_heads) * (d + 2)
+        part = _partials(n * hq * num_splits * (d + 2), query.device, per_program).view(n, hq, num_splits, d + 2)
+    return SplitLaunch(query, q_stride, out, num_splits, max_blocks, blocks_per_split, part)
 
 
 _partials_buffers: dict[tuple, list[torch.Tensor]] = {}  # by device and stream, the largest last

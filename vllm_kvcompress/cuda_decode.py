@@ -124,8 +124,9 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         run.query.data_ptr(), cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
         None if row_order is None else row_order.data_ptr(), run.out.data_ptr(), run.part.data_ptr(),
         sm_scale * _LOG2E, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes,
-        run.blocks_per_split, run.num_splits, -(-max_seq_len // fmt.block_size), n, h, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale,
-        lay.v.zero, fmt.block_size, lay.k.bits, hq // h, int(query.dtype == torch.bfloat16), stream_handle(query.device))
+        run.blocks_per_split, run.num_splits, run.max_blocks, n, h, lay.k.codes, lay.k.scale, lay.k.zero,
+        lay.v.codes, lay.v.scale, lay.v.zero, fmt.block_size, lay.k.bits, hq // h, int(query.dtype == torch.bfloat16),
+        stream_handle(query.device))
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")
     return run.out
