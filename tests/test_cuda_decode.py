@@ -152,3 +152,13 @@ def test_matches_triton_kernel_closely(layer_format, group):
             torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), 128 ** -0.5, max(seq_lens))
     torch.testing.assert_close(cuda_decode.paged_decode(*args).float(), paged_decode(*args).float(),
                                rtol=1e-2, atol=1e-2)
+
+
+def test_importing_the_cuda_kernels_leaves_triton_unimported():
+    """Triton reads TRITON_INTERPRET when it is first imported; the CPU tests set it before importing
+    the Triton kernels, so importing these modules (as the backend and other tests do) must not import it."""
+    import subprocess
+    import sys
+    code = ("import sys, vllm_kvcompress.cuda_decode, vllm_kvcompress.cuda_write; "
+            "sys.exit('triton' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -21,7 +21,6 @@ from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 from vllm_kvcompress.token_rows import TokenGroups
 
 from . import cuda_jit
-from .triton_kernels.launch import stream_handle
 from .triton_kernels.layout import page_layout
 
 _LOG2E = 1.4426950408889634
@@ -107,7 +106,8 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
                  row_order: torch.Tensor | None = None) -> torch.Tensor:
     """``triton_kernels.decode.paged_decode``'s contract, for formats where ``supports`` is None;
     ``groups`` (prompt tokens) go to the Triton kernel."""
-    from .triton_kernels import decode as triton_decode
+    from .triton_kernels import decode as triton_decode  # imports Triton: only where a kernel is launched
+    from .triton_kernels.launch import stream_handle
     if groups is not None:
         return triton_decode.paged_decode(query, cache, fmt, block_table, seq_lens, sm_scale, max_seq_len,
                                           num_splits=num_splits, out=out, groups=groups)

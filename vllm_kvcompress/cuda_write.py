@@ -19,7 +19,6 @@ import torch
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 
 from . import cuda_jit
-from .triton_kernels.launch import stream_handle
 from .triton_kernels.layout import page_layout
 
 def supports(fmt: KVPageFormat) -> str | None:
@@ -90,6 +89,7 @@ def _source(src: torch.Tensor) -> tuple[int, int]:
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """Same contract as ``paged_torch.write_tokens``, for formats where ``supports`` is None."""
+    from .triton_kernels.launch import stream_handle  # imports Triton: only where a kernel is launched
     n = slot_mapping.shape[0]
     if n == 0:
         return
