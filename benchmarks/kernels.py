@@ -287,6 +287,59 @@ def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int
             "GB/s": nbytes / ms / 1e6}
 
 
+def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 128, layers: int = 32,
+                      block: int = 128, max_model_len: int = 2048, replays: int = 20) -> dict:
+    """A decode step's attention as vLLM's full CUDA graph replays it, us a layer: for each of
+    ``layers`` layers (each with its own pages, so they do not sit in L2), a copy that stands in for
+    the kernel making the step's query, K and V, the CUDA cache write of each row's next token, the
+    CUDA decode (split for any context up to ``max_model_len``, as captured) and a copy of its output
+    that stands in for the output projection. Unlike timing each kernel alone, the gaps between
+    kernels count, as they do in serving."""
+    from vllm_kvcompress.cuda_decode import paged_decode
+    from vllm_kvcompress.cuda_write import write_tokens
+    from vllm_kvcompress.triton_kernels.decode import longest_first
+
+    n = len(lens)
+    fmt, cache, table, _, _, nbytes = _decode_case(bits, n, hq, hkv, d, max(lens) + 1, block, lens)
+    caches = [cache] + [cache.clone() for _ in range(layers - 1)]
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda") + 1  # the new token included
+    positions = seq_lens.long() - 1
+    slots = table.gather(1, (positions // block)[:, None])[:, 0].long() * block + positions % block
+    order = longest_first(seq_lens)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    made = torch.randn(n, (hq + 2 * hkv) * d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    qkv = torch.empty_like(made)
+    q = qkv[:, : hq * d].view(n, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(n, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+    out = torch.empty(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    after = torch.empty_like(out)
+
+    def step():
+        for pages in caches:
+            qkv.copy_(made)
+            write_tokens(pages, fmt, k, v, slots)
+            paged_decode(q, pages, fmt, table, seq_lens, d ** -0.5, max_model_len, out=out, row_order=order)
+            after.copy_(out)
+
+    step()  # builds and warms up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = statistics.median(times) / layers
+    return {"kernel": f"step k{bits}v{bits} write + decode, {n} rows, CUDA graph", "block": block, "ms": ms,
+            "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+
+
 def _host_us(fn, calls: int = 40, reps: int = 7) -> float:
     """Host microseconds per call of ``fn``: the GPU sleeps meanwhile, so launches only queue (40
     calls of a few launches stay below the launch queue's depth, where the host would block)."""
@@ -382,6 +435,9 @@ def main() -> None:
     ap.add_argument("--serving", action="store_true",
                     help="also a serving step's decode rows (144 requests, contexts uniform in 16..900, see "
                          "serving_lens) with kernel variants, and a prefill chunk's prompt rows")
+    ap.add_argument("--step", action="store_true",
+                    help="only a decode step's cache write and decode for 32 layers in a CUDA graph (us a layer; "
+                         "CUDA kernels, needs nvcc): a serving step's 144 rows and a run's tail of 3 and 8 rows")
     ap.add_argument("--profile", nargs=3, type=int, metavar=("BITS", "HQ", "HKV"),
                     help="only launch that decode a few times (for a profiler such as ncu)")
     ap.add_argument("--profile-write", nargs=2, type=int, metavar=("BITS", "HKV"),
@@ -391,6 +447,14 @@ def main() -> None:
         for name, hq, hkv, _ in SHAPES:
             for r in bench_host(hq, hkv):
                 print(f"{name:24s} {r['kernel']:42s} {r['host_us']:6.1f} us of host time a call")
+        return
+    if args.step:
+        for name, hq, hkv, _ in SHAPES:
+            for label, lens in (("serving step, 144 rows", serving_lens(144, 900)),
+                                ("tail, 8 rows", serving_lens(8, 2000, seed=3)),
+                                ("tail, 3 rows", serving_lens(3, 1500, seed=4))):
+                r = bench_step_layers(4, lens, hq, hkv)
+                print(f"{name:24s} {label:24s} {r['ms'] * 1e3:7.1f} us a layer")
         return
     if args.profile_write:
         bits, hkv = args.profile_write

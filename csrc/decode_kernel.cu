@@ -31,6 +31,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "dependent_launch.cuh"
+
 namespace {
 
 constexpr int kHead = 128;    // head size
@@ -293,6 +295,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   __shared__ float4 probs[kWarps][kSlice / 4];  // a warp's probabilities, from the logits' lanes to the products'
   __shared__ float other_out[kHead];            // warp 1's output, merged by warp 0
   __shared__ float other_ml[2];
+  kvc::allow_next_grid();  // the merge of the splits may be scheduled
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int h = blockIdx.x % num_heads;
@@ -305,6 +308,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   const int first_entry = first_table_entry(table, b_first, table_blocks);  // beside L, not after it
   const int L = seq_lens[row];
   const int b_end = min(b_start + blocks_per_split, (L + BLOCK - 1) / BLOCK);
+  kvc::wait_for_prior_grid();  // the cache write before: the query and the pages after this
 
   using G = Geometry<BITS>;
   constexpr int P = G::kPlanes;
@@ -498,6 +502,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   __shared__ float other_ml[GROUP][2];
   // (decode_mha's set-up: these values as one struct from a shared function compiled to 7 more
   // registers in decode_mha, so each kernel computes them itself)
+  kvc::allow_next_grid();  // the merge of the splits may be scheduled
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int h = blockIdx.x % num_heads;
@@ -510,6 +515,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   const int first_entry = first_table_entry(table, b_first, table_blocks);  // beside L, not after it
   const int L = seq_lens[row];
   const int b_end = min(b_start + blocks_per_split, (L + BLOCK - 1) / BLOCK);
+  kvc::wait_for_prior_grid();  // the cache write before: the query and the pages after this
 
   // This lane scales the query of head `qh` (of the group) over channels stats0 .. stats0 + 4 GROUP - 1:
   // operand pairs j = GROUP * (lane % LANES) + t, t < GROUP, pair j being word j / P at plane j % P
@@ -717,6 +723,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
 template <typename T>
 __global__ void __launch_bounds__(kHead) merge_splits(const float* __restrict__ part, T* __restrict__ out,
                                                       int64_t out_stride, int num_splits) {
+  kvc::wait_for_prior_grid();
   const int row = blockIdx.x, qhead = blockIdx.y, ch = threadIdx.x;
   const float* split0 = part + (int64_t(row) * gridDim.y + qhead) * num_splits * (kHead + 2);
   float mm = -INFINITY;
@@ -734,25 +741,30 @@ __global__ void __launch_bounds__(kHead) merge_splits(const float* __restrict__ 
 }  // namespace
 
 template <int BLOCK, int BITS, int GROUP, typename T>
-static void launch(dim3 grid, cudaStream_t s, const void* query, const uint8_t* cache, const int32_t* bt,
-                   const int32_t* sl, const int32_t* ro, void* out, void* part, float q_scale, int64_t q_stride,
-                   int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split, int num_splits,
-                   int table_blocks, int num_heads, Offsets o) {
-  if constexpr (GROUP == 1) {
-    decode_mha<BLOCK, BITS, T><<<grid, kWarps * 32, 0, s>>>(
-        static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
-        q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, table_blocks, num_heads, o);
-  } else {
-    decode_gqa<BLOCK, BITS, GROUP, T><<<grid, kWarps * 32, 0, s>>>(
-        static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out), static_cast<float*>(part), q_scale,
-        q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits, table_blocks, num_heads, o);
-  }
-  if (num_splits > 1)
-    merge_splits<T><<<dim3(grid.x / num_heads, num_heads * GROUP), kHead, 0, s>>>(
-        static_cast<const float*>(part), static_cast<T*>(out), out_stride, num_splits);
+constexpr auto decode_kernel() {
+  if constexpr (GROUP == 1)
+    return decode_mha<BLOCK, BITS, T>;
+  else
+    return decode_gqa<BLOCK, BITS, GROUP, T>;
 }
 
-using Launcher = void (*)(dim3, cudaStream_t, const void*, const uint8_t*, const int32_t*, const int32_t*,
+// Decode and merge launched to start before the kernel before them ends (dependent_launch.cuh)
+template <int BLOCK, int BITS, int GROUP, typename T>
+static cudaError_t launch(dim3 grid, cudaStream_t s, const void* query, const uint8_t* cache, const int32_t* bt,
+                          const int32_t* sl, const int32_t* ro, void* out, void* part, float q_scale,
+                          int64_t q_stride, int64_t out_stride, int64_t bt_stride, int64_t page_bytes,
+                          int blocks_per_split, int num_splits, int table_blocks, int num_heads, Offsets o) {
+  cudaError_t err = kvc::launch_dependent(
+      decode_kernel<BLOCK, BITS, GROUP, T>(), grid, dim3(kWarps * 32), s, static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out),
+      static_cast<float*>(part), q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits,
+      table_blocks, num_heads, o);
+  if (err == cudaSuccess && num_splits > 1)
+    err = kvc::launch_dependent(merge_splits<T>, dim3(grid.x / num_heads, num_heads * GROUP), dim3(kHead), s,
+                                static_cast<const float*>(part), static_cast<T*>(out), out_stride, num_splits);
+  return err;
+}
+
+using Launcher = cudaError_t (*)(dim3, cudaStream_t, const void*, const uint8_t*, const int32_t*, const int32_t*,
                           const int32_t*, void*, void*, float, int64_t, int64_t, int64_t, int64_t, int, int, int,
                           int, Offsets);
 
@@ -799,7 +811,6 @@ extern "C" int kvc_decode(const void* query, const void* cache, const void* bloc
                      : block_size == 64 ? launcher<64>(bits, group, bf16)
                                         : nullptr;
   if (f == nullptr) return static_cast<int>(cudaErrorInvalidValue);
-  f(grid, s, query, c, bt, sl, ro, out, part, q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split,
-    num_splits, table_blocks, num_heads, o);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(f(grid, s, query, c, bt, sl, ro, out, part, q_scale, q_stride, out_stride, bt_stride,
+                            page_bytes, blocks_per_split, num_splits, table_blocks, num_heads, o));
 }

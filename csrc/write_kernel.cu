@@ -26,6 +26,8 @@
 
 #include <type_traits>
 
+#include "dependent_launch.cuh"
+
 namespace {
 
 constexpr float kEps = 1e-6f;  // smallest scale, as the reference's _EPS
@@ -492,6 +494,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6)
     write_kernel(Tensor a, Tensor b, int num_tensors, const int64_t* __restrict__ slots, uint8_t* cache,
                  int num_tokens, int H, int64_t page_bytes, int BLOCK) {
   __shared__ AppendScratch<BITS, D> scratch[kWarps];
+  kvc::allow_next_grid();  // the decode after may set up while this writes
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int item = blockIdx.x * kWarps + warp;
   if (item >= num_tokens * H * num_tensors) return;
@@ -505,27 +508,32 @@ __global__ void __launch_bounds__(kWarps * 32, 6)
   if (slot64 < 0) return;
   const int slot = int(slot64), off = slot % BLOCK;
   uint8_t* page = cache + int64_t(slot / BLOCK) * page_bytes;
-  if (!per_channel) return write_row_per_token<T, BITS, D>(t, i, page, h, off, BLOCK, lane);
+  if (!per_channel) {
+    kvc::wait_for_prior_grid();  // the new tokens, from the kernel before
+    return write_row_per_token<T, BITS, D>(t, i, page, h, off, BLOCK, lane);
+  }
   // the block's new rows are first..last: a request's new tokens are consecutive in the batch and
   // in their slots. Tokens further than kDealers from the last have no work here.
   const int ahead = run_of_slots(slots, num_tokens, i, slot, 1, min(BLOCK - 1 - off, kDealers), next, lane);
   if (ahead >= kDealers) return;
   const int first = off - run_of_slots(slots, num_tokens, i, slot, -1, off, prev, lane), last = off + ahead;
+  kvc::wait_for_prior_grid();
   if (first == last && off > 0)
     append_per_channel<T, BITS, D>(t, i, page, h, off, BLOCK, lane, scratch[warp]);
   else
     encode_chunks<T, BITS, D>(t, i - off, first, last, ahead, min(last - first + 1, kDealers), page, h, BLOCK, lane);
 }
 
+// Launched to read its slots while the kernel before it ends (dependent_launch.cuh)
 template <typename T, int BITS, int D>
-void launch(const Tensor& a, const Tensor& b, int num_tensors, const int64_t* slots, uint8_t* cache, int n, int H,
-            int64_t page_bytes, int BLOCK, cudaStream_t stream) {
+cudaError_t launch(const Tensor& a, const Tensor& b, int num_tensors, const int64_t* slots, uint8_t* cache, int n,
+                   int H, int64_t page_bytes, int BLOCK, cudaStream_t stream) {
   const int items = n * H * num_tensors;
-  write_kernel<T, BITS, D><<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(a, b, num_tensors, slots, cache,
-                                                                                     n, H, page_bytes, BLOCK);
+  return kvc::launch_dependent(write_kernel<T, BITS, D>, dim3((items + kWarps - 1) / kWarps), dim3(kWarps * 32),
+                               stream, a, b, num_tensors, slots, cache, n, H, page_bytes, BLOCK);
 }
 
-using Launcher = void (*)(const Tensor&, const Tensor&, int, const int64_t*, uint8_t*, int, int, int64_t, int,
+using Launcher = cudaError_t (*)(const Tensor&, const Tensor&, int, const int64_t*, uint8_t*, int, int, int64_t, int,
                           cudaStream_t);
 
 template <typename T, int D>
@@ -561,7 +569,6 @@ extern "C" int kvc_write(int num_tensors, const void* a_src, int64_t a_stride, i
                                   : nullptr;
   if (f == nullptr || num_tensors < 1 || num_tensors > 2) return static_cast<int>(cudaErrorInvalidValue);
   if (num_tokens == 0) return 0;
-  f(a, b, num_tensors, static_cast<const int64_t*>(slots), static_cast<uint8_t*>(cache), num_tokens, num_heads,
-    page_bytes, block_size, static_cast<cudaStream_t>(stream));
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(f(a, b, num_tensors, static_cast<const int64_t*>(slots), static_cast<uint8_t*>(cache),
+                            num_tokens, num_heads, page_bytes, block_size, static_cast<cudaStream_t>(stream)));
 }

@@ -154,6 +154,65 @@ def test_matches_triton_kernel_closely(layer_format, group):
                                rtol=1e-2, atol=1e-2)
 
 
+@gpu
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("seq_lens", [[5, 127, 300], [1900]], ids=["three", "one"])
+def test_write_then_decode_replayed_in_a_cuda_graph(group, seq_lens):
+    """A decode step as vLLM's full CUDA graphs run it, for steps whose tokens advance: each layer makes
+    its query, K and V (a copy), writes the new token, decodes (with splits and their merge: sized for
+    2,048 tokens, as captured) and hands its output on (a copy). The write, decode and merge start
+    before the kernel before them ends (dependent launches); each must still see what it came after."""
+    from vllm_kvcompress import cuda_write
+    fmt = _fmt(FOUR, heads=2)
+    layers, steps, n, hq = 3, 3, len(seq_lens), 2 * group
+    cache, table = fill_pages(fmt, [length + steps for length in seq_lens], 1, seed=4)
+    gen = torch.Generator().manual_seed(11)
+    made = torch.randn(steps, layers, n, hq + 4, 128, generator=gen).to(torch.bfloat16)
+    source = torch.empty(layers, n, hq + 4, 128, dtype=torch.bfloat16, device="cuda").unbind(0)
+    qkv = [torch.empty_like(x) for x in source]
+    slots = torch.empty(n, dtype=torch.int64, device="cuda")
+    lens = torch.empty(n, dtype=torch.int32, device="cuda")
+    table_gpu = table.cuda()
+    outs = [torch.empty(n, hq, 128, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    handed = [torch.empty_like(o) for o in outs]
+
+    def positions(s):
+        return torch.tensor(seq_lens) + s
+
+    def slots_of(s):
+        return table[torch.arange(n), positions(s) // 128].long() * 128 + positions(s) % 128
+
+    def set_step(s):
+        for layer in range(layers):
+            source[layer].copy_(made[s, layer])
+        slots.copy_(slots_of(s))
+        lens.copy_(positions(s) + 1)
+
+    def step(pages):
+        for layer in range(layers):
+            qkv[layer].copy_(source[layer])
+            q, k, v = qkv[layer][:, :hq], qkv[layer][:, hq:hq + 2], qkv[layer][:, hq + 2:]
+            cuda_write.write_tokens(pages[layer], fmt, k, v, slots)
+            cuda_decode.paged_decode(q, pages[layer], fmt, table_gpu, lens, 128 ** -0.5, 2048, out=outs[layer])
+            handed[layer].copy_(outs[layer])
+
+    set_step(0)
+    step([cache.cuda() for _ in range(layers)])  # builds the kernels outside capture
+    pages = [cache.cuda() for _ in range(layers)]  # the pages before any step, for the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(pages)
+    ref_cache = [cache.clone() for _ in range(layers)]
+    for s in range(steps):
+        set_step(s)
+        graph.replay()
+        for layer in range(layers):
+            x = made[s, layer]
+            paged_torch.write_tokens(ref_cache[layer], fmt, x[:, hq:hq + 2], x[:, hq + 2:], slots_of(s))
+            ref = _reference(x[:, :hq], ref_cache[layer], fmt, table, (positions(s) + 1).tolist(), 128 ** -0.5)
+            torch.testing.assert_close(handed[layer].float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_importing_the_cuda_kernels_leaves_triton_unimported():
     """Triton reads TRITON_INTERPRET when it is first imported; the CPU tests set it before importing
     the Triton kernels, so importing these modules (as the backend and other tests do) must not import it."""

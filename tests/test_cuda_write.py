@@ -47,6 +47,26 @@ def test_mode_is_checked():
         cuda_write.choose("fast", fmt)
 
 
+def test_a_changed_header_rebuilds_the_kernels(tmp_path, monkeypatch):
+    """torch's build cache keys on the sources' contents and the flags, not on included headers: the
+    headers' digest is in the flags, so editing csrc/*.cuh builds again rather than loading a stale build."""
+    import ctypes
+
+    import torch.utils.cpp_extension
+    for header in cuda_jit.CSRC.glob("*.cuh"):
+        (tmp_path / header.name).write_bytes(header.read_bytes())
+    assert any(tmp_path.glob("*.cuh"))
+    monkeypatch.setattr(cuda_jit, "CSRC", tmp_path)
+    flags = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: flags.append(kw["extra_cuda_cflags"]))
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: None)
+    cuda_jit.load("kernel", "kernel.cu", "KVCOMPRESS_WRITE")
+    header = next(tmp_path.glob("*.cuh"))
+    header.write_bytes(header.read_bytes() + b"\n// edited\n")
+    cuda_jit.load("kernel", "kernel.cu", "KVCOMPRESS_WRITE")
+    assert flags[0] != flags[1]
+
+
 @pytest.mark.skipif(cuda_jit.nvcc_available(), reason="nvcc is installed here")
 def test_without_nvcc_auto_takes_triton_and_cuda_is_refused():
     fmt = _format(LayerFormat(k_bits=4, v_bits=4))

@@ -6,6 +6,7 @@ kernel and its Triton counterpart, and a just-in-time build with nvcc through
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,12 +43,22 @@ def choose(variable: str, mode: str, kernel: str, why_not: Callable[[], str | No
     return why
 
 
+def headers_digest() -> str:
+    """A digest of ``csrc/*.cuh``: torch's build cache hashes the sources it is given, not the headers
+    they include, so the digest goes into the build's flags and a changed header rebuilds."""
+    digest = hashlib.sha256()
+    for header in sorted(CSRC.glob("*.cuh")):
+        digest.update(header.name.encode() + header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def load(name: str, source: str, variable: str) -> ctypes.CDLL:
     """Build (or load the cached build of) ``csrc/source`` as a shared library named ``name``: at
     startup, not in the middle of serving; a failed build names ``variable``'s way around it."""
     from torch.utils.cpp_extension import load as build
     try:
-        path = build(name=name, sources=[str(CSRC / source)], extra_cuda_cflags=["-O3"], is_python_module=False,
+        path = build(name=name, sources=[str(CSRC / source)],
+                     extra_cuda_cflags=["-O3", f"-DKVC_HEADERS={headers_digest()}"], is_python_module=False,
                      verbose=False)
     except Exception as e:
         raise RuntimeError(f"{source} did not build ({e}); {variable}=triton uses the Triton kernel instead") from e
