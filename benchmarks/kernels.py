@@ -361,9 +361,12 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
     """Host time of one layer's attention calls in a mixed step (the serving step's 144 decode rows
     and a 512-token prompt, queries and K/V as views into a fused QKV output): outside CUDA graphs
     the host launches these for every layer, and the GPU waits if it falls behind. vLLM's
-    FlashAttention calls on the same step for comparison."""
-    from vllm import _custom_ops as ops
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    FlashAttention calls on the same step for comparison, where vLLM is installed."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except ImportError:
+        ops = None
 
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode, rows_per_program
@@ -396,12 +399,16 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
                                                                  d ** -0.5, 900, out=out[:nd]),
         f"ours k{bits}v{bits}: prompt rows": lambda: paged_decode(q[nd:], cache, fmt, rows.block_table, rows.seq_lens,
                                                                  d ** -0.5, prompt, out=out[nd:], groups=rows.groups),
-        "vLLM FlashAttention bf16: cache write": lambda: ops.reshape_and_cache_flash(
-            k, v, k_cache, v_cache, slots, "auto", one, one),
-        "vLLM FlashAttention bf16: attention": lambda: flash_attn_varlen_func(
-            q, k_cache, v_cache, max_seqlen_q=prompt, cu_seqlens_q=starts_dev, max_seqlen_k=900, seqused_k=seq_lens,
-            softmax_scale=d ** -0.5, causal=True, block_table=flat_table, out=out, fa_version=3),
     }
+    if ops is not None:
+        cases |= {
+            "vLLM FlashAttention bf16: cache write": lambda: ops.reshape_and_cache_flash(
+                k, v, k_cache, v_cache, slots, "auto", one, one),
+            "vLLM FlashAttention bf16: attention": lambda: flash_attn_varlen_func(
+                q, k_cache, v_cache, max_seqlen_q=prompt, cu_seqlens_q=starts_dev, max_seqlen_k=900,
+                seqused_k=seq_lens, softmax_scale=d ** -0.5, causal=True, block_table=flat_table, out=out,
+                fa_version=3),
+        }
     from vllm_kvcompress import cuda_jit
     if cuda_jit.nvcc_available():  # what the backend launches where nvcc exists
         from vllm_kvcompress import cuda_decode, cuda_write
@@ -431,7 +438,8 @@ def main() -> None:
                     help="also time the CUDA write kernel (csrc/; needs nvcc, see docs/gpu.md)")
     ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
     ap.add_argument("--host", action="store_true",
-                    help="only the host time of a mixed step's attention calls for one layer, ours and vLLM's")
+                    help="only the host time of a mixed step's attention calls for one layer, ours and (where "
+                         "installed) vLLM's")
     ap.add_argument("--serving", action="store_true",
                     help="also a serving step's decode rows (144 requests, contexts uniform in 16..900, see "
                          "serving_lens) with kernel variants, and a prefill chunk's prompt rows")

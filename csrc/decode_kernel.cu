@@ -788,29 +788,40 @@ static Launcher launcher(int bits, int group, int bf16) {
                      : nullptr;
 }
 
-// Launches on `stream` (a cudaStream_t) for pages of `block_size` (64 or 128) tokens, codes of
-// `bits` (2 or 4) bits and `group` (1, 2 or 4; 2 bits: 1 or 4) query heads a KV head (`num_heads` KV
-// heads), and where `num_splits` > 1 the merge of the splits' partials (`part`, [num_rows, query
-// heads, num_splits, 130] float32) into `out`, so one call (one pass through ctypes) does the whole
-// decode; `table_blocks`: the block-table entries a row may be read at (the pages of max_seq_len).
-// Returns the launch's cudaError_t (cudaErrorInvalidValue for other page sizes, widths or groups).
-extern "C" int kvc_decode(const void* query, const void* cache, const void* block_table, const void* seq_lens,
-                          const void* row_order, void* out, void* part, float q_scale, int64_t q_stride,
-                          int64_t out_stride, int64_t bt_stride, int64_t page_bytes, int blocks_per_split,
-                          int num_splits, int table_blocks, int num_rows, int num_heads, int k_codes, int k_scale,
-                          int k_zero, int v_codes, int v_scale, int v_zero, int block_size, int bits, int group,
-                          int bf16, void* stream) {
-  const Offsets o{k_codes, k_scale, k_zero, v_codes, v_scale, v_zero};
-  const dim3 grid(num_rows * num_heads, num_splits);
-  auto s = static_cast<cudaStream_t>(stream);
-  const auto* c = static_cast<const uint8_t*>(cache);
-  const auto* bt = static_cast<const int32_t*>(block_table);
-  const auto* sl = static_cast<const int32_t*>(seq_lens);
-  const auto* ro = static_cast<const int32_t*>(row_order);
-  const Launcher f = block_size == 128  ? launcher<128>(bits, group, bf16)
-                     : block_size == 64 ? launcher<64>(bits, group, bf16)
-                                        : nullptr;
+// A decode's arguments, one struct so that the caller (ctypes) converts one pointer a call rather
+// than 28 values; cuda_decode.py's _DecodeArgs mirrors it field for field.
+struct DecodeArgs {
+  const void* query;        // [num_rows, query heads, 128] rows q_stride elements apart
+  const void* cache;        // [num_blocks, page_bytes] uint8
+  const void* block_table;  // [num_rows, ...] int32, rows bt_stride apart
+  const void* seq_lens;     // [num_rows] int32
+  const void* row_order;    // [num_rows] int32 or null: the order in which rows take blocks
+  void* out;                // rows out_stride elements apart
+  void* part;               // [num_rows, query heads, num_splits, 130] float32 where num_splits > 1
+  float q_scale;
+  int64_t q_stride, out_stride, bt_stride, page_bytes;
+  int blocks_per_split, num_splits;
+  int table_blocks;  // the block-table entries a row may be read at (the pages of max_seq_len)
+  int num_rows, num_heads;
+  int k_codes, k_scale, k_zero, v_codes, v_scale, v_zero;  // byte offsets of a page's regions
+  int block_size, bits, group;  // pages of 64 or 128 tokens, 2 or 4 bits, 1, 2 or 4 query heads a KV head
+  int bf16;                     // queries in bfloat16 (else float16)
+  void* stream;                 // a cudaStream_t
+};
+
+// Launches on `stream` the decode and, where num_splits > 1, the merge of the splits' partials into
+// `out`, so one call does the whole decode. Returns the launch's cudaError_t (cudaErrorInvalidValue
+// for other page sizes, widths or groups).
+extern "C" int kvc_decode(const DecodeArgs* a) {
+  const Offsets o{a->k_codes, a->k_scale, a->k_zero, a->v_codes, a->v_scale, a->v_zero};
+  const Launcher f = a->block_size == 128  ? launcher<128>(a->bits, a->group, a->bf16)
+                     : a->block_size == 64 ? launcher<64>(a->bits, a->group, a->bf16)
+                                           : nullptr;
   if (f == nullptr) return static_cast<int>(cudaErrorInvalidValue);
-  return static_cast<int>(f(grid, s, query, c, bt, sl, ro, out, part, q_scale, q_stride, out_stride, bt_stride,
-                            page_bytes, blocks_per_split, num_splits, table_blocks, num_heads, o));
+  return static_cast<int>(f(dim3(a->num_rows * a->num_heads, a->num_splits), static_cast<cudaStream_t>(a->stream),
+                            a->query, static_cast<const uint8_t*>(a->cache),
+                            static_cast<const int32_t*>(a->block_table), static_cast<const int32_t*>(a->seq_lens),
+                            static_cast<const int32_t*>(a->row_order), a->out, a->part, a->q_scale, a->q_stride,
+                            a->out_stride, a->bt_stride, a->page_bytes, a->blocks_per_split, a->num_splits,
+                            a->table_blocks, a->num_heads, o));
 }

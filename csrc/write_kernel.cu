@@ -551,24 +551,30 @@ Launcher launcher_of(int head_size, int bits) {
 
 }  // namespace
 
-// One or two tensors of the pages (K, and V where it has K's width) at `bits` bits, each from its
-// source [N, H, head_size] (rows src_stride elements apart; channels contiguous) with its page
-// layout: its token group (0: statistics per channel), byte offsets of codes, scale and zero, bytes a row. slots
-// [N] int64 (-1: skip), cache [num_blocks, page_bytes] uint8; dtype 0 float32, 1 float16, 2 bfloat16.
-// Returns a cudaError_t (cudaErrorInvalidValue for what the kernel does not cover).
-extern "C" int kvc_write(int num_tensors, const void* a_src, int64_t a_stride, int a_token_group, int a_codes,
-                         int a_row_bytes, int a_scale, int a_zero, const void* b_src, int64_t b_stride,
-                         int b_token_group, int b_codes, int b_row_bytes, int b_scale, int b_zero, const void* slots,
-                         void* cache, int num_tokens, int num_heads, int head_size, int64_t page_bytes,
-                         int block_size, int bits, int dtype, void* stream) {
-  const Tensor a{a_src, a_stride, a_codes, a_row_bytes, a_scale, a_zero, a_token_group};
-  const Tensor b{b_src, b_stride, b_codes, b_row_bytes, b_scale, b_zero, b_token_group};
-  const Launcher f = dtype == 0   ? launcher_of<float>(head_size, bits)
-                     : dtype == 1 ? launcher_of<__half>(head_size, bits)
-                     : dtype == 2 ? launcher_of<__nv_bfloat16>(head_size, bits)
-                                  : nullptr;
-  if (f == nullptr || num_tensors < 1 || num_tensors > 2) return static_cast<int>(cudaErrorInvalidValue);
-  if (num_tokens == 0) return 0;
-  return static_cast<int>(f(a, b, num_tensors, static_cast<const int64_t*>(slots), static_cast<uint8_t*>(cache),
-                            num_tokens, num_heads, page_bytes, block_size, static_cast<cudaStream_t>(stream)));
+// A write's arguments, one struct so that the caller (ctypes) converts one pointer a call rather
+// than 25 values; cuda_write.py's _WriteArgs mirrors it field for field.
+struct WriteArgs {
+  int num_tensors;  // 1 or 2: a (K, or the only tensor), and b (V where it has K's width)
+  Tensor a, b;      // each from its source [N, H, head_size] with its page layout (token_group 0: per channel)
+  const void* slots;  // [N] int64 (-1: skip)
+  void* cache;        // [num_blocks, page_bytes] uint8
+  int num_tokens, num_heads, head_size;
+  int64_t page_bytes;
+  int block_size, bits;
+  int dtype;  // of the sources: 0 float32, 1 float16, 2 bfloat16
+  void* stream;  // a cudaStream_t
+};
+
+// One or two tensors of the pages at `bits` bits. Returns a cudaError_t (cudaErrorInvalidValue for
+// what the kernel does not cover).
+extern "C" int kvc_write(const WriteArgs* w) {
+  const Launcher f = w->dtype == 0   ? launcher_of<float>(w->head_size, w->bits)
+                     : w->dtype == 1 ? launcher_of<__half>(w->head_size, w->bits)
+                     : w->dtype == 2 ? launcher_of<__nv_bfloat16>(w->head_size, w->bits)
+                                     : nullptr;
+  if (f == nullptr || w->num_tensors < 1 || w->num_tensors > 2) return static_cast<int>(cudaErrorInvalidValue);
+  if (w->num_tokens == 0) return 0;
+  return static_cast<int>(f(w->a, w->b, w->num_tensors, static_cast<const int64_t*>(w->slots),
+                            static_cast<uint8_t*>(w->cache), w->num_tokens, w->num_heads, w->page_bytes,
+                            w->block_size, static_cast<cudaStream_t>(w->stream)));
 }

@@ -10,6 +10,7 @@ import torch
 from vllm_kvcompress import cuda_decode, cuda_jit, paged_torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
+from c_structs import c_struct_fields
 from paged_cases import fill_pages
 
 FOUR = LayerFormat(k_bits=4, v_bits=4)
@@ -75,6 +76,43 @@ def test_the_backend_refuses_kernel_choices_it_cannot_honour(monkeypatch, name, 
     impl = KVCompressImpl.__new__(KVCompressImpl)  # only the selection, without an engine
     with pytest.raises(ValueError, match=message):
         impl._select_kernels(_fmt(), None, torch.device("cpu"))
+
+
+def test_launch_arguments_mirror_the_kernels_struct():
+    assert cuda_decode._DecodeArgs._fields_ == c_struct_fields("decode_kernel.cu", "DecodeArgs")
+
+
+def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch):
+    """The rows, lengths and order are planned once a step; each layer's call passes its own query,
+    cache and output. A step with other lengths gets its own plan."""
+    from vllm_kvcompress.triton_kernels import decode as triton_decode
+    calls, plans = [], []
+
+    class Library:
+        def kvc_decode(self, args):
+            calls.append({name: getattr(args._obj, name) for name, _ in args._obj._fields_})
+            return 0
+
+    planned = cuda_decode._plan
+    monkeypatch.setattr(cuda_decode, "_library", Library)
+    monkeypatch.setattr(cuda_decode, "_triton", lambda: (triton_decode, lambda device: 7))
+    monkeypatch.setattr(cuda_decode, "_plans", cuda_jit.LaunchPlans())
+    monkeypatch.setattr(cuda_decode, "_plan", lambda *args: plans.append(args) or planned(*args))
+    fmt, n = _fmt(heads=2), 3
+    table = torch.zeros(n, 8, dtype=torch.int32)
+    lens, order = torch.tensor([5, 200, 17], dtype=torch.int32), torch.tensor([1, 2, 0], dtype=torch.int32)
+    layers = [(torch.randn(n, 2, 128).to(torch.bfloat16), torch.zeros(4, fmt.page_bytes, dtype=torch.uint8),
+               torch.empty(n, 2, 128, dtype=torch.bfloat16)) for _ in range(3)]
+    for q, cache, out in layers:
+        cuda_decode.paged_decode(q, cache, fmt, table, lens, 0.1, 200, out=out, row_order=order)
+    assert len(plans) == 1
+    for call, (q, cache, out) in zip(calls, layers):
+        assert (call["query"], call["cache"], call["out"], call["part"]) == (
+            q.data_ptr(), cache.data_ptr(), out.data_ptr(), out.data_ptr())
+        assert (call["block_table"], call["seq_lens"], call["row_order"], call["num_rows"], call["table_blocks"],
+                call["stream"]) == (table.data_ptr(), lens.data_ptr(), order.data_ptr(), n, 2, 7)
+    cuda_decode.paged_decode(q, cache, fmt, table, lens, 0.1, 600, out=out, row_order=order)
+    assert len(plans) == 2 and calls[-1]["table_blocks"] == 5
 
 
 def _gpu_ready() -> str | None:

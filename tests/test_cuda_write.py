@@ -8,6 +8,8 @@ import torch
 from vllm_kvcompress import cuda_jit, cuda_write, paged_torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.triton_kernels.layout import page_layout
+from c_structs import c_struct_fields
 
 COVERED = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
            LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"), LayerFormat(k_bits=2, k_only=True)]
@@ -45,6 +47,50 @@ def test_mode_is_checked():
     assert cuda_write.choose("triton", fmt) == "KVCOMPRESS_WRITE=triton"
     with pytest.raises(ValueError, match="KVCOMPRESS_WRITE='fast': allowed are 'auto'"):
         cuda_write.choose("fast", fmt)
+
+
+def test_launch_arguments_mirror_the_kernels_structs():
+    assert cuda_write._TensorArgs._fields_ == c_struct_fields("write_kernel.cu", "Tensor")
+    assert cuda_write._WriteArgs._fields_ == c_struct_fields("write_kernel.cu", "WriteArgs",
+                                                             {"Tensor": cuda_write._TensorArgs})
+
+
+@pytest.mark.parametrize("layer_format", [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=4, v_bits=8)],
+                         ids=["one launch", "K and V apart"])
+def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch, layer_format):
+    """The slots are planned once a step; each layer's call passes its own K, V and cache (K and V of
+    different widths in a launch each)."""
+    calls, plans = [], []
+
+    class Library:
+        def kvc_write(self, args):
+            a, b = args._obj.a, args._obj.b
+            calls.append((a.src, a.src_stride, a.codes, b.src, b.src_stride, b.codes, args._obj.cache,
+                          args._obj.slots, args._obj.num_tokens, args._obj.bits))
+            return 0
+
+    planned = cuda_write._plan
+    monkeypatch.setattr(cuda_write, "_library", Library)
+    monkeypatch.setattr(cuda_write, "_stream_handle", lambda: lambda device: 7)
+    monkeypatch.setattr(cuda_write, "_plans", cuda_jit.LaunchPlans())
+    monkeypatch.setattr(cuda_write, "_plan", lambda *args: plans.append(args) or planned(*args))
+    fmt = _format(layer_format)
+    slots = torch.tensor([3, 40, 41])
+    layers = [(torch.randn(3, 6, 64)[:, i:i + 2], torch.randn(3, 2, 64), torch.zeros(8, fmt.page_bytes, dtype=torch.uint8))
+              for i in range(3)]
+    for k, v, cache in layers:
+        cuda_write.write_tokens(cache, fmt, k, v, slots)
+    assert len(plans) == 1
+    lay = page_layout(fmt)
+    launches = [(k, v, k.data_ptr(), v.data_ptr()) for k, v, _ in layers]
+    if lay.k.bits == lay.v.bits:
+        expected = [(kp, 6 * 64, lay.k.codes, vp, 2 * 64, lay.v.codes, c.data_ptr(), slots.data_ptr(), 3, 4)
+                    for (_, _, kp, vp), (_, _, c) in zip(launches, layers)]
+    else:
+        expected = [x for (_, _, kp, vp), (_, _, c) in zip(launches, layers)
+                    for x in ((kp, 6 * 64, lay.k.codes, kp, 6 * 64, lay.k.codes, c.data_ptr(), slots.data_ptr(), 3, 4),
+                              (vp, 2 * 64, lay.v.codes, vp, 2 * 64, lay.v.codes, c.data_ptr(), slots.data_ptr(), 3, 8))]
+    assert calls == expected
 
 
 def test_a_changed_header_rebuilds_the_kernels(tmp_path, monkeypatch):

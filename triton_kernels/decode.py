@@ -494,20 +494,27 @@ class SplitLaunch(NamedTuple):
     part: torch.Tensor    # ``out``, or float32 partials [N, Hq, splits, D + 2] (``merge_splits``)
 
 
+def query_and_output(query: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """A decode launch's query, row-strided (``_row_strided``), its row stride, and its output:
+    ``out``, whose heads and channels must be contiguous within a row, or a new tensor."""
+    query, q_stride = _row_strided(query)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.stride(2) != 1 or out.stride(1) != query.shape[2]:
+        raise ValueError(f"out: strides {out.stride()}; heads and channels must be contiguous within a row")
+    return query, q_stride, out
+
+
 def split_launch(query: torch.Tensor, fmt: KVPageFormat, max_seq_len: int, num_splits: int | None,
                  out: torch.Tensor | None, programs_per_sm: int = PROGRAMS_PER_SM) -> SplitLaunch:
     """A decode launch's buffers and split count (``choose_num_splits``'s where None)."""
-    query, q_stride = _row_strided(query)
+    query, q_stride, out = query_and_output(query, out)
     n, hq, d = query.shape
     if num_splits is None:
         num_splits = choose_num_splits(n, fmt.k.num_heads, max_seq_len, fmt.block_size, query.device,
                                        programs_per_sm)
     max_blocks = max(1, -(-max_seq_len // fmt.block_size))
     blocks_per_split = -(-max_blocks // num_splits)
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.stride(2) != 1 or out.stride(1) != d:
-        raise ValueError(f"out: strides {out.stride()}; heads and channels must be contiguous within a row")
     part = out
     if num_splits > 1:
         per_program = programs_per_sm * (hq // fmt.k.num_heads) * (d + 2)

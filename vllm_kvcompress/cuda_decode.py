@@ -85,13 +85,23 @@ def choose(mode: str, fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtyp
                            lambda: supports(fmt, num_query_heads, dtype) or device_supported(device))
 
 
+class _DecodeArgs(ctypes.Structure):
+    """``csrc/decode_kernel.cu``'s DecodeArgs, field for field."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("query", "cache", "block_table", "seq_lens", "row_order", "out",
+                                                     "part")] \
+        + [("q_scale", ctypes.c_float)] \
+        + [(name, ctypes.c_int64) for name in ("q_stride", "out_stride", "bt_stride", "page_bytes")] \
+        + [(name, ctypes.c_int) for name in ("blocks_per_split", "num_splits", "table_blocks", "num_rows", "num_heads",
+                                             "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero",
+                                             "block_size", "bits", "group", "bf16")] \
+        + [("stream", ctypes.c_void_p)]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     lib = cuda_jit.load("kvcompress_decode", "decode_kernel.cu", "KVCOMPRESS_DECODE")
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.kvc_decode.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, i64, i64, i64, i64, i32, i32, i32, i32,
-                               i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, i32, p]
-    lib.kvc_decode.restype = i32
+    lib.kvc_decode.argtypes = [ctypes.POINTER(_DecodeArgs)]
+    lib.kvc_decode.restype = ctypes.c_int
     return lib
 
 
@@ -100,33 +110,63 @@ def build() -> None:
     _library()
 
 
+@functools.cache
+def _triton():
+    """The Triton decode module and the stream getter, imported at the first launch: importing Triton
+    with this module would read TRITON_INTERPRET before the CPU tests set it."""
+    from .triton_kernels import decode, launch
+    return decode, launch.stream_handle
+
+
+_plans = cuda_jit.LaunchPlans()  # by step: rows, lengths, format (the arguments but query, cache, output)
+
+
+def _plan(fmt: KVPageFormat, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
+          seq_lens: torch.Tensor, row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int,
+          num_splits: int | None, stream: int) -> _DecodeArgs:
+    """The launch's arguments but for its query, cache and output, which each call sets."""
+    triton_decode, _ = _triton()
+    if num_splits is None:
+        num_splits = triton_decode.choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, _TOKENS_A_STEP,
+                                                     query.device)
+    run = triton_decode.split_launch(query, fmt, max_seq_len, num_splits, out)
+    n, hq, _ = run.query.shape
+    lay = page_layout(fmt)
+    return _DecodeArgs(
+        block_table=block_table.data_ptr(), seq_lens=seq_lens.data_ptr(),
+        row_order=None if row_order is None else row_order.data_ptr(),
+        part=None if run.num_splits == 1 else run.part.data_ptr(), q_scale=sm_scale * _LOG2E,
+        bt_stride=block_table.stride(0), page_bytes=fmt.page_bytes, blocks_per_split=run.blocks_per_split,
+        num_splits=run.num_splits, table_blocks=run.max_blocks, num_rows=n, num_heads=fmt.k.num_heads,
+        k_codes=lay.k.codes, k_scale=lay.k.scale, k_zero=lay.k.zero, v_codes=lay.v.codes, v_scale=lay.v.scale,
+        v_zero=lay.v.zero, block_size=fmt.block_size, bits=lay.k.bits, group=hq // fmt.k.num_heads,
+        bf16=int(query.dtype == torch.bfloat16), stream=stream)
+
+
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
                  out: torch.Tensor | None = None, groups: TokenGroups | None = None,
                  row_order: torch.Tensor | None = None) -> torch.Tensor:
     """``triton_kernels.decode.paged_decode``'s contract, for formats where ``supports`` is None;
     ``groups`` (prompt tokens) go to the Triton kernel."""
-    from .triton_kernels import decode as triton_decode  # imports Triton: only where a kernel is launched
-    from .triton_kernels.launch import stream_handle
+    triton_decode, stream_handle = _triton()
     if groups is not None:
         return triton_decode.paged_decode(query, cache, fmt, block_table, seq_lens, sm_scale, max_seq_len,
                                           num_splits=num_splits, out=out, groups=groups)
-    if num_splits is None:
-        num_splits = triton_decode.choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, _TOKENS_A_STEP,
-                                                     query.device)
-    run = triton_decode.split_launch(query, fmt, max_seq_len, num_splits, out)
-    n, hq, _ = run.query.shape
+    query, q_stride, out = triton_decode.query_and_output(query, out)
+    n, hq, _ = query.shape
     if n == 0:
-        return run.out
-    h = fmt.k.num_heads
-    lay = page_layout(fmt)
-    err = _library().kvc_decode(
-        run.query.data_ptr(), cache.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr(),
-        None if row_order is None else row_order.data_ptr(), run.out.data_ptr(), run.part.data_ptr(),
-        sm_scale * _LOG2E, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes,
-        run.blocks_per_split, run.num_splits, run.max_blocks, n, h, lay.k.codes, lay.k.scale, lay.k.zero,
-        lay.v.codes, lay.v.scale, lay.v.zero, fmt.block_size, lay.k.bits, hq // h, int(query.dtype == torch.bfloat16),
-        stream_handle(query.device))
+        return out
+    stream = stream_handle(query.device)
+    key = (fmt, n, hq, query.dtype, block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+           None if row_order is None else row_order.data_ptr(), sm_scale, max_seq_len, num_splits, stream)
+    args = _plans.get(key, lambda: _plan(fmt, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len,
+                                         num_splits, stream))
+    args.query, args.q_stride, args.cache = query.data_ptr(), q_stride, cache.data_ptr()
+    args.out, args.out_stride = out.data_ptr(), out.stride(0)
+    if args.num_splits == 1:
+        args.part = args.out
+    err = _library().kvc_decode(ctypes.byref(args))
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")
-    return run.out
+    return out

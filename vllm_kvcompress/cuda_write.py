@@ -47,13 +47,25 @@ def choose(mode: str, fmt: KVPageFormat) -> str | None:
     return cuda_jit.choose("KVCOMPRESS_WRITE", mode, "write", lambda: supports(fmt))
 
 
+class _TensorArgs(ctypes.Structure):
+    """``csrc/write_kernel.cu``'s Tensor: a source [N, H, head_size] and its page layout."""
+    _fields_ = [("src", ctypes.c_void_p), ("src_stride", ctypes.c_int64)] + [
+        (name, ctypes.c_int) for name in ("codes", "row_bytes", "scale", "zero", "token_group")]
+
+
+class _WriteArgs(ctypes.Structure):
+    """``csrc/write_kernel.cu``'s WriteArgs, field for field."""
+    _fields_ = [("num_tensors", ctypes.c_int), ("a", _TensorArgs), ("b", _TensorArgs), ("slots", ctypes.c_void_p),
+                ("cache", ctypes.c_void_p), ("num_tokens", ctypes.c_int), ("num_heads", ctypes.c_int),
+                ("head_size", ctypes.c_int), ("page_bytes", ctypes.c_int64), ("block_size", ctypes.c_int),
+                ("bits", ctypes.c_int), ("dtype", ctypes.c_int), ("stream", ctypes.c_void_p)]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     lib = cuda_jit.load("kvcompress_write", "write_kernel.cu", "KVCOMPRESS_WRITE")
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    tensor = [p, i64, i32, i32, i32, i32, i32]
-    lib.kvc_write.argtypes = [i32, *tensor, *tensor, p, p, i32, i32, i32, i64, i32, i32, i32, p]
-    lib.kvc_write.restype = i32
+    lib.kvc_write.argtypes = [ctypes.POINTER(_WriteArgs)]
+    lib.kvc_write.restype = ctypes.c_int
     return lib
 
 
@@ -68,13 +80,13 @@ _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 @functools.cache
 def _launches(fmt: KVPageFormat) -> tuple[tuple, ...]:
     """The format's launches, each (tensors, first source, its layout, second source, its layout,
-    bits): source 0 is the key, 1 the value; a layout is (token group, 0 where statistics are per
-    channel; codes, row bytes, scale, zero). K and V of one width go in one launch."""
+    bits): source 0 is the key, 1 the value; a layout is ``_TensorArgs``' (codes, row bytes, scale,
+    zero, token group: 0 where statistics are per channel). K and V of one width go in one launch."""
     lay = page_layout(fmt)
-    k = (0, (lay.k.token_group, lay.k.codes, lay.k.row_bytes, lay.k.scale, lay.k.zero))
+    k = (0, (lay.k.codes, lay.k.row_bytes, lay.k.scale, lay.k.zero, lay.k.token_group))
     if fmt.v is None:  # K-only pages
         return ((1, *k, *k, lay.k.bits),)
-    v = (1, (lay.v.token_group, lay.v.codes, lay.v.row_bytes, lay.v.scale, lay.v.zero))
+    v = (1, (lay.v.codes, lay.v.row_bytes, lay.v.scale, lay.v.zero, lay.v.token_group))
     if lay.k.bits == lay.v.bits:
         return ((2, *k, *v, lay.k.bits),)
     return ((1, *k, *k, lay.k.bits), (1, *v, *v, lay.v.bits))
@@ -86,19 +98,44 @@ def _source(src: torch.Tensor) -> tuple[int, int]:
     return src.data_ptr(), src.stride(0)
 
 
+_plans = cuda_jit.LaunchPlans()  # by step: slots and format (the arguments but sources and cache)
+
+
+def _plan(fmt: KVPageFormat, slots: torch.Tensor, dtype: torch.dtype, stream: int) -> tuple:
+    """Each launch's arguments but for its sources and cache, with the indices of its two sources."""
+    plan = []
+    for count, a, a_layout, b, b_layout, bits in _launches(fmt):
+        args = _WriteArgs(num_tensors=count, a=_TensorArgs(0, 0, *a_layout), b=_TensorArgs(0, 0, *b_layout),
+                          slots=slots.data_ptr(), num_tokens=slots.shape[0], num_heads=fmt.k.num_heads,
+                          head_size=fmt.k.head_size, page_bytes=fmt.page_bytes, block_size=fmt.block_size, bits=bits,
+                          dtype=_DTYPES[dtype], stream=stream)
+        plan.append((args, a, b))
+    return tuple(plan)
+
+
+@functools.cache
+def _stream_handle():
+    """The stream getter, imported at the first launch: importing Triton with this module would read
+    TRITON_INTERPRET before the CPU tests set it."""
+    from .triton_kernels.launch import stream_handle
+    return stream_handle
+
+
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """Same contract as ``paged_torch.write_tokens``, for formats where ``supports`` is None."""
-    from .triton_kernels.launch import stream_handle  # imports Triton: only where a kernel is launched
     n = slot_mapping.shape[0]
     if n == 0:
         return
     slots = slot_mapping.long()
-    sources = (key, value)
-    tail = (slots.data_ptr(), cache.data_ptr(), n, fmt.k.num_heads, fmt.k.head_size, fmt.page_bytes, fmt.block_size)
-    stream = stream_handle(cache.device)
-    for count, a, a_layout, b, b_layout, bits in _launches(fmt):
-        err = _library().kvc_write(count, *_source(sources[a]), *a_layout, *_source(sources[b]), *b_layout, *tail,
-                                   bits, _DTYPES[key.dtype], stream)
+    stream = _stream_handle()(cache.device)
+    plan_key = (fmt, slots.data_ptr(), n, key.dtype, stream)
+    plan = _plans.get(plan_key, lambda: _plan(fmt, slots, key.dtype, stream))
+    sources = (_source(key), _source(value))
+    for args, a, b in plan:
+        args.a.src, args.a.src_stride = sources[a]
+        args.b.src, args.b.src_stride = sources[b]
+        args.cache = cache.data_ptr()
+        err = _library().kvc_write(ctypes.byref(args))
         if err:
             raise RuntimeError(f"CUDA write kernel launch failed: cudaError {err}")
