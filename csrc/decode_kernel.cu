@@ -754,10 +754,10 @@ static cudaError_t launch(dim3 grid, cudaStream_t s, const void* query, const ui
                           const int32_t* sl, const int32_t* ro, void* out, void* part, float q_scale,
                           int64_t q_stride, int64_t out_stride, int64_t bt_stride, int64_t page_bytes,
                           int blocks_per_split, int num_splits, int table_blocks, int num_heads, Offsets o) {
-  cudaError_t err = kvc::launch_dependent(
-      decode_kernel<BLOCK, BITS, GROUP, T>(), grid, dim3(kWarps * 32), s, static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out),
-      static_cast<float*>(part), q_scale, q_stride, out_stride, bt_stride, page_bytes, blocks_per_split, num_splits,
-      table_blocks, num_heads, o);
+  cudaError_t err = kvc::launch_dependent(decode_kernel<BLOCK, BITS, GROUP, T>(), grid, dim3(kWarps * 32), s,
+                                          static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out),
+                                          static_cast<float*>(part), q_scale, q_stride, out_stride, bt_stride,
+                                          page_bytes, blocks_per_split, num_splits, table_blocks, num_heads, o);
   if (err == cudaSuccess && num_splits > 1)
     err = kvc::launch_dependent(merge_splits<T>, dim3(grid.x / num_heads, num_heads * GROUP), dim3(kHead), s,
                                 static_cast<const float*>(part), static_cast<T*>(out), out_stride, num_splits);

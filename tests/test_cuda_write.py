@@ -76,8 +76,8 @@ def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch, 
     monkeypatch.setattr(cuda_write, "_plan", lambda *args: plans.append(args) or planned(*args))
     fmt = _format(layer_format)
     slots = torch.tensor([3, 40, 41])
-    layers = [(torch.randn(3, 6, 64)[:, i:i + 2], torch.randn(3, 2, 64), torch.zeros(8, fmt.page_bytes, dtype=torch.uint8))
-              for i in range(3)]
+    layers = [(torch.randn(3, 6, 64)[:, i:i + 2], torch.randn(3, 2, 64),
+               torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)) for i in range(3)]
     for k, v, cache in layers:
         cuda_write.write_tokens(cache, fmt, k, v, slots)
     assert len(plans) == 1
