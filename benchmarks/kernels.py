@@ -309,9 +309,8 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
     gen = torch.Generator(device="cuda").manual_seed(1)
     made = torch.randn(n, (hq + 2 * hkv) * d, device="cuda", generator=gen, dtype=torch.bfloat16)
     qkv = torch.empty_like(made)
-    q = qkv[:, : hq * d].view(n, hq, d)
-    k = qkv[:, hq * d: (hq + hkv) * d].view(n, hkv, d)
-    v = qkv[:, (hq + hkv) * d:].view(n, hkv, d)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
     out = torch.empty(n, hq, d, device="cuda", dtype=torch.bfloat16)
     after = torch.empty_like(out)
 

@@ -85,7 +85,7 @@ def test_launch_arguments_mirror_the_kernels_struct():
 def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch):
     """The rows, lengths and order are planned once a step; each layer's call passes its own query,
     cache and output. A step with other lengths gets its own plan."""
-    from vllm_kvcompress.triton_kernels import decode as triton_decode
+    from vllm_kvcompress.triton_kernels import launch
     calls, plans = [], []
 
     class Library:
@@ -95,7 +95,7 @@ def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch):
 
     planned = cuda_decode._plan
     monkeypatch.setattr(cuda_decode, "_library", Library)
-    monkeypatch.setattr(cuda_decode, "_triton", lambda: (triton_decode, lambda device: 7))
+    monkeypatch.setattr(launch, "stream_handle", lambda device: 7)
     monkeypatch.setattr(cuda_decode, "_plans", cuda_jit.LaunchPlans())
     monkeypatch.setattr(cuda_decode, "_plan", lambda *args: plans.append(args) or planned(*args))
     fmt, n = _fmt(heads=2), 3

@@ -60,6 +60,7 @@ def test_launch_arguments_mirror_the_kernels_structs():
 def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch, layer_format):
     """The slots are planned once a step; each layer's call passes its own K, V and cache (K and V of
     different widths in a launch each)."""
+    from vllm_kvcompress.triton_kernels import launch
     calls, plans = [], []
 
     class Library:
@@ -71,7 +72,7 @@ def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch, 
 
     planned = cuda_write._plan
     monkeypatch.setattr(cuda_write, "_library", Library)
-    monkeypatch.setattr(cuda_write, "_stream_handle", lambda: lambda device: 7)
+    monkeypatch.setattr(launch, "stream_handle", lambda device: 7)
     monkeypatch.setattr(cuda_write, "_plans", cuda_jit.LaunchPlans())
     monkeypatch.setattr(cuda_write, "_plan", lambda *args: plans.append(args) or planned(*args))
     fmt = _format(layer_format)

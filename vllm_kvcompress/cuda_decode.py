@@ -110,14 +110,6 @@ def build() -> None:
     _library()
 
 
-@functools.cache
-def _triton():
-    """The Triton decode module and the stream getter, imported at the first launch: importing Triton
-    with this module would read TRITON_INTERPRET before the CPU tests set it."""
-    from .triton_kernels import decode, launch
-    return decode, launch.stream_handle
-
-
 _plans = cuda_jit.LaunchPlans()  # by step: rows, lengths, format (the arguments but query, cache, output)
 
 
@@ -125,7 +117,7 @@ def _plan(fmt: KVPageFormat, query: torch.Tensor, out: torch.Tensor, block_table
           seq_lens: torch.Tensor, row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int,
           num_splits: int | None, stream: int) -> _DecodeArgs:
     """The launch's arguments but for its query, cache and output, which each call sets."""
-    triton_decode, _ = _triton()
+    triton_decode = cuda_jit.triton_kernels("decode")
     if num_splits is None:
         num_splits = triton_decode.choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, _TOKENS_A_STEP,
                                                      query.device)
@@ -149,7 +141,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
                  row_order: torch.Tensor | None = None) -> torch.Tensor:
     """``triton_kernels.decode.paged_decode``'s contract, for formats where ``supports`` is None;
     ``groups`` (prompt tokens) go to the Triton kernel."""
-    triton_decode, stream_handle = _triton()
+    triton_decode = cuda_jit.triton_kernels("decode")
     if groups is not None:
         return triton_decode.paged_decode(query, cache, fmt, block_table, seq_lens, sm_scale, max_seq_len,
                                           num_splits=num_splits, out=out, groups=groups)
@@ -157,7 +149,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     n, hq, _ = query.shape
     if n == 0:
         return out
-    stream = stream_handle(query.device)
+    stream = cuda_jit.triton_kernels("launch").stream_handle(query.device)
     key = (fmt, n, hq, query.dtype, block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
            None if row_order is None else row_order.data_ptr(), sm_scale, max_seq_len, num_splits, stream)
     args = _plans.get(key, lambda: _plan(fmt, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len,

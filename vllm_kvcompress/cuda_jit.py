@@ -6,7 +6,9 @@ kernel and its Triton counterpart, a just-in-time build with nvcc through
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import importlib
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
@@ -41,6 +43,14 @@ def choose(variable: str, mode: str, kernel: str, why_not: Callable[[], str | No
         raise ValueError(f"{variable}=cuda: the CUDA {kernel} kernel cannot be used: {why}; "
                          "allowed: 'auto' or 'triton' (the Triton kernel)")
     return why
+
+
+@functools.cache
+def triton_kernels(name: str):
+    """``vllm_kvcompress.triton_kernels.name``, imported at a kernel's first launch rather than with
+    the CUDA kernels' modules: importing Triton reads TRITON_INTERPRET, which the CPU tests set
+    before they import the Triton kernels."""
+    return importlib.import_module(f"vllm_kvcompress.triton_kernels.{name}")
 
 
 def headers_digest() -> str:

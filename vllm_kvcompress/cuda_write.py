@@ -113,14 +113,6 @@ def _plan(fmt: KVPageFormat, slots: torch.Tensor, dtype: torch.dtype, stream: in
     return tuple(plan)
 
 
-@functools.cache
-def _stream_handle():
-    """The stream getter, imported at the first launch: importing Triton with this module would read
-    TRITON_INTERPRET before the CPU tests set it."""
-    from .triton_kernels.launch import stream_handle
-    return stream_handle
-
-
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """Same contract as ``paged_torch.write_tokens``, for formats where ``supports`` is None."""
@@ -128,14 +120,14 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     if n == 0:
         return
     slots = slot_mapping.long()
-    stream = _stream_handle()(cache.device)
+    stream = cuda_jit.triton_kernels("launch").stream_handle(cache.device)
     plan_key = (fmt, slots.data_ptr(), n, key.dtype, stream)
     plan = _plans.get(plan_key, lambda: _plan(fmt, slots, key.dtype, stream))
-    sources = (_source(key), _source(value))
+    sources, cache_ptr = (_source(key), _source(value)), cache.data_ptr()
     for args, a, b in plan:
         args.a.src, args.a.src_stride = sources[a]
         args.b.src, args.b.src_stride = sources[b]
-        args.cache = cache.data_ptr()
+        args.cache = cache_ptr
         err = _library().kvc_write(ctypes.byref(args))
         if err:
             raise RuntimeError(f"CUDA write kernel launch failed: cudaError {err}")
