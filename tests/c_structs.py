@@ -1,5 +1,6 @@
-"""The fields of a C struct in a CUDA source, as ctypes types: the ctypes mirrors of the kernels'
-argument structs must match them field for field (a mismatch would launch with garbage)."""
+"""The CUDA kernels' argument structs in the tests: the fields of a C struct in a CUDA source, as
+ctypes types (the ctypes mirrors must match them field for field: a mismatch would launch with
+garbage), and a kernel library stubbed to record the structs it is passed."""
 
 import ctypes
 import re
@@ -22,3 +23,17 @@ def c_struct_fields(source: str, name: str, nested: dict[str, type] | None = Non
         kind = ctypes.c_void_p if pointer else (nested or {}).get(base) or _SCALARS[base]
         fields += [(field.strip(), kind) for field in names.split(",")]
     return fields
+
+
+def stub_launches(monkeypatch, module, entry: str, record) -> list:
+    """``module``'s (cuda_decode's, cuda_write's) library replaced by one whose ``entry`` passes each
+    launch's argument struct to ``record``, the current stream by 7, and its plans by a fresh cache;
+    returns the list that each new plan's arguments are appended to."""
+    from vllm_kvcompress import cuda_jit
+    from vllm_kvcompress.triton_kernels import launch
+    plans, planned = [], module._plan
+    monkeypatch.setattr(module, "_library", type("Library", (), {entry: lambda self, args: record(args._obj) or 0}))
+    monkeypatch.setattr(launch, "stream_handle", lambda device: 7)
+    monkeypatch.setattr(module, "_plans", cuda_jit.LaunchPlans())
+    monkeypatch.setattr(module, "_plan", lambda *args: plans.append(args) or planned(*args))
+    return plans

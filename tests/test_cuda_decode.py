@@ -10,7 +10,7 @@ import torch
 from vllm_kvcompress import cuda_decode, cuda_jit, paged_torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
-from c_structs import c_struct_fields
+from c_structs import c_struct_fields, stub_launches
 from paged_cases import fill_pages
 
 FOUR = LayerFormat(k_bits=4, v_bits=4)
@@ -85,19 +85,9 @@ def test_launch_arguments_mirror_the_kernels_struct():
 def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch):
     """The rows, lengths and order are planned once a step; each layer's call passes its own query,
     cache and output. A step with other lengths gets its own plan."""
-    from vllm_kvcompress.triton_kernels import launch
-    calls, plans = [], []
-
-    class Library:
-        def kvc_decode(self, args):
-            calls.append({name: getattr(args._obj, name) for name, _ in args._obj._fields_})
-            return 0
-
-    planned = cuda_decode._plan
-    monkeypatch.setattr(cuda_decode, "_library", Library)
-    monkeypatch.setattr(launch, "stream_handle", lambda device: 7)
-    monkeypatch.setattr(cuda_decode, "_plans", cuda_jit.LaunchPlans())
-    monkeypatch.setattr(cuda_decode, "_plan", lambda *args: plans.append(args) or planned(*args))
+    calls = []
+    plans = stub_launches(monkeypatch, cuda_decode, "kvc_decode",
+                          lambda args: calls.append({name: getattr(args, name) for name, _ in args._fields_}))
     fmt, n = _fmt(heads=2), 3
     table = torch.zeros(n, 8, dtype=torch.int32)
     lens, order = torch.tensor([5, 200, 17], dtype=torch.int32), torch.tensor([1, 2, 0], dtype=torch.int32)

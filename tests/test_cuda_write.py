@@ -9,7 +9,7 @@ from vllm_kvcompress import cuda_jit, cuda_write, paged_torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.triton_kernels.layout import page_layout
-from c_structs import c_struct_fields
+from c_structs import c_struct_fields, stub_launches
 
 COVERED = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
            LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"), LayerFormat(k_bits=2, k_only=True)]
@@ -60,21 +60,10 @@ def test_launch_arguments_mirror_the_kernels_structs():
 def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch, layer_format):
     """The slots are planned once a step; each layer's call passes its own K, V and cache (K and V of
     different widths in a launch each)."""
-    from vllm_kvcompress.triton_kernels import launch
-    calls, plans = [], []
-
-    class Library:
-        def kvc_write(self, args):
-            a, b = args._obj.a, args._obj.b
-            calls.append((a.src, a.src_stride, a.codes, b.src, b.src_stride, b.codes, args._obj.cache,
-                          args._obj.slots, args._obj.num_tokens, args._obj.bits))
-            return 0
-
-    planned = cuda_write._plan
-    monkeypatch.setattr(cuda_write, "_library", Library)
-    monkeypatch.setattr(launch, "stream_handle", lambda device: 7)
-    monkeypatch.setattr(cuda_write, "_plans", cuda_jit.LaunchPlans())
-    monkeypatch.setattr(cuda_write, "_plan", lambda *args: plans.append(args) or planned(*args))
+    calls = []
+    plans = stub_launches(monkeypatch, cuda_write, "kvc_write", lambda args: calls.append(
+        (args.a.src, args.a.src_stride, args.a.codes, args.b.src, args.b.src_stride, args.b.codes, args.cache,
+         args.slots, args.num_tokens, args.bits)))
     fmt = _format(layer_format)
     slots = torch.tensor([3, 40, 41])
     layers = [(torch.randn(3, 6, 64)[:, i:i + 2], torch.randn(3, 2, 64),
