@@ -748,46 +748,6 @@ constexpr auto decode_kernel() {
     return decode_gqa<BLOCK, BITS, GROUP, T>;
 }
 
-// Decode and merge launched to start before the kernel before them ends (dependent_launch.cuh)
-template <int BLOCK, int BITS, int GROUP, typename T>
-static cudaError_t launch(dim3 grid, cudaStream_t s, const void* query, const uint8_t* cache, const int32_t* bt,
-                          const int32_t* sl, const int32_t* ro, void* out, void* part, float q_scale,
-                          int64_t q_stride, int64_t out_stride, int64_t bt_stride, int64_t page_bytes,
-                          int blocks_per_split, int num_splits, int table_blocks, int num_heads, Offsets o) {
-  cudaError_t err = kvc::launch_dependent(decode_kernel<BLOCK, BITS, GROUP, T>(), grid, dim3(kWarps * 32), s,
-                                          static_cast<const T*>(query), cache, bt, sl, ro, static_cast<T*>(out),
-                                          static_cast<float*>(part), q_scale, q_stride, out_stride, bt_stride,
-                                          page_bytes, blocks_per_split, num_splits, table_blocks, num_heads, o);
-  if (err == cudaSuccess && num_splits > 1)
-    err = kvc::launch_dependent(merge_splits<T>, dim3(grid.x / num_heads, num_heads * GROUP), dim3(kHead), s,
-                                static_cast<const float*>(part), static_cast<T*>(out), out_stride, num_splits);
-  return err;
-}
-
-using Launcher = cudaError_t (*)(dim3, cudaStream_t, const void*, const uint8_t*, const int32_t*, const int32_t*,
-                          const int32_t*, void*, void*, float, int64_t, int64_t, int64_t, int64_t, int, int, int,
-                          int, Offsets);
-
-// A group's query scaling deals whole words to a lane, so the group is a multiple of the planes
-// (2-bit codes: 4 query heads a KV head, or one). Groups of 8 compile (255 registers) but were no
-// faster than the Triton kernel (docs/benchmarks.md), so they are not launched.
-template <int BLOCK, int BITS, typename T>
-static Launcher launcher(int group) {
-  constexpr int P = Geometry<BITS>::kPlanes;
-  if (group == 1) return launch<BLOCK, BITS, 1, T>;
-  if constexpr (2 % P == 0) {
-    if (group == 2) return launch<BLOCK, BITS, 2, T>;
-  }
-  return group == 4 ? launch<BLOCK, BITS, 4, T> : nullptr;
-}
-
-template <int BLOCK>
-static Launcher launcher(int bits, int group, int bf16) {
-  return bits == 4 ? (bf16 ? launcher<BLOCK, 4, __nv_bfloat16>(group) : launcher<BLOCK, 4, __half>(group))
-         : bits == 2 ? (bf16 ? launcher<BLOCK, 2, __nv_bfloat16>(group) : launcher<BLOCK, 2, __half>(group))
-                     : nullptr;
-}
-
 // A decode's arguments, one struct so that the caller (ctypes) converts one pointer a call rather
 // than 28 values; cuda_decode.py's _DecodeArgs mirrors it field for field.
 struct DecodeArgs {
@@ -809,19 +769,53 @@ struct DecodeArgs {
   void* stream;                 // a cudaStream_t
 };
 
+// Decode and merge launched to start before the kernel before them ends (dependent_launch.cuh)
+template <int BLOCK, int BITS, int GROUP, typename T>
+static cudaError_t launch(const DecodeArgs& a) {
+  const Offsets o{a.k_codes, a.k_scale, a.k_zero, a.v_codes, a.v_scale, a.v_zero};
+  const dim3 grid(a.num_rows * a.num_heads, a.num_splits);
+  const auto stream = static_cast<cudaStream_t>(a.stream);
+  cudaError_t err = kvc::launch_dependent(
+      decode_kernel<BLOCK, BITS, GROUP, T>(), grid, dim3(kWarps * 32), stream, static_cast<const T*>(a.query),
+      static_cast<const uint8_t*>(a.cache), static_cast<const int32_t*>(a.block_table),
+      static_cast<const int32_t*>(a.seq_lens), static_cast<const int32_t*>(a.row_order), static_cast<T*>(a.out),
+      static_cast<float*>(a.part), a.q_scale, a.q_stride, a.out_stride, a.bt_stride, a.page_bytes,
+      a.blocks_per_split, a.num_splits, a.table_blocks, a.num_heads, o);
+  if (err == cudaSuccess && a.num_splits > 1)
+    err = kvc::launch_dependent(merge_splits<T>, dim3(a.num_rows, a.num_heads * GROUP), dim3(kHead), stream,
+                                static_cast<const float*>(a.part), static_cast<T*>(a.out), a.out_stride,
+                                a.num_splits);
+  return err;
+}
+
+using Launcher = cudaError_t (*)(const DecodeArgs&);
+
+// A group's query scaling deals whole words to a lane, so the group is a multiple of the planes
+// (2-bit codes: 4 query heads a KV head, or one). Groups of 8 compile (255 registers) but were no
+// faster than the Triton kernel (docs/benchmarks.md), so they are not launched.
+template <int BLOCK, int BITS, typename T>
+static Launcher launcher(int group) {
+  constexpr int P = Geometry<BITS>::kPlanes;
+  if (group == 1) return launch<BLOCK, BITS, 1, T>;
+  if constexpr (2 % P == 0) {
+    if (group == 2) return launch<BLOCK, BITS, 2, T>;
+  }
+  return group == 4 ? launch<BLOCK, BITS, 4, T> : nullptr;
+}
+
+template <int BLOCK>
+static Launcher launcher(int bits, int group, int bf16) {
+  return bits == 4 ? (bf16 ? launcher<BLOCK, 4, __nv_bfloat16>(group) : launcher<BLOCK, 4, __half>(group))
+         : bits == 2 ? (bf16 ? launcher<BLOCK, 2, __nv_bfloat16>(group) : launcher<BLOCK, 2, __half>(group))
+                     : nullptr;
+}
+
 // Launches on `stream` the decode and, where num_splits > 1, the merge of the splits' partials into
 // `out`, so one call does the whole decode. Returns the launch's cudaError_t (cudaErrorInvalidValue
 // for other page sizes, widths or groups).
 extern "C" int kvc_decode(const DecodeArgs* a) {
-  const Offsets o{a->k_codes, a->k_scale, a->k_zero, a->v_codes, a->v_scale, a->v_zero};
   const Launcher f = a->block_size == 128  ? launcher<128>(a->bits, a->group, a->bf16)
                      : a->block_size == 64 ? launcher<64>(a->bits, a->group, a->bf16)
                                            : nullptr;
-  if (f == nullptr) return static_cast<int>(cudaErrorInvalidValue);
-  return static_cast<int>(f(dim3(a->num_rows * a->num_heads, a->num_splits), static_cast<cudaStream_t>(a->stream),
-                            a->query, static_cast<const uint8_t*>(a->cache),
-                            static_cast<const int32_t*>(a->block_table), static_cast<const int32_t*>(a->seq_lens),
-                            static_cast<const int32_t*>(a->row_order), a->out, a->part, a->q_scale, a->q_stride,
-                            a->out_stride, a->bt_stride, a->page_bytes, a->blocks_per_split, a->num_splits,
-                            a->table_blocks, a->num_heads, o));
+  return static_cast<int>(f == nullptr ? cudaErrorInvalidValue : f(*a));
 }

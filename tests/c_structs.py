@@ -29,11 +29,11 @@ def stub_launches(monkeypatch, module, entry: str, record) -> list:
     """``module``'s (cuda_decode's, cuda_write's) library replaced by one whose ``entry`` passes each
     launch's argument struct to ``record``, the current stream by 7, and its plans by a fresh cache;
     returns the list that each new plan's arguments are appended to."""
-    from vllm_kvcompress import cuda_jit
+    from vllm_kvcompress.launch_plans import LaunchPlans
     from vllm_kvcompress.triton_kernels import launch
     plans, planned = [], module._plan
     monkeypatch.setattr(module, "_library", type("Library", (), {entry: lambda self, args: record(args._obj) or 0}))
     monkeypatch.setattr(launch, "stream_handle", lambda device: 7)
-    monkeypatch.setattr(module, "_plans", cuda_jit.LaunchPlans())
+    monkeypatch.setattr(module, "_plans", LaunchPlans())
     monkeypatch.setattr(module, "_plan", lambda *args: plans.append(args) or planned(*args))
     return plans

@@ -341,3 +341,88 @@ def test_a_mixed_step_never_waits_for_the_gpu(q_lens):
             torch.cuda.set_sync_debug_mode("default")
     assert sorted(order.tolist()) == list(range(len(q_lens)))
     assert [seq_lens[r] for r in order.tolist()] == sorted(seq_lens, reverse=True)
+
+
+def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch):
+    """The first layer of a step launches through ``launch`` (which compiles); the step's later
+    layers launch the compiled decode and merge kernels directly, with the first layer's arguments
+    but their own query, cache and output. Other lengths, or an output at another alignment (the
+    kernel is specialized on it), get a plan of their own. Launches are stubbed: on the CPU nothing
+    is compiled."""
+    from vllm_kvcompress.launch_plans import LaunchPlans
+    from vllm_kvcompress.triton_kernels import decode
+
+    def pointers(args):
+        return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+    launched, ran = [], []
+
+    class Compiled:
+        def __init__(self, variant):
+            self.variant = variant
+
+        def run(self, grid, stream, args):
+            ran.append((self.variant.kernel, grid, stream, args))
+
+    def launch(variant, grid, args):
+        launched.append((variant.kernel, tuple(grid) + (1,) * (3 - len(grid)), pointers(args)))
+        return Compiled(variant)
+
+    monkeypatch.setattr(decode, "_plannable", lambda device: True)
+    monkeypatch.setattr(decode, "stream_handle", lambda device: 7)
+    monkeypatch.setattr(decode, "launch", launch)
+    monkeypatch.setattr(decode, "_plans", LaunchPlans())
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.float32, 16, 2, 64)
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    lens = torch.tensor([5, 40, 17], dtype=torch.int32)
+    layers = [(torch.randn(3, 4, 64), torch.zeros(4, fmt.page_bytes, dtype=torch.uint8), torch.empty(3, 4, 64))
+              for _ in range(3)]
+    for q, cache, out in layers:
+        decode.paged_decode(q, cache, fmt, table, lens, 0.125, 40, num_splits=2, out=out)
+    assert [kernel for kernel, _, _ in launched] == [decode._decode_kernel, decode._merge_splits_kernel]
+    assert len(ran) == 4
+    names = {decode._decode_kernel: decode._decode_kernel.arg_names,
+             decode._merge_splits_kernel: decode._merge_splits_kernel.arg_names}
+    own = {"q_ptr": 0, "cache_ptr": 1, "half_ptr": 1, "out_ptr": 2}  # a layer's tensor each argument points into
+    for layer, (q, cache, out) in enumerate(layers[1:]):
+        for (kernel, grid, args), (run_kernel, run_grid, stream, run_args) in zip(launched, ran[2 * layer:]):
+            expected = tuple((q, cache, out)[own[name]].data_ptr() if name in own else arg
+                             for name, arg in zip(names[kernel], args))
+            assert (run_kernel, run_grid, stream, run_args) == (kernel, grid, 7, expected)
+    q, cache, out = layers[0]
+    decode.paged_decode(q, cache, fmt, table, lens, 0.125, 60, num_splits=2, out=out)
+    assert len(launched) == 4
+    shifted = torch.empty(3 * 4 * 64 + 1)[1:].view(3, 4, 64)
+    decode.paged_decode(q, cache, fmt, table, lens, 0.125, 60, num_splits=2, out=shifted)
+    assert len(launched) == 6 and len(ran) == 4
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_planned_layers_equal_reference(num_splits):
+    """A step's prompt rows in three layers, each with its own pages and queries: the later layers
+    launch through the first one's plan, and every layer's output equals the reference."""
+    from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels import decode
+    B, H, HQ, D = 16, 2, 4, 64
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.bfloat16, B, H, D)
+    seq_lens, qsl = [40, 9], [0, 25, 34]
+    cache, table = fill_pages(fmt, seq_lens, 3, seed=30)
+    caches = [cache]
+    for seed in (31, 32):  # other tokens, moved to the first layer's pages (a step's layers share the table)
+        other, other_table = fill_pages(fmt, seq_lens, 3, seed=seed)
+        moved = torch.zeros_like(other)
+        for r, length in enumerate(seq_lens):
+            used = -(-length // B)
+            moved[table[r, :used].long()] = other[other_table[r, :used].long()]
+        caches.append(moved)
+    rows = token_rows(qsl, torch.tensor(seq_lens, device="cuda"), table.cuda(), max(seq_lens),
+                      decode.rows_per_program(HQ // H))
+    plans = len(decode._plans._plans)
+    for layer, cache in enumerate(caches):
+        q = torch.randn(qsl[-1], HQ, D, generator=torch.Generator().manual_seed(layer)).to(torch.bfloat16)
+        ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
+        got = decode.paged_decode(q.cuda(), cache.cuda(), fmt, rows.block_table, rows.seq_lens, D ** -0.5,
+                                  rows.max_seq_len, num_splits=num_splits, groups=rows.groups)
+        torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    assert len(decode._plans._plans) == plans + 1

@@ -21,10 +21,11 @@ import triton
 import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.launch_plans import LaunchPlans
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .addressing import code_unit_ptr
-from .launch import Variant, device_index, launch, stream_handle
+from .launch import Compiled, Variant, device_index, hooked, launch, stream_handle
 from .layout import page_layout
 
 
@@ -542,11 +543,40 @@ def _partials(numel: int, device: torch.device, per_program: int) -> torch.Tenso
     return buffers[-1][:numel]
 
 
-def merge_splits(run: SplitLaunch) -> None:
-    """The output from a split launch's partials (nothing to do with one split)."""
+def merge_splits(run: SplitLaunch) -> Compiled | None:
+    """The output from a split launch's partials (nothing to do with one split); the compiled merge
+    kernel, as ``launch`` returns it."""
     if run.num_splits > 1:
         n, hq, d = run.query.shape
-        launch(_merge_variant(hq, d), (n, hq), (run.part, run.out, run.out.stride(0), run.num_splits))
+        return launch(_merge_variant(hq, d), (n, hq), (run.part, run.out, run.out.stride(0), run.num_splits))
+    return None
+
+
+class _DecodePlan(NamedTuple):
+    """A decode launch and its merge, compiled (``launch.Compiled``), with every argument but a
+    layer's query, cache and output kept as plain values: what a step's other layers launch."""
+    decode: Compiled
+    grid: tuple[int, int, int]
+    tables: tuple        # block table, context lengths, group rows, group starts: pointers
+    part: int | None     # the partials' pointer; None: one split, the output takes them
+    scalars: tuple       # the decode kernel's scalar arguments
+    merge: Compiled | None
+    merge_grid: tuple[int, int, int]
+    merge_scalars: tuple  # the output's row stride, the split count
+
+    def __call__(self, stream: int, query: int, cache: int, out: int) -> None:
+        self.decode.run(self.grid, stream, (query, cache, cache, *self.tables, out,
+                                            out if self.part is None else self.part, *self.scalars))
+        if self.merge is not None:
+            self.merge.run(self.merge_grid, stream, (self.part, out, *self.merge_scalars))
+
+
+_plans = LaunchPlans()  # by step: rows, lengths, format and the pointers' alignments
+
+
+def _plannable(device: torch.device) -> bool:
+    """Launches are planned where they are compiled: on CUDA, with no launch hook (``launch.hooked``)."""
+    return device.type == "cuda" and not hooked()
 
 
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
@@ -561,9 +591,27 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     the new token included) are int32 on the same device. ``groups`` (from ``token_rows`` with
     ``rows_per_program``): rows that one program takes together. ``query`` and ``out`` may be
     row-strided views (heads and channels contiguous within a row).
+
+    On CUDA, the launch is planned (``_DecodePlan``): a later call with the same arguments but its
+    query, cache and output (a step's next layer) launches the compiled kernels directly.
     """
     if groups is not None and row_order is not None:
         raise ValueError("row_order: grouped rows are taken in their groups' order")
+    query, q_stride, out = query_and_output(query, out)
+    key = None
+    if _plannable(query.device):
+        pointers = query.data_ptr(), cache.data_ptr(), out.data_ptr()
+        stream = stream_handle(query.device)
+        key = (fmt, query.shape, query.dtype, q_stride, out.dtype, out.stride(0), block_table.data_ptr(),
+               block_table.stride(0), seq_lens.data_ptr(), None if groups is None else groups.rows.data_ptr(),
+               None if groups is None else groups.starts.data_ptr(), None if groups is None else groups.size,
+               None if groups is None else groups.starts.shape[0], None if row_order is None else row_order.data_ptr(),
+               sm_scale, max_seq_len, num_splits, tile, num_warps, num_stages, programs_per_sm, stream,
+               tuple([p & 15 == 0 for p in pointers]))  # the compiled kernel's specialization
+        plan = _plans.find(key)
+        if plan is not None:
+            plan(stream, *pointers)
+            return out
     run = split_launch(query, fmt, max_seq_len, num_splits, out, programs_per_sm)
     n, hq, _ = run.query.shape
     h = fmt.k.num_heads
@@ -572,12 +620,16 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
                        query.is_cuda and torch.version.hip is None, tile, num_warps, num_stages,
                        row_order is not None)
     starts = groups.starts if groups is not None else row_order if row_order is not None else seq_lens
-    launch(variant, (programs * h, run.num_splits),
-           (run.query, cache, cache.view(torch.float16), block_table, seq_lens,
-            seq_lens if groups is None else groups.rows, starts, run.out, run.part,
-            sm_scale, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2,
-            run.blocks_per_split, run.num_splits))
-    merge_splits(run)
+    tables = (block_table, seq_lens, seq_lens if groups is None else groups.rows, starts)
+    scalars = (sm_scale, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2,
+               run.blocks_per_split, run.num_splits)
+    grid = (programs * h, run.num_splits, 1)
+    decode = launch(variant, grid, (run.query, cache, cache.view(torch.float16), *tables, run.out, run.part, *scalars))
+    merge = merge_splits(run)
+    if key is not None and decode is not None and (merge is not None or run.num_splits == 1):
+        _plans.keep(key, _DecodePlan(decode, grid, tuple([t.data_ptr() for t in tables]),
+                                     None if run.num_splits == 1 else run.part.data_ptr(), scalars, merge, (n, hq, 1),
+                                     (run.out.stride(0), run.num_splits)))
     return run.out
 
 

@@ -10,12 +10,17 @@ compile-time constants and options) and what Triton specializes runtime argument
 dtype and 16-byte alignment, an int's being 1 or a multiple of 16. Later calls with the same key
 go to the compiled kernel directly. Under Triton's interpreter (CPU tests), or with a launch hook
 set (a profiler), every call is a plain JIT launch.
+
+``launch`` returns the compiled kernel it ran (``Compiled``), so that a caller who launches it
+again with the same arguments but a few pointers (a step's layers) can keep the argument list and
+skip even the specialization (``decode.paged_decode``'s plans).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from triton import knobs
@@ -37,27 +42,44 @@ def _specialization(args: tuple) -> tuple:
 _compiled: dict[tuple, tuple] = {}
 
 
-def launch(variant: Variant, grid: tuple[int, ...], args: tuple) -> None:
+def hooked() -> bool:
+    """Whether a launch hook (a profiler) is set: then every launch goes through the JIT, which calls it."""
+    hook = knobs.runtime.launch_enter_hook  # a chain of hooks, or one
+    return hook is not None and getattr(hook, "calls", True)
+
+
+class Compiled(NamedTuple):
+    """A variant compiled for one specialization of its runtime arguments, launched with them all
+    given as plain values (pointers as integers, which the launcher takes without looking them up)."""
+    kernel: object   # Triton's compiled kernel
+    tail: tuple      # the constexpr arguments' values, after the runtime ones
+
+    def run(self, grid: tuple[int, int, int], stream: int, args: tuple) -> None:
+        k = self.kernel
+        k.run(*grid, stream, k.function, k.packed_metadata, None, None, None, *args, *self.tail)
+
+
+def launch(variant: Variant, grid: tuple[int, ...], args: tuple) -> Compiled | None:
     """``kernel[grid](*args, **constants, **options)`` of the variant; ``args`` are the runtime
-    arguments in order, all before the constexpr ones."""
+    arguments in order, all before the constexpr ones. Returns the compiled kernel it ran, for
+    launches with these arguments' specialization (``Compiled.run``), or None where calls go
+    through the JIT (the interpreter, a launch hook)."""
     key = (variant, _specialization(args))
     hit = _compiled.get(key)
-    hook = knobs.runtime.launch_enter_hook  # a chain of hooks, or one
-    if hit is None or (hook is not None and getattr(hook, "calls", True)):
+    if hit is None or hooked():
         kernel = variant.kernel
         compiled = kernel[grid](*args, **variant.constants, **variant.options)
         if hasattr(compiled, "result"):  # compiled in the background
             compiled = compiled.result()
-        if hasattr(compiled, "packed_metadata"):  # not the interpreter's
-            tail = tuple(variant.constants[name] if name in variant.constants else param.default
-                         for name, param in zip(kernel.arg_names[len(args):], kernel.params[len(args):]))
-            _compiled[key] = (compiled, tail)
-        return
-    compiled, tail = hit
+        if not hasattr(compiled, "packed_metadata"):  # the interpreter's
+            return None
+        hit = _compiled[key] = Compiled(compiled, tuple(
+            variant.constants[name] if name in variant.constants else param.default
+            for name, param in zip(kernel.arg_names[len(args):], kernel.params[len(args):])))
+        return None if hooked() else hit
     current_stream, current_device = _stream_getters()
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 current_stream(current_device()), compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *tail)
+    hit.run((tuple(grid) + (1, 1))[:3], current_stream(current_device()), args)
+    return hit
 
 
 def device_index(device: torch.device) -> int:

@@ -21,6 +21,7 @@ from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 from vllm_kvcompress.token_rows import TokenGroups
 
 from . import cuda_jit
+from .launch_plans import LaunchPlans
 from .triton_kernels.layout import page_layout
 
 _LOG2E = 1.4426950408889634
@@ -110,7 +111,7 @@ def build() -> None:
     _library()
 
 
-_plans = cuda_jit.LaunchPlans()  # by step: rows, lengths, format (the arguments but query, cache, output)
+_plans = LaunchPlans()  # by step: rows, lengths, format (the arguments but query, cache, output)
 
 
 def _plan(fmt: KVPageFormat, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,

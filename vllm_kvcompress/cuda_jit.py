@@ -1,7 +1,7 @@
 """What the CUDA kernels (``csrc/``) share: an environment variable that chooses between a CUDA
 kernel and its Triton counterpart, a just-in-time build with nvcc through
 ``torch.utils.cpp_extension`` (no torch headers: seconds, cached by torch under
-``TORCH_EXTENSIONS_DIR``) loaded through ctypes, and the launch plans kept across a step's layers."""
+``TORCH_EXTENSIONS_DIR``) loaded through ctypes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import ctypes
 import functools
 import hashlib
 import importlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,24 +73,3 @@ def load(name: str, source: str, variable: str) -> ctypes.CDLL:
     except Exception as e:
         raise RuntimeError(f"{source} did not build ({e}); {variable}=triton uses the Triton kernel instead") from e
     return ctypes.CDLL(path)
-
-
-class LaunchPlans:
-    """A kernel's launch arguments (a ctypes struct, or several), kept by every value they come from.
-    A step's layers launch a kernel with the same rows, lengths and page format and differ only in
-    a few pointers (query, cache, output): a layer's call then sets those fields and passes one
-    pointer through ctypes rather than converting some 25 values (as FlashInfer's plan/run split;
-    outside CUDA graphs the host launches every layer's kernels, and on some machines the GPU waits
-    for it). The key holds every input, so a hit is exact; the oldest plans go past ``limit``."""
-
-    def __init__(self, limit: int = 256) -> None:
-        self._plans: dict[Hashable, object] = {}
-        self._limit = limit
-
-    def get(self, key: Hashable, make: Callable[[], object]):
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= self._limit:
-                del self._plans[next(iter(self._plans))]
-            plan = self._plans[key] = make()
-        return plan

@@ -19,6 +19,7 @@ import torch
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 
 from . import cuda_jit
+from .launch_plans import LaunchPlans
 from .triton_kernels.layout import page_layout
 
 def supports(fmt: KVPageFormat) -> str | None:
@@ -98,7 +99,7 @@ def _source(src: torch.Tensor) -> tuple[int, int]:
     return src.data_ptr(), src.stride(0)
 
 
-_plans = cuda_jit.LaunchPlans()  # by step: slots and format (the arguments but sources and cache)
+_plans = LaunchPlans()  # by step: slots and format (the arguments but sources and cache)
 
 
 def _plan(fmt: KVPageFormat, slots: torch.Tensor, dtype: torch.dtype, stream: int) -> tuple:
