@@ -39,7 +39,7 @@ def _specialization(args: tuple) -> tuple:
                   else (a == 1, a & 15 == 0) if isinstance(a, int) else None for a in args])
 
 
-_compiled: dict[tuple, tuple] = {}
+_compiled: dict[tuple, Compiled] = {}  # by variant and specialization
 
 
 def hooked() -> bool:
