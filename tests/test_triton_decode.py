@@ -85,7 +85,8 @@ def test_split_launches_share_one_partials_buffer():
         cache, table = fill_pages(fmt, seq_lens, 1, seed=20 + layer)
         q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(layer)).to(dtype)
         ref = paged_torch.attend(q.float(), cache, fmt, list(range(len(seq_lens) + 1)), seq_lens, table, D ** -0.5)
-        run = decode.split_launch(q.to(DEVICE), fmt, max(seq_lens), num_splits, None)
+        query, _, out = decode.query_and_output(q.to(DEVICE), None)
+        run = decode.split_launch(query, out, fmt, max(seq_lens), num_splits)
         starts.append((run.part.data_ptr(), run.part.untyped_storage().nbytes()))
         got = paged_decode(q.to(DEVICE), cache.to(DEVICE), fmt, table.to(DEVICE),
                            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), D ** -0.5, max(seq_lens),

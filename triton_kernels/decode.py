@@ -506,10 +506,10 @@ def query_and_output(query: torch.Tensor, out: torch.Tensor | None) -> tuple[tor
     return query, q_stride, out
 
 
-def split_launch(query: torch.Tensor, fmt: KVPageFormat, max_seq_len: int, num_splits: int | None,
-                 out: torch.Tensor | None, programs_per_sm: int = PROGRAMS_PER_SM) -> SplitLaunch:
-    """A decode launch's buffers and split count (``choose_num_splits``'s where None)."""
-    query, q_stride, out = query_and_output(query, out)
+def split_launch(query: torch.Tensor, out: torch.Tensor, fmt: KVPageFormat, max_seq_len: int,
+                 num_splits: int | None, programs_per_sm: int = PROGRAMS_PER_SM) -> SplitLaunch:
+    """A decode launch's buffers and split count (``choose_num_splits``'s where None), for a query
+    and output as ``query_and_output`` gives them."""
     n, hq, d = query.shape
     if num_splits is None:
         num_splits = choose_num_splits(n, fmt.k.num_heads, max_seq_len, fmt.block_size, query.device,
@@ -520,7 +520,7 @@ def split_launch(query: torch.Tensor, fmt: KVPageFormat, max_seq_len: int, num_s
     if num_splits > 1:
         per_program = programs_per_sm * (hq // fmt.k.num_heads) * (d + 2)
         part = _partials(n * hq * num_splits * (d + 2), query.device, per_program).view(n, hq, num_splits, d + 2)
-    return SplitLaunch(query, q_stride, out, num_splits, max_blocks, blocks_per_split, part)
+    return SplitLaunch(query, query.stride(0), out, num_splits, max_blocks, blocks_per_split, part)
 
 
 _partials_buffers: dict[tuple, list[torch.Tensor]] = {}  # by device and stream, the largest last
@@ -612,7 +612,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
         if plan is not None:
             plan(stream, *pointers)
             return out
-    run = split_launch(query, fmt, max_seq_len, num_splits, out, programs_per_sm)
+    run = split_launch(query, out, fmt, max_seq_len, num_splits, programs_per_sm)
     n, hq, _ = run.query.shape
     h = fmt.k.num_heads
     programs = n if groups is None else groups.starts.shape[0]

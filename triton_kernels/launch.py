@@ -66,7 +66,8 @@ def launch(variant: Variant, grid: tuple[int, ...], args: tuple) -> Compiled | N
     through the JIT (the interpreter, a launch hook)."""
     key = (variant, _specialization(args))
     hit = _compiled.get(key)
-    if hit is None or hooked():
+    jit_only = hooked()
+    if hit is None or jit_only:
         kernel = variant.kernel
         compiled = kernel[grid](*args, **variant.constants, **variant.options)
         if hasattr(compiled, "result"):  # compiled in the background
@@ -76,7 +77,7 @@ def launch(variant: Variant, grid: tuple[int, ...], args: tuple) -> Compiled | N
         hit = _compiled[key] = Compiled(compiled, tuple(
             variant.constants[name] if name in variant.constants else param.default
             for name, param in zip(kernel.arg_names[len(args):], kernel.params[len(args):])))
-        return None if hooked() else hit
+        return None if jit_only else hit
     current_stream, current_device = _stream_getters()
     hit.run((tuple(grid) + (1, 1))[:3], current_stream(current_device()), args)
     return hit

@@ -117,12 +117,13 @@ _plans = LaunchPlans()  # by step: rows, lengths, format (the arguments but quer
 def _plan(fmt: KVPageFormat, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
           seq_lens: torch.Tensor, row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int,
           num_splits: int | None, stream: int) -> _DecodeArgs:
-    """The launch's arguments but for its query, cache and output, which each call sets."""
+    """The launch's arguments but for its query, cache and output (as ``query_and_output`` gives
+    them), which each call sets."""
     triton_decode = cuda_jit.triton_kernels("decode")
     if num_splits is None:
         num_splits = triton_decode.choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, _TOKENS_A_STEP,
                                                      query.device)
-    run = triton_decode.split_launch(query, fmt, max_seq_len, num_splits, out)
+    run = triton_decode.split_launch(query, out, fmt, max_seq_len, num_splits)
     n, hq, _ = run.query.shape
     lay = page_layout(fmt)
     return _DecodeArgs(
