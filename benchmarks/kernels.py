@@ -287,14 +287,21 @@ def bench_write_prefill(bits: int, num_blocks: int, hkv: int, d: int, block: int
             "GB/s": nbytes / ms / 1e6}
 
 
+STEP_PARTS = ("copies", "write", "decode")
+
+
 def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 128, layers: int = 32,
-                      block: int = 128, max_model_len: int = 2048, replays: int = 20) -> dict:
+                      block: int = 128, max_model_len: int = 2048, replays: int = 20,
+                      parts: tuple[str, ...] = STEP_PARTS) -> dict:
     """A decode step's attention as vLLM's full CUDA graph replays it, us a layer: for each of
     ``layers`` layers (each with its own pages, so they do not sit in L2), a copy that stands in for
     the kernel making the step's query, K and V, the CUDA cache write of each row's next token, the
     CUDA decode (split for any context up to ``max_model_len``, as captured) and a copy of its output
     that stands in for the output projection. Unlike timing each kernel alone, the gaps between
-    kernels count, as they do in serving."""
+    kernels count, as they do in serving. ``parts``: which of ``STEP_PARTS`` the graph holds.
+
+    The pages are full (``_pages``) and every replay appends the same token at the same place, so
+    the write here is not a serving step's (``bench_write`` is): it costs more than in serving."""
     from vllm_kvcompress.cuda_decode import paged_decode
     from vllm_kvcompress.cuda_write import write_tokens
     from vllm_kvcompress.triton_kernels.decode import longest_first
@@ -316,10 +323,14 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
 
     def step():
         for pages in caches:
-            qkv.copy_(made)
-            write_tokens(pages, fmt, k, v, slots)
-            paged_decode(q, pages, fmt, table, seq_lens, d ** -0.5, max_model_len, out=out, row_order=order)
-            after.copy_(out)
+            if "copies" in parts:
+                qkv.copy_(made)
+            if "write" in parts:
+                write_tokens(pages, fmt, k, v, slots)
+            if "decode" in parts:
+                paged_decode(q, pages, fmt, table, seq_lens, d ** -0.5, max_model_len, out=out, row_order=order)
+            if "copies" in parts:
+                after.copy_(out)
 
     step()  # builds and warms up outside capture
     graph = torch.cuda.CUDAGraph()
@@ -335,7 +346,7 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
         end.synchronize()
         times.append(start.elapsed_time(end))
     ms = statistics.median(times) / layers
-    return {"kernel": f"step k{bits}v{bits} write + decode, {n} rows, CUDA graph", "block": block, "ms": ms,
+    return {"kernel": f"step k{bits}v{bits} {' + '.join(parts)}, {n} rows, CUDA graph", "block": block, "ms": ms,
             "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
@@ -442,6 +453,8 @@ def main() -> None:
     ap.add_argument("--serving", action="store_true",
                     help="also a serving step's decode rows (144 requests, contexts uniform in 16..900, see "
                          "serving_lens) with kernel variants, and a prefill chunk's prompt rows")
+    ap.add_argument("--step-parts", action="store_true",
+                    help="with --step: also the step without the write, the decode alone and the write alone")
     ap.add_argument("--step", action="store_true",
                     help="only a decode step's cache write and decode for 32 layers in a CUDA graph (us a layer; "
                          "CUDA kernels, needs nvcc): a serving step's 144 rows and a run's tail of 3 and 8 rows")
@@ -456,12 +469,15 @@ def main() -> None:
                 print(f"{name:24s} {r['kernel']:42s} {r['host_us']:6.1f} us of host time a call")
         return
     if args.step:
+        cases = (("serving step, 144 rows", serving_lens(144, 900)), ("tail, 8 rows", serving_lens(8, 2000, seed=3)),
+                 ("tail, 3 rows", serving_lens(3, 1500, seed=4)))
+        part_sets = [STEP_PARTS] + ([("copies", "decode"), ("decode",), ("write",)] if args.step_parts else [])
         for name, hq, hkv, _ in SHAPES:
-            for label, lens in (("serving step, 144 rows", serving_lens(144, 900)),
-                                ("tail, 8 rows", serving_lens(8, 2000, seed=3)),
-                                ("tail, 3 rows", serving_lens(3, 1500, seed=4))):
-                r = bench_step_layers(4, lens, hq, hkv)
-                print(f"{name:24s} {label:24s} {r['ms'] * 1e3:7.1f} us a layer")
+            for label, lens in cases:
+                for parts in part_sets:
+                    r = bench_step_layers(4, lens, hq, hkv, parts=parts)
+                    print(f"{name:24s} {label:24s} {' + '.join(parts):24s} {r['ms'] * 1e3:7.1f} us a layer, "
+                          f"{r['GB/s']:6.0f} GB/s of pages")
         return
     if args.profile_write:
         bits, hkv = args.profile_write

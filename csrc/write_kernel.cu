@@ -13,6 +13,8 @@
 //   out over the warp's lanes; at 2 and 4 bits a widened channel's earlier codes are mapped
 //   through a table of new code by old code, built first with the reference's arithmetic (the
 //   same bytes, with a divide an old code rather than one a row);
+// - the first token of a block (decoding into a new page): a lane takes 4 channels, each on its
+//   value's own grid;
 // - several new tokens (a prompt's block, or a chunk appended to stored rows): the block's chunks
 //   of 4 channels are dealt out over the warps of its last 32 new tokens, a lane a row, with two
 //   passes over the rows, one for the statistics and one for the codes.
@@ -356,8 +358,8 @@ __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, in
   }
 }
 
-// Several new tokens in a block, or the first of a block, statistics per channel (a prompt's block,
-// or a chunk appended to stored rows): new rows first..last, row r the batch's token row0 + r. The
+// Several new tokens in a block, statistics per channel (a prompt's block, or a chunk appended to
+// stored rows): new rows first..last, row r the batch's token row0 + r. The
 // block's chunks of 4 channels are dealt out over the warps of its last `dealers` new tokens (this
 // one is `rank`), a lane a row. Per channel: the new rows' statistics, widened to span the stored
 // grid (and a margin past it) where there are stored rows (first > 0); a channel whose new values
@@ -472,6 +474,36 @@ __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, in
   }
 }
 
+// The first token of a block (no stored rows), statistics per channel: each channel's grid is its
+// one value's, as encode_chunks would give it (same arithmetic), but with a lane a chunk of 4
+// channels, so the row takes one pass; dealt to its one warp, encode_chunks takes its 32 chunks one
+// after another, each waiting on its own load, and a decode step's write waits on that warp
+// whenever any of its requests starts a block (docs/benchmarks.md).
+template <typename T, int BITS, int D>
+__device__ void first_row_per_channel(const Tensor& t, int64_t i, uint8_t* page, int h, int BLOCK, int lane) {
+  using C = Lanes<BITS, 128>;  // a chunk: the unit of a lane that holds 4 channels
+  using Word = typename C::Word;
+  constexpr int CC = 4;
+  const T* src = static_cast<const T*>(t.src) + i * t.src_stride + h * D;
+  uint8_t* row = page + t.codes + int64_t(h) * BLOCK * t.row_bytes;
+  for (int chunk = lane; chunk < D / CC; chunk += 32) {
+    const int c0 = chunk * CC;
+    uint8_t* stats = page + (h * D + c0) * 2;
+    float x[CC];
+#pragma unroll
+    for (int k = 0; k < CC; ++k) x[k] = to_float(src[c0 + k]);
+    Word w = 0;
+#pragma unroll
+    for (int k = 0; k < CC; ++k) {
+      const float2 g = min_max_stats(x[k], x[k], C::TOP);
+      w |= Word(clamped_code(x[k], g.x, g.y, C::TOP)) << (k * BITS);
+      store_half(stats + t.scale + 2 * k, g.y);
+      store_half(stats + t.zero + 2 * k, g.x);
+    }
+    C::store(row + chunk * C::UNIT_BYTES, w);
+  }
+}
+
 // How many tokens right after token i in the batch (step 1), or right before it (step -1), hold the
 // slots next to i's in the same direction, counted up to `limit`, 32 at a time; `near` is this
 // lane's slots[i + step * (lane + 1)] (-1 past the batch), loaded by the caller with its other loads.
@@ -520,6 +552,8 @@ __global__ void __launch_bounds__(kWarps * 32, 6)
   kvc::wait_for_prior_grid();
   if (first == last && off > 0)
     append_per_channel<T, BITS, D>(t, i, page, h, off, BLOCK, lane, scratch[warp]);
+  else if (first == last)
+    first_row_per_channel<T, BITS, D>(t, i, page, h, BLOCK, lane);
   else
     encode_chunks<T, BITS, D>(t, i - off, first, last, ahead, min(last - first + 1, kDealers), page, h, BLOCK, lane);
 }

@@ -145,6 +145,23 @@ def test_prefill_and_decode_match_reference(layer_format, dtype, head_size):
 
 
 @needs_gpu_and_nvcc
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_decode_into_new_blocks_matches_reference(bits, head_size):
+    """Decode steps whose token is the first of a block (a lane a chunk of channels, each on its
+    one value's grid), beside tokens appended to stored rows: two requests crossing into their next
+    block at different steps, then appending to it."""
+    B, H = 128, 4
+    fmt = _format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, B, H, head_size)
+    gen = torch.Generator().manual_seed(bits + head_size)
+    steps = [torch.cat([torch.arange(0, B - 1), torch.arange(2 * B, 3 * B - 3)])]
+    steps += [torch.tensor([B - 1 + s, 3 * B - 3 + s]) for s in range(6)]
+    _assert_pages_hold_reference_values(fmt, steps, lambda n: (
+        (torch.randn(n, H, head_size, generator=gen) * 2 - 0.5).bfloat16(),
+        torch.randn(n, H, head_size, generator=gen).bfloat16()))
+
+
+@needs_gpu_and_nvcc
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_long_prompts_and_chunks_match_reference(bits):
     """128-token blocks: a 300-token prompt and a 70-token one (blocks with more new tokens than the
