@@ -300,8 +300,9 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
     that stands in for the output projection. Unlike timing each kernel alone, the gaps between
     kernels count, as they do in serving. ``parts``: which of ``STEP_PARTS`` the graph holds.
 
-    The pages are full (``_pages``) and every replay appends the same token at the same place, so
-    the write here is not a serving step's (``bench_write`` is): it costs more than in serving."""
+    The pages are full (``_pages``) and every replay writes the same tokens to the same slots, so no
+    channel widens after the first replay (``bench_write`` restores its pages for that); one of the
+    serving step's rows starts a block, as about two serving steps of three with 144 rows have one."""
     from vllm_kvcompress.cuda_decode import paged_decode
     from vllm_kvcompress.cuda_write import write_tokens
     from vllm_kvcompress.triton_kernels.decode import longest_first

@@ -359,11 +359,11 @@ __device__ void append_per_channel(const Tensor& t, int64_t i, uint8_t* page, in
 }
 
 // Several new tokens in a block, statistics per channel (a prompt's block, or a chunk appended to
-// stored rows): new rows first..last, row r the batch's token row0 + r. The
-// block's chunks of 4 channels are dealt out over the warps of its last `dealers` new tokens (this
-// one is `rank`), a lane a row. Per channel: the new rows' statistics, widened to span the stored
-// grid (and a margin past it) where there are stored rows (first > 0); a channel whose new values
-// all fall on its stored grid keeps grid and earlier codes.
+// stored rows): new rows first..last, row r the batch's token row0 + r. The block's chunks of 4
+// channels are dealt out over the warps of its last `dealers` new tokens (this one is `rank`), a
+// lane a row. Per channel: the new rows' statistics, widened to span the stored grid (and a margin
+// past it) where there are stored rows (first > 0); a channel whose new values all fall on its
+// stored grid keeps grid and earlier codes.
 template <typename T, int BITS, int D>
 __device__ void encode_chunks(const Tensor& t, int row0, int first, int last, int rank, int dealers, uint8_t* page,
                               int h, int BLOCK, int lane) {
