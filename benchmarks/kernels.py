@@ -292,13 +292,14 @@ STEP_PARTS = ("copies", "write", "decode")
 
 def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 128, layers: int = 32,
                       block: int = 128, max_model_len: int = 2048, replays: int = 20,
-                      parts: tuple[str, ...] = STEP_PARTS) -> dict:
+                      parts: tuple[str, ...] = STEP_PARTS, num_splits: int | None = None) -> dict:
     """A decode step's attention as vLLM's full CUDA graph replays it, us a layer: for each of
     ``layers`` layers (each with its own pages, so they do not sit in L2), a copy that stands in for
     the kernel making the step's query, K and V, the CUDA cache write of each row's next token, the
     CUDA decode (split for any context up to ``max_model_len``, as captured) and a copy of its output
     that stands in for the output projection. Unlike timing each kernel alone, the gaps between
-    kernels count, as they do in serving. ``parts``: which of ``STEP_PARTS`` the graph holds.
+    kernels count, as they do in serving. ``parts``: which of ``STEP_PARTS`` the graph holds;
+    ``num_splits``: the decode's split count (None: ``cuda_decode.choose_num_splits``'s, as the backend's).
 
     The pages are full (``_pages``) and every replay writes the same tokens to the same slots, so no
     channel widens after the first replay (``bench_write`` restores its pages for that); one of the
@@ -329,7 +330,8 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
             if "write" in parts:
                 write_tokens(pages, fmt, k, v, slots)
             if "decode" in parts:
-                paged_decode(q, pages, fmt, table, seq_lens, d ** -0.5, max_model_len, out=out, row_order=order)
+                paged_decode(q, pages, fmt, table, seq_lens, d ** -0.5, max_model_len, num_splits=num_splits, out=out,
+                             row_order=order)
             if "copies" in parts:
                 after.copy_(out)
 
@@ -347,7 +349,8 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
         end.synchronize()
         times.append(start.elapsed_time(end))
     ms = statistics.median(times) / layers
-    return {"kernel": f"step k{bits}v{bits} {' + '.join(parts)}, {n} rows, CUDA graph", "block": block, "ms": ms,
+    splits = "" if num_splits is None else f", {num_splits} splits"
+    return {"kernel": f"step k{bits}v{bits} {' + '.join(parts)}, {n} rows{splits}, CUDA graph", "block": block, "ms": ms,
             "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
@@ -459,6 +462,8 @@ def main() -> None:
     ap.add_argument("--step", action="store_true",
                     help="only a decode step's cache write and decode for 32 layers in a CUDA graph (us a layer; "
                          "CUDA kernels, needs nvcc): a serving step's 144 rows and a run's tail of 3 and 8 rows")
+    ap.add_argument("--step-splits", nargs="*", type=int, default=[], metavar="SPLITS",
+                    help="with --step: also the MHA decode alone of 3 to 40 rows with these split counts")
     ap.add_argument("--profile", nargs=3, type=int, metavar=("BITS", "HQ", "HKV"),
                     help="only launch that decode a few times (for a profiler such as ncu)")
     ap.add_argument("--profile-write", nargs=2, type=int, metavar=("BITS", "HKV"),
@@ -479,6 +484,14 @@ def main() -> None:
                     r = bench_step_layers(4, lens, hq, hkv, parts=parts)
                     print(f"{name:24s} {label:24s} {' + '.join(parts):24s} {r['ms'] * 1e3:7.1f} us a layer, "
                           f"{r['GB/s']:6.0f} GB/s of pages")
+        from vllm_kvcompress.cuda_decode import choose_num_splits
+        few_rows = cases[1:] + (("16 rows", serving_lens(16, 1500, seed=5)), ("40 rows", serving_lens(40, 1150, seed=6)))
+        for label, lens in few_rows if args.step_splits else ():
+            chosen = choose_num_splits(len(lens), 32, 2048, torch.device("cuda"))
+            for splits in [None, *args.step_splits]:
+                r = bench_step_layers(4, lens, 32, 32, parts=("decode",), num_splits=splits)
+                print(f"{'MHA decode':24s} {label:24s} {splits or f'{chosen} (chosen)':>12} splits "
+                      f"{r['ms'] * 1e3:7.1f} us a layer, {r['GB/s']:6.0f} GB/s of pages")
         return
     if args.profile_write:
         bits, hkv = args.profile_write

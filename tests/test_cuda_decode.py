@@ -105,6 +105,28 @@ def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch):
     assert len(plans) == 2 and calls[-1]["table_blocks"] == 5
 
 
+def test_split_count_gives_each_sm_four_programs(monkeypatch):
+    """The fewest splits, a power of two, that give every SM ``PROGRAMS_PER_SM`` (4) programs, and no
+    more than the longest context's 256-token pieces (rounded up to a power of two)."""
+    decode = cuda_jit.triton_kernels("decode")
+    sms = 132
+    monkeypatch.setattr(decode, "_multiprocessors", lambda index: sms)
+    cuda = torch.device("cuda", 0)
+    # the counts measured fastest for 32 KV heads and contexts of up to 2048 tokens on a GPU of 132 SMs
+    # (docs/benchmarks.md, split counts); one row takes 8 splits of 256 tokens, not 16 of 128
+    measured_best = {3: 8, 5: 4, 12: 2, 16: 2, 24: 1, 40: 1}
+    assert {n: cuda_decode.choose_num_splits(n, 32, 2048, cuda) for n in measured_best} == measured_best
+    assert cuda_decode.choose_num_splits(1, 32, 2048, cuda) == 8
+    for rows in range(1, 200, 3):
+        for heads in (8, 32):
+            for max_seq_len in (1, 128, 129, 2048, 32768):
+                splits = cuda_decode.choose_num_splits(rows, heads, max_seq_len, cuda)
+                pieces = -(-max_seq_len // 256)
+                assert splits & (splits - 1) == 0 and splits < 2 * pieces
+                assert splits == 1 or rows * heads * splits // 2 < 4 * sms
+                assert rows * heads * splits >= 4 * sms or splits >= pieces or splits == decode.MAX_SPLITS
+
+
 def _gpu_ready() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"

@@ -26,9 +26,15 @@ from .triton_kernels.layout import page_layout
 
 _LOG2E = 1.4426950408889634
 PAGE_SIZES = (64, 128)  # tokens a page (csrc/decode_kernel.cu's WarpSlices)
-# A thread block's two warps take 64 tokens each at a time, so a split is sized in 128-token steps
-# whatever the page size: on 64-token pages, a split of one page would leave a warp idle.
-_TOKENS_A_STEP = 128
+# The split count aims for 4 programs a SM (the Triton kernel's rule asks for 2), and is at most the
+# longest context's 256-token pieces rounded up to a power of two, whatever the page size.
+# Decode alone in a CUDA graph, rows of up to 1,150 to 2,000 tokens, this gives the fastest count
+# measured, or one within noise of it, from 3 to 40 rows: 12 and 16 rows take 2 splits (25.0 and
+# 24.5 us a layer against 31.4 and 29.2 with one), 5 rows 4 (16.6 against 20.2 with 2), and splits
+# of 128 tokens were slower than splits of 256 at every row count timed (docs/benchmarks.md,
+# "split counts for a few rows' decode").
+PROGRAMS_PER_SM = 4
+_TOKENS_A_SPLIT = 256
 
 
 def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str | None:
@@ -111,6 +117,12 @@ def build() -> None:
     _library()
 
 
+def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """The split count of a launch over contexts of up to ``max_seq_len`` tokens."""
+    return cuda_jit.triton_kernels("decode").choose_num_splits(num_rows, num_kv_heads, max_seq_len, _TOKENS_A_SPLIT,
+                                                               device, PROGRAMS_PER_SM)
+
+
 _plans = LaunchPlans()  # by step: rows, lengths, format (the arguments but query, cache, output)
 
 
@@ -121,9 +133,8 @@ def _plan(fmt: KVPageFormat, query: torch.Tensor, out: torch.Tensor, block_table
     them), which each call sets."""
     triton_decode = cuda_jit.triton_kernels("decode")
     if num_splits is None:
-        num_splits = triton_decode.choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, _TOKENS_A_STEP,
-                                                     query.device)
-    run = triton_decode.split_launch(query, out, fmt, max_seq_len, num_splits)
+        num_splits = choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, query.device)
+    run = triton_decode.split_launch(query, out, fmt, max_seq_len, num_splits, PROGRAMS_PER_SM)
     n, hq, _ = run.query.shape
     lay = page_layout(fmt)
     return _DecodeArgs(
