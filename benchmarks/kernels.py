@@ -299,16 +299,18 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
     CUDA decode (split for any context up to ``max_model_len``, as captured) and a copy of its output
     that stands in for the output projection. Unlike timing each kernel alone, the gaps between
     kernels count, as they do in serving. ``parts``: which of ``STEP_PARTS`` the graph holds;
-    ``num_splits``: the decode's split count (None: ``cuda_decode.choose_num_splits``'s, as the backend's).
+    ``num_splits``: the decode's split count (None: ``cuda_decode.choose_num_splits``'s, as the backend's);
+    the result's ``splits`` is the count it ran.
 
     The pages are full (``_pages``) and every replay writes the same tokens to the same slots, so no
     channel widens after the first replay (``bench_write`` restores its pages for that); one of the
     serving step's rows starts a block, as about two serving steps of three with 144 rows have one."""
-    from vllm_kvcompress.cuda_decode import paged_decode
+    from vllm_kvcompress.cuda_decode import choose_num_splits, paged_decode
     from vllm_kvcompress.cuda_write import write_tokens
     from vllm_kvcompress.triton_kernels.decode import longest_first
 
     n = len(lens)
+    splits = num_splits or choose_num_splits(n, hkv, max_model_len, torch.device("cuda"))
     fmt, cache, table, _, _, nbytes = _decode_case(bits, n, hq, hkv, d, max(lens) + 1, block, lens)
     caches = [cache] + [cache.clone() for _ in range(layers - 1)]
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda") + 1  # the new token included
@@ -330,7 +332,7 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
             if "write" in parts:
                 write_tokens(pages, fmt, k, v, slots)
             if "decode" in parts:
-                paged_decode(q, pages, fmt, table, seq_lens, d ** -0.5, max_model_len, num_splits=num_splits, out=out,
+                paged_decode(q, pages, fmt, table, seq_lens, d ** -0.5, max_model_len, num_splits=splits, out=out,
                              row_order=order)
             if "copies" in parts:
                 after.copy_(out)
@@ -349,9 +351,8 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
         end.synchronize()
         times.append(start.elapsed_time(end))
     ms = statistics.median(times) / layers
-    splits = "" if num_splits is None else f", {num_splits} splits"
-    return {"kernel": f"step k{bits}v{bits} {' + '.join(parts)}, {n} rows{splits}, CUDA graph", "block": block, "ms": ms,
-            "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+    return {"kernel": f"step k{bits}v{bits} {' + '.join(parts)}, {n} rows, {splits} splits, CUDA graph",
+            "block": block, "splits": splits, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
 def _host_us(fn, calls: int = 40, reps: int = 7) -> float:
@@ -484,14 +485,15 @@ def main() -> None:
                     r = bench_step_layers(4, lens, hq, hkv, parts=parts)
                     print(f"{name:24s} {label:24s} {' + '.join(parts):24s} {r['ms'] * 1e3:7.1f} us a layer, "
                           f"{r['GB/s']:6.0f} GB/s of pages")
-        from vllm_kvcompress.cuda_decode import choose_num_splits
-        few_rows = cases[1:] + (("16 rows", serving_lens(16, 1500, seed=5)), ("40 rows", serving_lens(40, 1150, seed=6)))
-        for label, lens in few_rows if args.step_splits else ():
-            chosen = choose_num_splits(len(lens), 32, 2048, torch.device("cuda"))
-            for splits in [None, *args.step_splits]:
-                r = bench_step_layers(4, lens, 32, 32, parts=("decode",), num_splits=splits)
-                print(f"{'MHA decode':24s} {label:24s} {splits or f'{chosen} (chosen)':>12} splits "
-                      f"{r['ms'] * 1e3:7.1f} us a layer, {r['GB/s']:6.0f} GB/s of pages")
+        if args.step_splits:
+            few_rows = cases[1:] + (("16 rows", serving_lens(16, 1500, seed=5)),
+                                    ("40 rows", serving_lens(40, 1150, seed=6)))
+            for label, lens in few_rows:
+                for splits in [None, *args.step_splits]:
+                    r = bench_step_layers(4, lens, 32, 32, parts=("decode",), num_splits=splits)
+                    count = f"{r['splits']}{'' if splits else ' (chosen)'}"
+                    print(f"{'MHA decode':24s} {label:24s} {count:>12} splits {r['ms'] * 1e3:7.1f} us a layer, "
+                          f"{r['GB/s']:6.0f} GB/s of pages")
         return
     if args.profile_write:
         bits, hkv = args.profile_write

@@ -382,14 +382,15 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int,
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, split_tokens: int,
                       device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Enough programs to give each SM ``programs_per_sm``, at least one block per split, a power of two."""
+    """Enough programs to give each SM ``programs_per_sm``, a power of two, and no more than the
+    context's pieces of ``split_tokens`` (a page, for the Triton kernel) rounded up to one."""
     if device.type != "cuda":
         return 1
     want = max(1, -(-programs_per_sm * _multiprocessors(device_index(device)) // (num_seqs * num_kv_heads)))
-    max_blocks = max(1, -(-max_seq_len // block_size))
-    return min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks), MAX_SPLITS)
+    pieces = max(1, -(-max_seq_len // split_tokens))
+    return min(triton.next_power_of_2(want), triton.next_power_of_2(pieces), MAX_SPLITS)
 
 
 # Rows of the tensor-core products in a program that takes a group of prompt tokens: each page
