@@ -10,7 +10,10 @@ cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 mkdir -p "$out/tok"
 kvcompress gguf-to-hf smollm2 "$work/smollm2" > /dev/null
-cp "$work"/smollm2/{config.json,tokenizer.json,tokenizer_config.json} "$out/tok/"
+# what the dummy models read: the vocabulary size from config.json, and the tokenizer files they copy
+for name in config.json $(python -c "from benchmarks.dummy_models import TOKENIZER_FILES; print(*TOKENIZER_FILES)"); do
+  [ ! -f "$work/smollm2/$name" ] || cp "$work/smollm2/$name" "$out/tok/"
+done
 python -m benchmarks.sharegpt "$work/sharegpt.json" --sample 2000
 xz -9 -c "$work/sharegpt.json" > "$out/sharegpt.json.xz"
 rm -rf "$work"
