@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from . import cuda_decode, cuda_jit, cuda_write, paged_torch
+from . import cuda_decode, cuda_jit, cuda_write, paged_torch, prompt_attention
 from .engine_config import active_config, layer_page_format
 from .formats import KVPageFormat
 from .slim_loader import ATTRIBUTE
@@ -94,7 +94,11 @@ class KVCompressMetadata:
     decode_seq_lens: torch.Tensor     # [num_decodes] on the device
     decode_max_seq_len: int           # at least the longest decode's context (0: no decodes)
     decode_row_order: torch.Tensor | None  # on CUDA, the decodes longest first (the kernel's row_order)
-    token_rows: TokenRows | None  # on CUDA, the prefill chunks' tokens (after the decodes') as decode rows
+    # on CUDA, the prefill chunks' tokens (after the decodes') as decode rows: all of them, or with
+    # first_chunks only those of chunks with history (None: none)
+    token_rows: TokenRows | None
+    # on CUDA with FlashAttention for prompts, the prefill chunks (None: none starts its request's context)
+    first_chunks: prompt_attention.FirstChunks | None
 
 
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
@@ -127,6 +131,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             self._rows_per_group = rows_per_program(mc.get_num_attention_heads(pc) // mc.get_num_kv_heads(pc))
             self._row_order = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32,
                                           device=device)
+        self._flash_prompts = uses_flash_prompts(vllm_config.model_config.dtype, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVCompressMetadata:
@@ -144,7 +149,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         # A full CUDA graph's batch is padded after its decodes with requests of no tokens: not
         # prompts, but rows of the graph's decode launch (context 0, so taken last in the order).
         has_prompts = query_start_loc[num_decodes] < query_start_loc[n]
-        rows, order = None, None
+        rows, order, first_chunks = None, None, None
         if self._row_order is not None and num_decodes:
             from .triton_kernels.decode import longest_first
             ordered = num_decodes if has_prompts else n
@@ -153,8 +158,20 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             order = longest_first(seq_lens_host[:ordered], out=self._row_order[:ordered])[:num_decodes]
         if self.device.type == "cuda" and has_prompts:  # the prefill chunks' tokens, after the decodes
             d, first = num_decodes, query_start_loc[num_decodes]
-            rows = token_rows([x - first for x in query_start_loc[d: n + 1]], cam.seq_lens[d:n],
-                              cam.block_table_tensor[d:n], max(seq_lens[d:n]), self._rows_per_group)
+            starts = [x - first for x in query_start_loc[d: n + 1]]
+            chunk_lens = [e - s for s, e in zip(starts, starts[1:])]
+            as_rows = [True] * (n - d)  # the chunks whose tokens go to the decode kernel's rows
+            if self._flash_prompts:
+                # those with history (from the host's context lengths: an upper bound only sends a
+                # first chunk to the rows, which are right for every chunk)
+                as_rows = [L > m for L, m in zip(seq_lens[d:n], chunk_lens)]
+                if not all(as_rows):
+                    qsl = cam.query_start_loc
+                    first_chunks = prompt_attention.FirstChunks(qsl[d: n + 1] - qsl[d], max(chunk_lens))
+            if any(as_rows):
+                longest = max(L for L, r in zip(seq_lens[d:n], as_rows) if r)
+                rows = token_rows(starts, cam.seq_lens[d:n], cam.block_table_tensor[d:n], longest,
+                                  self._rows_per_group, as_rows if self._flash_prompts else None)
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -167,7 +184,27 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
             decode_row_order=order,
             token_rows=rows,
+            first_chunks=first_chunks,
         )
+
+
+def uses_flash_prompts(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether prompt chunks with no history go to FlashAttention (``prompt_attention``) where a
+    layer's prompt tokens would go to the decode kernel's rows."""
+    if os.environ.get("KVCOMPRESS_KERNELS") == "torch":
+        return False
+    mode = os.environ.get(prompt_attention.VARIABLE, "auto")
+    if device.type != "cuda":
+        prompt_attention.choose(mode, dtype, device)  # a bad value is refused on every device
+        return False
+    why_not = prompt_attention.choose(mode, dtype, device)
+    if why_not is None:
+        logger.info_once("kv-compression: prompt chunks with no history attend with FlashAttention over their "
+                         "stored K and V; chunks with history with the decode kernel's rows")
+    else:
+        logger.info_once("kv-compression: prompt tokens attend with the decode kernel's rows; FlashAttention: %s",
+                         why_not)
+    return why_not is None
 
 
 class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
@@ -306,12 +343,17 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order)
         start = md.query_start_loc[nd]
         if start < t:  # prompt tokens (a full CUDA graph's padding has none)
-            if slim is None and self._decode_kernel is not None and md.token_rows is not None:
-                # prompt tokens as decode rows, in groups of a chunk's consecutive tokens (a launch of
-                # their own: groups take more rows of products than a decode row needs)
+            if slim is None and self._decode_kernel is not None and (md.token_rows is not None
+                                                                       or md.first_chunks is not None):
+                if md.first_chunks is not None:  # every chunk as if it had no history
+                    prompt_attention.attend_first_chunks(q[start:], pages, fmt, md.slot_mapping[start:t],
+                                                         md.first_chunks, self.scale, out[start:])
                 rows = md.token_rows
-                self._decode_kernel(q[start:], pages, fmt, rows.block_table, rows.seq_lens, self.scale,
-                                    rows.max_seq_len, out=out[start:], groups=rows.groups)
+                if rows is not None:
+                    # prompt tokens as decode rows, in groups of a chunk's consecutive tokens (a launch
+                    # of their own: groups take more rows of products than a decode row needs)
+                    self._decode_kernel(q[start:], pages, fmt, rows.block_table, rows.seq_lens, self.scale,
+                                        rows.max_seq_len, out=out[start:], groups=rows.groups)
                 return output
             k_new = key[start:t].reshape(t - start, self.num_kv_heads, self.head_size)
             v_new = value[start:t].reshape(t - start, self.num_kv_heads, self.head_size)

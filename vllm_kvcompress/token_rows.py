@@ -42,10 +42,12 @@ class TokenRows:
 
 
 def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table: torch.Tensor,
-               max_seq_len: int, rows_per_group: int = 1) -> TokenRows:
+               max_seq_len: int, rows_per_group: int = 1, selected: list[bool] | None = None) -> TokenRows:
     """``query_start_host``: the R chunks' token offsets on the host, from 0 ([R+1]); ``seq_lens``
     [R] and ``block_table`` [R, max_blocks] on the device. A request's tokens are grouped
-    ``rows_per_group`` at a time from its first (1: not grouped)."""
+    ``rows_per_group`` at a time from its first (1 and no ``selected``: not grouped). With
+    ``selected`` ([R]), only the chunks it marks get groups, so only their tokens are launched
+    (``max_seq_len`` then bounds theirs)."""
     starts = np.asarray(query_start_host, dtype=np.int32)
     q_lens = np.diff(starts)
     num_tokens = int(starts[-1])
@@ -53,8 +55,10 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
     offset = np.arange(num_tokens, dtype=np.int32) - starts[request]
     q_len = q_lens[request]  # of each token's chunk
     parts = [request, offset + 1 - q_len]  # a token's context: its request's, less the chunk's later tokens
-    if rows_per_group > 1:
+    if rows_per_group > 1 or selected is not None:
         per_request = -(-q_lens // rows_per_group)
+        if selected is not None:
+            per_request = np.where(selected, per_request, 0)
         first_group = np.repeat(np.cumsum(per_request) - per_request, per_request)
         group_starts = (np.repeat(starts[:-1], per_request)
                         + (np.arange(len(first_group), dtype=np.int32) - first_group) * rows_per_group)

@@ -1,0 +1,96 @@
+"""Prompt chunks through FlashAttention over their stored K and V, against the torch reference's
+causal attention over the pages (``paged_torch.attend``), alone and beside chunks with history."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+from paged_cases import fill_pages  # noqa: E402
+
+from vllm_kvcompress import paged_torch, prompt_attention  # noqa: E402
+from vllm_kvcompress.config import LayerFormat  # noqa: E402
+from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FORMATS = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
+           LayerFormat(k_bits=3, v_bits=3), LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True)]
+
+
+def _queries(qsl: list[int], hq: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Queries as a view into a fused QKV output (row-strided), as the engine hands them over."""
+    qkv = torch.randn(qsl[-1], (hq + 2) * d, generator=torch.Generator().manual_seed(seed)).to(dtype).cuda()
+    return qkv[:, :hq * d].view(qsl[-1], hq, d)
+
+
+def _slots(table: torch.Tensor, block: int, seq_lens: list[int], q_lens: list[int]) -> torch.Tensor:
+    """The slots of each request's last ``q_lens`` tokens (the chunk's own)."""
+    return torch.cat([table[i, torch.arange(L - m, L) // block].long() * block + torch.arange(L - m, L) % block
+                      for i, (L, m) in enumerate(zip(seq_lens, q_lens))])
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("block, head_size", [(16, 64), (128, 128), (128, 256)])
+@pytest.mark.parametrize("layer_format", FORMATS, ids=lambda f: f.describe().replace("/", "_").replace(" ", "-"))
+def test_first_chunks_equal_reference(layer_format, block, head_size, heads, dtype):
+    """Four prompts with no history (lengths not multiples of the block; one of a single token) in
+    one launch: each token's attention over its prompt's tokens as stored."""
+    hq, h = heads
+    fmt = KVPageFormat.from_layer_format(layer_format, dtype, block, h, head_size)
+    seq_lens = [2 * block + 7, 1, block, 37]
+    qsl = [0]
+    for n in seq_lens:
+        qsl.append(qsl[-1] + n)
+    cache, table = fill_pages(fmt, seq_lens, 2, seed=block + head_size)
+    q = _queries(qsl, hq, head_size, dtype, seed=3)
+    ref = paged_torch.attend(q.float().cpu(), cache, fmt, qsl, seq_lens, table, head_size ** -0.5)
+    out = torch.empty_like(q)
+    chunks = prompt_attention.FirstChunks(torch.tensor(qsl, dtype=torch.int32, device="cuda"), max(seq_lens))
+    prompt_attention.attend_first_chunks(q, cache.cuda(), fmt, _slots(table, block, seq_lens, seq_lens).cuda(), chunks,
+                                         head_size ** -0.5, out)
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+@GPU
+@pytest.mark.parametrize("bits", [4, 2])
+def test_first_chunks_beside_chunks_with_history(bits):
+    """As the backend runs a mixed step's prompts: FlashAttention over every chunk as if it had no
+    history, then the decode kernel's rows over the chunks with history only (``token_rows`` with
+    ``selected``), which overwrite those chunks' rows. Every row equals the reference."""
+    from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels.decode import paged_decode, rows_per_program
+    B, H, HQ, D = 16, 2, 4, 64
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, B, H, D)
+    seq_lens, q_lens = [40, 9, 70, 33], [25, 9, 3, 33]  # a chunk after 15 tokens, a prompt, 3 after 67, a prompt
+    history = [L > m for L, m in zip(seq_lens, q_lens)]
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    cache, table = fill_pages(fmt, seq_lens, 3, seed=bits)
+    q = _queries(qsl, HQ, D, torch.bfloat16, seed=5)
+    ref = paged_torch.attend(q.float().cpu(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
+    cache, out = cache.cuda(), torch.empty_like(q)
+    chunks = prompt_attention.FirstChunks(torch.tensor(qsl, dtype=torch.int32, device="cuda"), max(q_lens))
+    prompt_attention.attend_first_chunks(q, cache, fmt, _slots(table, B, seq_lens, q_lens).cuda(), chunks, D ** -0.5,
+                                         out)
+    rows = token_rows(qsl, torch.tensor(seq_lens, device="cuda"), table.cuda(), 70, rows_per_program(HQ // H),
+                      selected=history)
+    paged_decode(q, cache, fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len, out=out,
+                 groups=rows.groups)
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_modes_checked():
+    """A value of KVCOMPRESS_PROMPTS that names no path is refused, as is ``flash`` where
+    FlashAttention cannot run; ``triton`` says why FlashAttention is not used."""
+    with pytest.raises(ValueError, match="KVCOMPRESS_PROMPTS='fa3': allowed are 'auto'"):
+        prompt_attention.choose("fa3", torch.bfloat16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="KVCOMPRESS_PROMPTS=flash: FlashAttention cannot be used: model dtype"):
+        prompt_attention.choose("flash", torch.float32, torch.device("cuda"))
+    assert prompt_attention.choose("triton", torch.bfloat16, torch.device("cuda")) == "KVCOMPRESS_PROMPTS=triton"
+    assert "cpu" in prompt_attention.choose("auto", torch.bfloat16, torch.device("cpu"))

@@ -1,0 +1,80 @@
+"""Prompt chunks that start their request's context, through vLLM's FlashAttention prefill.
+
+Such a chunk (most prompts arrive in one) attends causally to its own tokens only, all written by
+this step. Their K and V as the pages store them are read back into the model's dtype
+(``triton_kernels.read_back``) and FlashAttention's varlen prefill runs over them: the attention
+the decode kernel's rows of prompt tokens give (``token_rows``: a row a token over the same pages),
+at FlashAttention's speed (H100, 8 prompts of 512 tokens: docs/benchmarks.md). What a prompt
+attends to is unchanged, its tokens as stored; the only difference is arithmetic, the stored
+values rounded to the model's dtype (what a 16-bit cache would hold of them) before the products.
+Chunks with history (chunked prefill, prefix-cache hits) stay with the decode kernel's rows.
+
+``KVCOMPRESS_PROMPTS`` picks the path: ``auto`` (FlashAttention where vLLM has it for the model's
+dtype), ``triton`` (the decode kernel's rows for every prompt token), ``flash`` (refused at
+startup where FlashAttention cannot be used).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .formats import KVPageFormat
+
+VARIABLE = "KVCOMPRESS_PROMPTS"
+MODES = ("auto", "triton", "flash")
+
+
+@dataclass
+class FirstChunks:
+    """A step's prompt chunks, for a FlashAttention launch over their tokens (after the decodes')."""
+    cu_seqlens: torch.Tensor  # [R + 1] int32 on the device: the chunks' token offsets, from 0
+    max_len: int              # tokens of the longest chunk
+
+
+def choose(mode: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Under ``KVCOMPRESS_PROMPTS=mode``: None if chunks with no history go to FlashAttention,
+    else why they go to the decode kernel's rows. ``flash`` where it cannot be used is refused."""
+    if mode not in MODES:
+        raise ValueError(f"{VARIABLE}={mode!r}: allowed are 'auto' (the default: FlashAttention over a first chunk's "
+                         "stored K and V where vLLM has it), 'triton' (the decode kernel's rows) and 'flash'")
+    if mode == "triton":
+        return f"{VARIABLE}=triton"
+    why = _why_not_flash(dtype, device)
+    if why is not None and mode == "flash":
+        raise ValueError(f"{VARIABLE}=flash: FlashAttention cannot be used: {why}; allowed: 'auto' or 'triton'")
+    return why
+
+
+def _why_not_flash(dtype: torch.dtype, device: torch.device) -> str | None:
+    if device.type != "cuda" or torch.version.hip is not None:
+        return f"the cache is on {device.type}, not an NVIDIA GPU"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"model dtype {dtype} (FlashAttention takes float16 and bfloat16)"
+    from vllm.v1.attention.backends.fa_utils import is_flash_attn_varlen_func_available
+    if not is_flash_attn_varlen_func_available():
+        return "this vLLM build has no FlashAttention"
+    return None
+
+
+@functools.cache
+def _flash_attention(head_size: int):
+    """vLLM's varlen FlashAttention and the version it picks on this GPU for ``head_size``."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
+    return flash_attn_varlen_func, get_flash_attn_version(head_size=head_size)
+
+
+def attend_first_chunks(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, slots: torch.Tensor,
+                        chunks: FirstChunks, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of each chunk's tokens ``query`` [T, Hq, D] over the chunk's own tokens as
+    ``cache`` stores them at ``slots`` [T], into ``out`` [T, Hq, D]. Right only for chunks with no
+    history; the caller overwrites the others' rows."""
+    from .triton_kernels.read_back import stored_kv
+
+    key, value = stored_kv(cache, fmt, slots)
+    flash, version = _flash_attention(fmt.k.head_size)
+    flash(q=query, k=key, v=value, out=out, cu_seqlens_q=chunks.cu_seqlens, cu_seqlens_k=chunks.cu_seqlens,
+          max_seqlen_q=chunks.max_len, max_seqlen_k=chunks.max_len, softmax_scale=scale, causal=True,
+          **({} if version is None else {"fa_version": version}))
