@@ -67,7 +67,7 @@ def test_mixed_step_with_flash_prompts():
     md, _ = _build([1, 1, 5, 2], [5, 9, 12, 2], rows_per_group=4, flash_prompts=True)
     assert md.first_chunks.cu_seqlens.tolist() == [0, 5, 7] and md.first_chunks.max_len == 5
     rows = md.token_rows
-    assert rows.seq_lens.tolist() == [8, 9, 10, 11, 12, 1, 2]  # every token's, read by none but the groups'
+    assert rows.seq_lens.tolist() == [8, 9, 10, 11, 12, 0, 0]  # context 0: no rows to merge
     assert rows.groups.starts.tolist() == [0, 4]
     assert rows.groups.rows[[0, 4]].tolist() == [4, 1]
     assert rows.max_seq_len == 12

@@ -358,8 +358,11 @@ PROGRAMS_PER_SM = 2
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_ptr, out_ptr, out_stride, num_splits, HQ: tl.constexpr, D: tl.constexpr,
-                         MAX_SPLITS: tl.constexpr):
+def _merge_splits_kernel(part_ptr, seq_lens_ptr, out_ptr, out_stride, num_splits, HQ: tl.constexpr,
+                         D: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Row ``program_id(0)``'s output for query head ``program_id(1)`` from its splits' partials. A
+    row of context 0 is left as it is: no program wrote its partials (a prompt token of a chunk
+    that ``token_rows`` did not select, a CUDA graph's padding)."""
     row = tl.program_id(0) * HQ + tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS)
     d = tl.arange(0, D)
@@ -370,7 +373,9 @@ def _merge_splits_kernel(part_ptr, out_ptr, out_stride, num_splits, HQ: tl.const
     acc = tl.load(base[:, None] + d[None, :], mask=used[:, None], other=0.0)
     w = tl.exp2(m - tl.max(m, 0))  # maxima in base-2 units
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-    tl.store(out_ptr + tl.program_id(0) * out_stride + tl.program_id(1) * D + d, out.to(out_ptr.dtype.element_ty))
+    written = d * 0 + tl.load(seq_lens_ptr + tl.program_id(0)) > 0
+    tl.store(out_ptr + tl.program_id(0) * out_stride + tl.program_id(1) * D + d, out.to(out_ptr.dtype.element_ty),
+             mask=written)
 
 
 def _planes(bits: int) -> int:
@@ -544,12 +549,13 @@ def _partials(numel: int, device: torch.device, per_program: int) -> torch.Tenso
     return buffers[-1][:numel]
 
 
-def merge_splits(run: SplitLaunch) -> Compiled | None:
-    """The output from a split launch's partials (nothing to do with one split); the compiled merge
-    kernel, as ``launch`` returns it."""
+def merge_splits(run: SplitLaunch, seq_lens: torch.Tensor) -> Compiled | None:
+    """The output from a split launch's partials (nothing to do with one split) for the rows of
+    nonzero ``seq_lens``; the compiled merge kernel, as ``launch`` returns it."""
     if run.num_splits > 1:
         n, hq, d = run.query.shape
-        return launch(_merge_variant(hq, d), (n, hq), (run.part, run.out, run.out.stride(0), run.num_splits))
+        return launch(_merge_variant(hq, d), (n, hq),
+                      (run.part, seq_lens, run.out, run.out.stride(0), run.num_splits))
     return None
 
 
@@ -569,7 +575,7 @@ class _DecodePlan(NamedTuple):
         self.decode.run(self.grid, stream, (query, cache, cache, *self.tables, out,
                                             out if self.part is None else self.part, *self.scalars))
         if self.merge is not None:
-            self.merge.run(self.merge_grid, stream, (self.part, out, *self.merge_scalars))
+            self.merge.run(self.merge_grid, stream, (self.part, self.tables[1], out, *self.merge_scalars))
 
 
 _plans = LaunchPlans()  # by step: rows, lengths, format and the pointers' alignments
@@ -626,7 +632,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
                run.blocks_per_split, run.num_splits)
     grid = (programs * h, run.num_splits, 1)
     decode = launch(variant, grid, (run.query, cache, cache.view(torch.float16), *tables, run.out, run.part, *scalars))
-    merge = merge_splits(run)
+    merge = merge_splits(run, seq_lens)
     if key is not None and decode is not None and (merge is not None or run.num_splits == 1):
         _plans.keep(key, _DecodePlan(decode, grid, tuple([t.data_ptr() for t in tables]),
                                      None if run.num_splits == 1 else run.part.data_ptr(), scalars, merge, (n, hq, 1),

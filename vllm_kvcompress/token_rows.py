@@ -35,7 +35,7 @@ class TokenGroups:
 
 @dataclass
 class TokenRows:
-    seq_lens: torch.Tensor     # [T] int32: context length each token sees, itself included
+    seq_lens: torch.Tensor     # [T] int32: context length each token sees, itself included (0: not selected)
     block_table: torch.Tensor  # [T, max_blocks] int32: its request's row of the block table
     max_seq_len: int
     groups: TokenGroups | None  # None: one token per program
@@ -47,7 +47,7 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
     [R] and ``block_table`` [R, max_blocks] on the device. A request's tokens are grouped
     ``rows_per_group`` at a time from its first (1 and no ``selected``: not grouped). With
     ``selected`` ([R]), only the chunks it marks get groups, so only their tokens are launched
-    (``max_seq_len`` then bounds theirs)."""
+    (``max_seq_len`` then bounds theirs), and the others' tokens have context 0."""
     starts = np.asarray(query_start_host, dtype=np.int32)
     q_lens = np.diff(starts)
     num_tokens = int(starts[-1])
@@ -64,9 +64,14 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
                         + (np.arange(len(first_group), dtype=np.int32) - first_group) * rows_per_group)
         parts += [np.where(offset % rows_per_group == 0, np.minimum(q_len - offset, rows_per_group), 0),
                   group_starts]
+    if selected is not None:  # the other chunks' tokens: context 0, which the split merge leaves alone
+        parts.append(np.repeat(np.asarray(selected, dtype=np.int32), q_lens))
     request_dev, shift, *grouping = _to_device(parts, seq_lens.device)
+    token_lens = seq_lens[request_dev] + shift
+    if selected is not None:
+        token_lens = token_lens * grouping.pop()
     groups = TokenGroups(grouping[0], grouping[1], rows_per_group) if grouping else None
-    return TokenRows((seq_lens[request_dev] + shift).to(torch.int32), block_table[request_dev], max_seq_len, groups)
+    return TokenRows(token_lens.to(torch.int32), block_table[request_dev], max_seq_len, groups)
 
 
 def _to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
