@@ -94,3 +94,69 @@ def test_modes_checked():
         prompt_attention.choose("flash", torch.float32, torch.device("cuda"))
     assert prompt_attention.choose("triton", torch.bfloat16, torch.device("cuda")) == "KVCOMPRESS_PROMPTS=triton"
     assert "cpu" in prompt_attention.choose("auto", torch.bfloat16, torch.device("cpu"))
+
+
+def _varlen_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    """What FlashAttention's varlen prefill computes, in torch: causal attention within each segment."""
+    bounds = cu_seqlens_q.tolist()
+    for s, e in zip(bounds, bounds[1:]):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].float().transpose(0, 1), k[s:e].float().transpose(0, 1), v[s:e].float().transpose(0, 1),
+            is_causal=causal, scale=softmax_scale, enable_gqa=True)
+        out[s:e] = o.transpose(0, 1).to(out.dtype)
+
+
+def test_backend_step_equals_reference(monkeypatch):
+    """The backend's forward over a step of two decodes, a chunk with history and two prompts, with
+    FlashAttention for prompts: every row equals the reference, the prompts went to FlashAttention
+    (over the prompt chunks' offsets) and the chunk with history to the decode kernel's rows. On the
+    CPU, FlashAttention is replaced by the same attention in torch; on a GPU it is vLLM's."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_kvcompress.backend import KVCompressImpl, KVCompressMetadataBuilder
+    from vllm_kvcompress.triton_kernels.decode import paged_decode, rows_per_program
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    B, H, HQ, D = 16, 2, 4, 64
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), dtype, B, H, D)
+    seq_lens, q_lens = [21, 9, 40, 9, 33], [1, 1, 25, 9, 33]
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    cache, table = fill_pages(fmt, seq_lens, 2, seed=21)
+    query = torch.randn(qsl[-1], HQ * D, generator=torch.Generator().manual_seed(22)).to(dtype)
+    ref = paged_torch.attend(query.view(-1, HQ, D).float(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
+
+    flash_calls = []
+    if device == "cpu":
+        def flash(**kw):
+            flash_calls.append(kw["cu_seqlens_q"].tolist())
+            _varlen_attention(**kw)
+        monkeypatch.setattr(prompt_attention, "_flash_attention", lambda head_size: (flash, None))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build of torch has none
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    slots = _slots(table, B, seq_lens, q_lens)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl_t.to(device), query_start_loc_cpu=qsl_t, seq_lens=lens.to(device), num_reqs=len(q_lens),
+        num_actual_tokens=qsl[-1], max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=table.to(device), slot_mapping=slots.to(device), seq_lens_cpu_upper_bound=lens)
+    builder = SimpleNamespace(device=torch.device("cuda"), _rows_per_group=rows_per_program(HQ // H),
+                              _row_order=torch.zeros(8, dtype=torch.int32, device=device), _flash_prompts=True)
+    md = KVCompressMetadataBuilder.build(builder, 0, cam)
+    assert md.num_decodes == 2 and md.first_chunks is not None and md.token_rows is not None
+
+    impl = object.__new__(KVCompressImpl)
+    cache = cache.to(device)
+    impl.__dict__.update(num_heads=HQ, head_size=D, num_kv_heads=H, scale=D ** -0.5, sliding_window=None,
+                         _format=fmt, _decode_kernel=paged_decode, _warm_up=None, _max_model_len=1024,
+                         _kv_cache=cache, _cache_pages=cache)
+    output = torch.full((qsl[-1], HQ * D), float("nan"), dtype=dtype, device=device)
+    q = query.to(device)
+    impl.forward(SimpleNamespace(), q, q, q, cache, md, output)
+    torch.testing.assert_close(output.view(-1, HQ, D).float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    if device == "cpu":
+        assert flash_calls == [[0, 25, 34, 67]]
