@@ -103,6 +103,31 @@ def test_a_changed_header_rebuilds_the_kernels(tmp_path, monkeypatch):
     assert flags[0] != flags[1]
 
 
+@pytest.mark.parametrize("age_s, removed", [(cuda_jit.STALE_LOCK_S + 60, True), (30, False)])
+def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch, caplog, age_s, removed):
+    """A process killed in the middle of a build leaves torch's lock file in the build directory,
+    and every later build would wait on it forever (an engine hanging at startup): a lock older than
+    STALE_LOCK_S is removed before building; a younger one (another process building now) is kept,
+    and the wait is logged with the lock's path."""
+    import ctypes
+    import os
+    import time
+
+    import torch.utils.cpp_extension
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "kernel" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    os.utime(lock, (time.time() - age_s,) * 2)
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: seen.append(lock.exists()))
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: None)
+    with caplog.at_level("INFO", logger="vllm.kvcompress"):
+        cuda_jit.load("kernel", "kernel.cu", "KVCOMPRESS_WRITE")
+    assert seen == [not removed]
+    assert str(lock) in caplog.text and ("removing" if removed else "waiting") in caplog.text
+
+
 @pytest.mark.skipif(cuda_jit.nvcc_available(), reason="nvcc is installed here")
 def test_without_nvcc_auto_takes_triton_and_cuda_is_refused():
     fmt = _format(LayerFormat(k_bits=4, v_bits=4))

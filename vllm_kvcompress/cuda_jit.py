@@ -9,6 +9,8 @@ import ctypes
 import functools
 import hashlib
 import importlib
+import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +18,10 @@ import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 MODES = ("auto", "triton", "cuda")
+# A build takes far less; an older lock file in the build directory was left by a process killed
+# in the middle of a build, and torch would wait for it forever: the engine would hang at startup.
+STALE_LOCK_S = 600
+logger = logging.getLogger("vllm.kvcompress")
 
 
 def nvcc_available() -> bool:
@@ -66,6 +72,7 @@ def load(name: str, source: str, variable: str) -> ctypes.CDLL:
     """Build (or load the cached build of) ``csrc/source`` as a shared library named ``name``: at
     startup, not in the middle of serving; a failed build names ``variable``'s way around it."""
     from torch.utils.cpp_extension import load as build
+    _clear_stale_lock(name)
     try:
         path = build(name=name, sources=[str(CSRC / source)],
                      extra_cuda_cflags=["-O3", f"-DKVC_HEADERS={headers_digest()}"], is_python_module=False,
@@ -73,3 +80,20 @@ def load(name: str, source: str, variable: str) -> ctypes.CDLL:
     except Exception as e:
         raise RuntimeError(f"{source} did not build ({e}); {variable}=triton uses the Triton kernel instead") from e
     return ctypes.CDLL(path)
+
+
+def _clear_stale_lock(name: str) -> None:
+    """Remove the build directory's lock file where it is older than STALE_LOCK_S; say so where a
+    younger one makes this process wait for another's build."""
+    from torch.utils.cpp_extension import _get_build_directory  # where torch's load() builds ``name``
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("kv-compression: removing %s, left %.0f s ago by a build of %s that did not finish", lock, age,
+                       name)
+        lock.unlink(missing_ok=True)
+    else:
+        logger.info("kv-compression: waiting for another process's build of %s (its lock: %s)", name, lock)
