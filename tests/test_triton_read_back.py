@@ -43,3 +43,16 @@ def test_read_back_equals_reference_decode(layer_format, block):
     torch.testing.assert_close(got_k.cpu(), want_k, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_v.cpu(), want_v, rtol=1e-6, atol=1e-6)
     assert (want_k - got_k.cpu().roll(1, 0)).abs().max() > 0.1  # the comparison tells slots apart
+
+
+def test_padding_slots_read_as_zeros():
+    """vLLM pads a batch's slots with -1 (CUDA-graph capture, warm-up runs): those tokens read as
+    zeros, and the others as stored."""
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.float32, 16, 2, 64)
+    cache, table = fill_pages(fmt, [20], 1, seed=3)
+    slots = torch.tensor([-1, table[0, 0].item() * 16 + 3, -1])
+    k, v = stored_kv(cache.to(DEVICE), fmt, slots.to(DEVICE))
+    k_pages, v_pages = fmt.decode(cache)
+    assert (k[[0, 2]] == 0).all() and (v[[0, 2]] == 0).all()
+    torch.testing.assert_close(k[1].cpu(), k_pages.flatten(0, 1)[slots[1]], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(v[1].cpu(), v_pages.flatten(0, 1)[slots[1]], rtol=1e-6, atol=1e-6)

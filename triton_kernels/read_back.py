@@ -77,8 +77,8 @@ def _read_back_kernel(
 ):
     h = tl.program_id(1)
     i = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)[:, None]
-    mask = i < num_tokens
-    slot = tl.load(slots_ptr + i, mask=mask, other=0).to(tl.int64)
+    slot = tl.load(slots_ptr + i, mask=i < num_tokens, other=-1).to(tl.int64)
+    mask = slot >= 0
     block, off = slot // BLOCK, slot % BLOCK
     page = cache_ptr + block * page_bytes
     half = half_ptr + block * (page_bytes // 2)
@@ -87,10 +87,11 @@ def _read_back_kernel(
     dst = (i * H + h) * D + d
     k = _read_tensor(page, half, off, h, d, mask, H, D, BLOCK, K_BITS, K_CODES, K_ROW, K_SCALE, K_ZERO, -1, 0,
                      True, dtype)
-    tl.store(k_ptr + dst, k.to(dtype), mask=mask)
+    stored = i < num_tokens
+    tl.store(k_ptr + dst, k.to(dtype), mask=stored)
     v = _read_tensor(page, half, off, h, d, mask, H, D, BLOCK, V_BITS, V_CODES, V_ROW, V_SCALE, V_ZERO, V_CS,
                      V_GROUP, False, dtype)
-    tl.store(v_ptr + dst, v.to(dtype), mask=mask)
+    tl.store(v_ptr + dst, v.to(dtype), mask=stored)
 
 
 def _constants(name: str, t: TensorLayout) -> dict:
@@ -110,8 +111,9 @@ def _variant(fmt: KVPageFormat) -> Variant:
 
 def stored_kv(cache: torch.Tensor, fmt: KVPageFormat, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V ``[N, H, D]`` in the format's dtype as the pages ``cache`` ([num_blocks, page_bytes]
-    uint8) store them at ``slots`` ([N], every one a written slot), for formats the decode kernel
-    reads (``layout.kernel_supports``)."""
+    uint8) store them at ``slots`` ([N]), for formats the decode kernel reads
+    (``layout.kernel_supports``). A negative slot (vLLM's padding, as in CUDA-graph capture and
+    warm-up runs) reads as zeros, and no page is read for it."""
     n, h, d = slots.shape[0], fmt.k.num_heads, fmt.k.head_size
     k = torch.empty(n, h, d, dtype=fmt.dtype, device=cache.device)
     v = torch.empty_like(k)
