@@ -24,3 +24,17 @@ kv_flags() {
   name=$(basename "$setting" .yaml)
   if [ -n "$block" ]; then kv+=(--block-size "$block"); name="$name-b$block"; fi
 }
+
+# stop_stray_gpu_processes: a run killed by its timeout can leave vLLM's engine process behind,
+# holding its GPU memory, and the next run then fails to start ("Free memory on device ... is less
+# than desired"). Before each run, on a GPU machine lent to these benchmarks alone, processes still
+# on the GPU are stopped, and named.
+stop_stray_gpu_processes() {
+  local stray
+  stray=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ' | tr '\n' ' ')
+  if [ -n "${stray// /}" ]; then
+    echo "stopping processes an earlier run left on the GPU: $stray"
+    kill -9 $stray 2>/dev/null
+    sleep 5
+  fi
+}

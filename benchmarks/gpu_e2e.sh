@@ -22,6 +22,7 @@ case $DATA in *.xz) xz -dc "$DATA" > /tmp/sharegpt.json; DATA=/tmp/sharegpt.json
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
 read -ra extra <<< "${EXTRA_ARGS:-}"
 for setting in $SETTINGS; do
+  stop_stray_gpu_processes
   kv_flags "$setting"
   prof=()
   if [ -n "${PROFILE:-}" ]; then

@@ -12,6 +12,7 @@ PORT=${PORT:-8123}
 source "$REPO/benchmarks/gpu_common.sh"
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
 for setting in $SETTINGS; do
+  stop_stray_gpu_processes
   kv_flags "$setting"
   ${SERVE:-python -m vllm.entrypoints.cli.main serve} "$MODEL" --port "$PORT" --load-format dummy --dtype bfloat16 \
     --max-model-len 2048 --kv-cache-memory-bytes 8589934592 "${kv[@]}" > "$OUT/server-$SHAPE-$name.log" 2>&1 &

@@ -379,3 +379,22 @@ def test_step_times_run_starts_after_graph_capture_of_big_batches():
         "3.2 96 96 0 96",
     ])
     assert [(s.decodes, s.prompt_tokens) for s in step_times.steps(log)] == [(1, 3993), (18, 8174)]
+
+
+def test_gpu_scripts_stop_processes_a_killed_run_left_on_the_gpu(tmp_path):
+    """``stop_stray_gpu_processes`` (gpu_common.sh, before each run of gpu_e2e.sh and gpu_serve.sh)
+    stops the processes nvidia-smi lists on the GPU and names them; with none listed it does nothing."""
+    left = subprocess.Popen(["sleep", "300"])
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\necho ' {left.pid}'\n")
+    fake.chmod(0o755)
+    common = REPO / "benchmarks" / "gpu_common.sh"
+    function = common.read_text().split("stop_stray_gpu_processes() {", 1)[1]
+    script = "stop_stray_gpu_processes() {" + function + "\nstop_stray_gpu_processes\n"
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert left.wait(timeout=10) == -9
+    assert f"earlier run left on the GPU: {left.pid}" in run.stdout
+    fake.write_text("#!/bin/sh\n")
+    run = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert run.stdout == "" and run.returncode == 0
