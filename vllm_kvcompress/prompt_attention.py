@@ -4,7 +4,7 @@ Such a chunk (most prompts arrive in one) attends causally to its own tokens onl
 this step. Their K and V as the pages store them are read back into the model's dtype
 (``triton_kernels.read_back``) and FlashAttention's varlen prefill runs over them: the attention
 the decode kernel's rows of prompt tokens give (``token_rows``: a row a token over the same pages),
-at FlashAttention's speed (H100, 8 prompts of 512 tokens: docs/benchmarks.md). What a prompt
+in a third of their time or less (H100: docs/benchmarks.md, "prompts with no history"). What a prompt
 attends to is unchanged, its tokens as stored; the only difference is arithmetic, the stored
 values rounded to the model's dtype (what a 16-bit cache would hold of them) before the products.
 Chunks with history (chunked prefill, prefix-cache hits) stay with the decode kernel's rows.
