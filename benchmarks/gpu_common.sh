@@ -10,12 +10,17 @@ sys.exit(not any(p.value.startswith('vllm_kvcompress') for p in e(group='vllm.ge
 MODEL=${MODELS_DIR:-/tmp/models}/$SHAPE
 [ -f "$MODEL/config.json" ] || python "$REPO/benchmarks/dummy_models.py" "$SHAPE" "$TOKENIZER" "$MODEL" >/dev/null
 
-# kv_flags SETTING[:BLOCK]: sets kv (vLLM flags) and name (for file names). vLLM's own cache dtypes
-# (auto, fp8, int4_per_token_head) or our configs (a preset name or a YAML path in the checkout);
-# :BLOCK adds --block-size BLOCK (tokens a page), e.g. quant-k4v4:64.
+# kv_flags SETTING[:BLOCK][,VAR=VALUE...]: sets kv (vLLM flags), run_env (VAR=VALUE words for this
+# run's environment) and name (for file names). vLLM's own cache dtypes (auto, fp8,
+# int4_per_token_head) or our configs (a preset name or a YAML path in the checkout); :BLOCK adds
+# --block-size BLOCK (tokens a page), e.g. quant-k4v4:64; ,VAR=VALUE sets an environment variable
+# for this run only, e.g. quant-k4v4,KVCOMPRESS_PROMPTS=triton (a before/after in one call).
 kv_flags() {
-  local setting=${1%%:*} block=""
-  [ "$setting" = "$1" ] || block=${1#*:}
+  local spec=${1%%,*} assignments=""
+  [ "$spec" = "$1" ] || assignments=${1#*,}
+  IFS=, read -ra run_env <<< "$assignments"
+  local setting=${spec%%:*} block=""
+  [ "$setting" = "$spec" ] || block=${spec#*:}
   case $setting in
     auto|fp8|int4_per_token_head) kv=(--kv-cache-dtype "$setting") ;;
     *.yaml) kv=(--kv-compression "$REPO/$setting") ;;
@@ -23,6 +28,8 @@ kv_flags() {
   esac
   name=$(basename "$setting" .yaml)
   if [ -n "$block" ]; then kv+=(--block-size "$block"); name="$name-b$block"; fi
+  local assignment
+  for assignment in "${run_env[@]}"; do name="$name-${assignment//=/-}"; done
 }
 
 # stop_stray_gpu_processes: a run killed by its timeout can leave vLLM's engine process behind,

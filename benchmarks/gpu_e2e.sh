@@ -2,7 +2,9 @@
 # On the GPU machine: `vllm bench throughput` on ShareGPT for each KV setting at one fixed KV
 # memory (8 GiB), dummy weights of a well-known shape, vLLM's defaults (torch.compile, CUDA graphs).
 # Settings: vLLM's own cache dtypes (auto, fp8, int4_per_token_head) or our configs (a preset
-# name or a YAML path). Logs and vLLM's JSON go to $OUT as SHAPE-SETTING.{log,json}.
+# name or a YAML path), each with ,VAR=VALUE for an environment of its own (gpu_common.sh, kv_flags:
+# SETTINGS="quant-k4v4 quant-k4v4,KVCOMPRESS_PROMPTS=triton"). Logs and vLLM's JSON go to $OUT as
+# SHAPE-SETTING.{log,json}.
 #   SHAPE=llama2-7b TOKENIZER=dir DATA=sharegpt.json SETTINGS="auto fp8 quant-k4v4" bash benchmarks/gpu_e2e.sh
 # TOKENIZER: a folder with a tokenizer and its config.json (benchmarks/dummy_models.py);
 # DATA: ShareGPT as valid JSON (python -m benchmarks.sharegpt OUT --sample 2000), or that file
@@ -35,7 +37,7 @@ for setting in $SETTINGS; do
     steps=(env KVCOMPRESS_STEP_LOG="$OUT/steps-$SHAPE-$name" PYTHONPATH="$REPO/benchmarks/step_log${PYTHONPATH:+:$PYTHONPATH}")
   fi
   start=$(date +%s)
-  "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
+  env "${run_env[@]}" "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
     --load-format dummy --dtype bfloat16 --max-model-len 2048 --kv-cache-memory-bytes 8589934592 \
     --dataset-name sharegpt --dataset-path "$DATA" --num-prompts "${NUM_PROMPTS:-1000}" --seed 0 \
     "${kv[@]}" "${extra[@]}" "${prof[@]}" --output-json "$OUT/$SHAPE-$name.json" > "$OUT/$SHAPE-$name.log" 2>&1

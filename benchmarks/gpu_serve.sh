@@ -14,7 +14,7 @@ cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstre
 for setting in $SETTINGS; do
   stop_stray_gpu_processes
   kv_flags "$setting"
-  ${SERVE:-python -m vllm.entrypoints.cli.main serve} "$MODEL" --port "$PORT" --load-format dummy --dtype bfloat16 \
+  env "${run_env[@]}" ${SERVE:-python -m vllm.entrypoints.cli.main serve} "$MODEL" --port "$PORT" --load-format dummy --dtype bfloat16 \
     --max-model-len 2048 --kv-cache-memory-bytes 8589934592 "${kv[@]}" > "$OUT/server-$SHAPE-$name.log" 2>&1 &
   server=$!
   for _ in $(seq 1 "${START_TIMEOUT:-180}"); do

@@ -398,3 +398,20 @@ def test_gpu_scripts_stop_processes_a_killed_run_left_on_the_gpu(tmp_path):
     fake.write_text("#!/bin/sh\n")
     run = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert run.stdout == "" and run.returncode == 0
+
+
+@pytest.mark.parametrize("setting, kv, run_env, name", [
+    ("fp8", "--kv-cache-dtype fp8", "", "fp8"),
+    ("quant-k4v4:64", "--kv-compression quant-k4v4 --block-size 64", "", "quant-k4v4-b64"),
+    ("quant-k4v4,KVCOMPRESS_PROMPTS=triton", "--kv-compression quant-k4v4", "KVCOMPRESS_PROMPTS=triton",
+     "quant-k4v4-KVCOMPRESS_PROMPTS-triton"),
+    ("quant-k2v2:64,A=1,B=x", "--kv-compression quant-k2v2 --block-size 64", "A=1 B=x", "quant-k2v2-b64-A-1-B-x"),
+])
+def test_gpu_scripts_read_a_settings_flags_and_environment(setting, kv, run_env, name):
+    """``kv_flags`` (gpu_common.sh): a setting's vLLM flags, the environment of its run alone (a
+    before/after of one setting in one call) and the name its files take."""
+    common = (REPO / "benchmarks" / "gpu_common.sh").read_text()
+    function = "kv_flags() {" + common.split("kv_flags() {", 1)[1].split("\n}\n", 1)[0] + "\n}\n"
+    script = function + f'kv_flags "{setting}"; echo "${{kv[*]}}"; echo "${{run_env[*]}}"; echo "$name"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.splitlines() == [kv, run_env, name]
