@@ -143,6 +143,18 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
     return {"kernel": "vLLM FlashAttention bf16", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
+def _prompt_case(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, block: int):
+    """``num_prompts`` prompts of ``prompt`` tokens each in their pages: the format, pages, block
+    table, the tokens' bf16 queries, the prompts' token offsets (on the device) and the bytes the
+    attention must read (pages and queries, output written)."""
+    fmt, cache, table, _, _, _ = _decode_case(bits, num_prompts, hq, hkv, d, prompt, block)
+    n = num_prompts * prompt
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    starts = torch.arange(0, n + 1, prompt, dtype=torch.int32, device="cuda")
+    nbytes = num_prompts * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
+    return fmt, cache, table, q, starts, nbytes
+
+
 def bench_prompt_rows(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, block: int = 128,
                       **tuning) -> dict:
     """A prefill chunk's attention: ``num_prompts`` new prompts of ``prompt`` tokens each, every token
@@ -151,17 +163,13 @@ def bench_prompt_rows(bits: int, num_prompts: int, hq: int, hkv: int, d: int, pr
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels.decode import PROMPT_ROWS, paged_decode, rows_per_program
 
-    fmt, cache, table, _, _, _ = _decode_case(bits, num_prompts, hq, hkv, d, prompt, block)
-    n = num_prompts * prompt
-    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
-    starts = torch.arange(0, n + 1, prompt, dtype=torch.int32, device="cuda")
+    fmt, cache, table, q, starts, nbytes = _prompt_case(bits, num_prompts, hq, hkv, d, prompt, block)
     seq_lens = torch.full((num_prompts,), prompt, dtype=torch.int32, device="cuda")
     prompt_rows = tuning.pop("prompt_rows", PROMPT_ROWS)
     rows = token_rows(starts.tolist(), seq_lens, table, prompt, rows_per_program(hq // hkv, prompt_rows))
     out = torch.empty_like(q)
     ms = _time_ms(lambda: paged_decode(q, cache, fmt, rows.block_table, rows.seq_lens, d ** -0.5, prompt, out=out,
                                        groups=rows.groups, **tuning))
-    nbytes = num_prompts * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
     name = (f"ours k{bits}v{bits} prompt rows" + (f" prompt_rows={prompt_rows}" if prompt_rows != PROMPT_ROWS else "")
             + "".join(f" {k}={v}" for k, v in tuning.items()))
     return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes,
@@ -176,18 +184,15 @@ def bench_first_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, p
     from vllm_kvcompress.prompt_attention import FirstChunks, attend_first_chunks
     from vllm_kvcompress.triton_kernels.read_back import stored_kv
 
-    fmt, cache, table, _, _, _ = _decode_case(bits, num_prompts, hq, hkv, d, prompt, block)
-    n = num_prompts * prompt
-    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    fmt, cache, table, q, starts, nbytes = _prompt_case(bits, num_prompts, hq, hkv, d, prompt, block)
     pos = torch.arange(prompt, device="cuda")
     slots = (table[:, pos // block].long() * block + pos % block).flatten()
-    chunks = FirstChunks(torch.arange(0, n + 1, prompt, dtype=torch.int32, device="cuda"), prompt)
+    chunks = FirstChunks(starts, prompt)
     out = torch.empty_like(q)
     if read_back_only:
         ms = _time_ms(lambda: stored_kv(cache, fmt, slots))
     else:
         ms = _time_ms(lambda: attend_first_chunks(q, cache, fmt, slots, chunks, d ** -0.5, out))
-    nbytes = num_prompts * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
     return {"kernel": f"ours k{bits}v{bits} " + ("read-back" if read_back_only else "read-back + FlashAttention"),
             "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 

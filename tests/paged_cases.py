@@ -5,6 +5,11 @@ import torch
 from vllm_kvcompress import paged_torch
 
 
+def request_slots(table_row, block_size, positions):
+    """The slots of a request's tokens at ``positions``, from its row of the block table."""
+    return table_row[positions // block_size].long() * block_size + positions % block_size
+
+
 def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False):
     """Each request's tokens in scattered pages, behind a block table; ``spare_blocks`` pages more.
     With ``garbage``, spare pages and the unwritten rest of a last page hold random bytes (float16
@@ -25,6 +30,6 @@ def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False):
         used += nb
         k = torch.randn(L, H, D, generator=gen) + 0.3
         v = torch.randn(L, H, D, generator=gen) - 0.2
-        slots = table[i, torch.arange(L) // B].long() * B + torch.arange(L) % B
+        slots = request_slots(table[i], B, torch.arange(L))
         paged_torch.write_tokens(cache, fmt, k, v, slots)
     return cache, table

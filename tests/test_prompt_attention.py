@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from paged_cases import fill_pages  # noqa: E402
+from paged_cases import fill_pages, request_slots  # noqa: E402
 
 from vllm_kvcompress import paged_torch, prompt_attention  # noqa: E402
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
@@ -28,7 +28,7 @@ def _queries(qsl: list[int], hq: int, d: int, dtype: torch.dtype, seed: int) -> 
 
 def _slots(table: torch.Tensor, block: int, seq_lens: list[int], q_lens: list[int]) -> torch.Tensor:
     """The slots of each request's last ``q_lens`` tokens (the chunk's own)."""
-    return torch.cat([table[i, torch.arange(L - m, L) // block].long() * block + torch.arange(L - m, L) % block
+    return torch.cat([request_slots(table[i], block, torch.arange(L - m, L))
                       for i, (L, m) in enumerate(zip(seq_lens, q_lens))])
 
 

@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from paged_cases import fill_pages  # noqa: E402
+from paged_cases import fill_pages, request_slots  # noqa: E402
 
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
 from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
@@ -32,8 +32,7 @@ def test_read_back_equals_reference_decode(layer_format, block):
     assert kernel_supports(fmt) is None
     seq_lens = [block + 5, 1, 2 * block + 3]
     cache, table = fill_pages(fmt, seq_lens, 2, seed=layer_format.k_bits + block)
-    slots = torch.cat([table[i, torch.arange(L) // block].long() * block + torch.arange(L) % block
-                       for i, L in enumerate(seq_lens)])
+    slots = torch.cat([request_slots(table[i], block, torch.arange(L)) for i, L in enumerate(seq_lens)])
     slots = slots[torch.randperm(len(slots), generator=torch.Generator().manual_seed(1))]
     k_pages, v_pages = fmt.decode(cache)
     want_k = k_pages.flatten(0, 1)[slots]

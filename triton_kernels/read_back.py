@@ -20,7 +20,7 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
 
-from .addressing import code_unit_ptr
+from .addressing import code_grid, code_unit_ptr, load_units
 from .launch import Variant, launch
 from .layout import TensorLayout, page_layout
 
@@ -31,17 +31,11 @@ TOKENS = 16  # a program's tokens
 def _read_codes(page, CODES: tl.constexpr, off, h, d, ROW: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
                 GROUP: tl.constexpr, mask):
     """Codes [T, D] (float32) of tokens at offsets ``off`` [T, 1] of pages ``page`` [T, 1], and each
-    channel's step over the scale (7/3 for the 2-bit slot of a 3-bit word, else 1)."""
-    if BITS == 3:
-        words = code_unit_ptr(page, CODES, off, h, d // 11, ROW, BLOCK, 3, GROUP).to(tl.pointer_type(tl.int32))
-        narrow = d % 11 == 10
-        codes = (tl.load(words, mask=mask, other=0) >> ((d % 11) * 3)) & tl.where(narrow, 3, 7)
-        return codes.to(tl.float32), tl.where(narrow, 7.0 / 3.0, 1.0)
-    else:
-        per: tl.constexpr = 8 // BITS
-        units = tl.load(code_unit_ptr(page, CODES, off, h, d // per, ROW, BLOCK, BITS, GROUP), mask=mask, other=0)
-        codes = (units.to(tl.int32) >> ((d % per) * BITS)) & ((1 << BITS) - 1)
-        return codes.to(tl.float32), 1.0
+    channel's step over the scale (``code_grid``: 7/3 for the 2-bit slot of a 3-bit word, else 1)."""
+    VALS: tl.constexpr = 11 if BITS == 3 else 8 // BITS  # codes a storage unit
+    width, _, ratio, shift = code_grid(d % VALS, BITS)
+    units = load_units(code_unit_ptr(page, CODES, off, h, d // VALS, ROW, BLOCK, BITS, GROUP), mask, BITS)
+    return ((units >> shift) & ((1 << width) - 1)).to(tl.float32), ratio
 
 
 @triton.jit

@@ -39,7 +39,7 @@ import triton.language as tl
 from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.formats.codecs import WIDEN_MARGIN
 
-from .addressing import code_unit_ptr
+from .addressing import code_grid, code_unit_ptr, load_units
 from .launch import Variant, launch
 from .layout import TensorLayout, page_layout
 
@@ -68,24 +68,6 @@ DEALT_PROGRAMS = 8192
 # 45.0. In shares, wider gathers were slower (a decode step of 144, MHA: 45.9 us; 71.0 with 8 units)
 APPEND_UNITS = 8
 _WIDEN_MARGIN = tl.constexpr(WIDEN_MARGIN)
-
-
-@triton.jit
-def _grid(p, BITS: tl.constexpr):
-    """For position ``p`` inside a storage unit: the code's bit width, its highest code, its step
-    over the scale, and its shift in the unit. 3 bits: position 10 of each word is a 2-bit code on
-    a grid 7/3 as coarse (see ``packing``)."""
-    if BITS == 3:
-        width = tl.where(p == 10, 2, 3)
-        top = tl.where(p == 10, 3.0, 7.0)
-        ratio = tl.where(p == 10, 7.0 / 3.0, 1.0)
-    else:
-        width = BITS + p * 0
-        top = (1 << BITS) - 1.0 + p * 0.0
-        ratio = 1.0 + p * 0.0
-    # padded positions (11..15 of a 3-bit word) must still shift by less than 32: a wider shift is
-    # undefined on the GPU and poisons the packed word even where the value is masked off
-    return width, top, ratio, (tl.where(p <= 10, p * 3, 0) if BITS == 3 else p * BITS)
 
 
 @triton.jit
@@ -119,15 +101,6 @@ def _half(byte_ptr, mask, other):
 
 
 @triton.jit
-def _load_units(ptr, mask, BITS: tl.constexpr):
-    """Storage units at ``ptr`` (``code_unit_ptr``) as int32."""
-    if BITS == 3:
-        return tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
-    else:
-        return tl.load(ptr, mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
 def _store_units(ptr, packed, mask, BITS: tl.constexpr):
     """Packed storage units at ``ptr`` (``code_unit_ptr``)."""
     if BITS == 3:
@@ -152,7 +125,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     p = tl.arange(0, PER)[None, None, :]
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D) & unit_ok
-    width, top, ratio, shift = _grid(p, BITS)
+    width, top, ratio, shift = code_grid(p, BITS)
     full_top: tl.constexpr = (1 << BITS) - 1.0
     is_new = is_new[:, None, None]
     valid = valid[:, None, None]
@@ -163,7 +136,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
 
     # earlier tokens, decoded from the page (a new row's stored bytes are not read: with statistics
     # per token its units lie 16 bytes apart, a sector for every two)
-    unit = _load_units(code_unit_ptr(page, CODES, t, h, u, ROW, BLOCK, BITS, GROUP), stored & unit_ok, BITS)
+    unit = load_units(code_unit_ptr(page, CODES, t, h, u, ROW, BLOCK, BITS, GROUP), stored & unit_ok, BITS)
     old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
     if PER_CHANNEL:
         sz = (h * D + ch) * 2
@@ -235,7 +208,7 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr
     p = tl.arange(0, PER)[None, :]
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D)
-    _, top, ratio, shift = _grid(p, BITS)
+    _, top, ratio, shift = code_grid(p, BITS)
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
     sz = (h * D + ch) * 2
     q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0) * ratio)
@@ -259,7 +232,7 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
     p = tl.arange(0, PER)[None, None, :]
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D) & units_ok[None, :, None]
-    width, top, ratio, shift = _grid(p, BITS)
+    width, top, ratio, shift = code_grid(p, BITS)
     full_top: tl.constexpr = (1 << BITS) - 1.0
     sz = (h * D + ch) * 2
     zero = _half(page + ZERO + sz, ch_ok, 0.0)
@@ -276,7 +249,7 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
         t2 = r0 + tl.arange(0, RT)[:, None]
         t = t2[:, :, None]
         row_units = code_unit_ptr(page, CODES, t2, h, units[None, :], ROW, BLOCK, BITS, 0)
-        unit = _load_units(row_units, (t2 < off) & unit_ok, BITS)[:, :, None]
+        unit = load_units(row_units, (t2 < off) & unit_ok, BITS)[:, :, None]
         old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
         values = tl.where(t == off, x, old_codes * old_step + zero)
         codes = tl.minimum(tl.maximum(_code_on(values, new_zero, new_step), 0.0), top)

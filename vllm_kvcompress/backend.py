@@ -193,11 +193,10 @@ def uses_flash_prompts(dtype: torch.dtype, device: torch.device) -> bool:
     layer's prompt tokens would go to the decode kernel's rows."""
     if os.environ.get("KVCOMPRESS_KERNELS") == "torch":
         return False
-    mode = os.environ.get(prompt_attention.VARIABLE, "auto")
-    if device.type != "cuda":
-        prompt_attention.choose(mode, dtype, device)  # a bad value is refused on every device
+    # a bad value is refused on every device
+    why_not = prompt_attention.choose(os.environ.get(prompt_attention.VARIABLE, "auto"), dtype, device)
+    if device.type != "cuda":  # prompts take the torch path
         return False
-    why_not = prompt_attention.choose(mode, dtype, device)
     if why_not is None:
         logger.info_once("kv-compression: prompt chunks with no history attend with FlashAttention over their "
                          "stored K and V; chunks with history with the decode kernel's rows")
