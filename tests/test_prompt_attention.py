@@ -88,12 +88,27 @@ def test_first_chunks_beside_chunks_with_history(bits):
 def test_modes_checked():
     """A value of KVCOMPRESS_PROMPTS that names no path is refused, as is ``flash`` where
     FlashAttention cannot run; ``triton`` says why FlashAttention is not used."""
-    with pytest.raises(ValueError, match="KVCOMPRESS_PROMPTS='fa3': allowed are 'auto'"):
-        prompt_attention.choose("fa3", torch.bfloat16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="KVCOMPRESS_PROMPTS='auto': allowed are 'triton' .*and 'flash'"):
+        prompt_attention.choose("auto", torch.bfloat16, torch.device("cuda"))
     with pytest.raises(ValueError, match="KVCOMPRESS_PROMPTS=flash: FlashAttention cannot be used: model dtype"):
         prompt_attention.choose("flash", torch.float32, torch.device("cuda"))
+    with pytest.raises(ValueError, match="KVCOMPRESS_PROMPTS=flash: FlashAttention cannot be used: the cache is on"):
+        prompt_attention.choose("flash", torch.bfloat16, torch.device("cpu"))
     assert prompt_attention.choose("triton", torch.bfloat16, torch.device("cuda")) == "KVCOMPRESS_PROMPTS=triton"
-    assert "cpu" in prompt_attention.choose("auto", torch.bfloat16, torch.device("cpu"))
+
+
+def test_rows_are_the_default_and_flash_is_chosen_by_name(monkeypatch):
+    """Where FlashAttention could run, prompts still go to the decode kernel's rows unless
+    KVCOMPRESS_PROMPTS=flash (the rows measured faster end to end)."""
+    from vllm_kvcompress.backend import uses_flash_prompts
+
+    monkeypatch.setattr(prompt_attention, "_why_not_flash", lambda dtype, device: None)
+    monkeypatch.delenv("KVCOMPRESS_KERNELS", raising=False)
+    monkeypatch.delenv("KVCOMPRESS_PROMPTS", raising=False)
+    assert not uses_flash_prompts(torch.bfloat16, torch.device("cuda"))
+    monkeypatch.setenv("KVCOMPRESS_PROMPTS", "flash")
+    assert uses_flash_prompts(torch.bfloat16, torch.device("cuda"))
+    assert not uses_flash_prompts(torch.bfloat16, torch.device("cpu"))  # prompts take the torch path there
 
 
 def _varlen_attention(q, k, v, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):

@@ -194,7 +194,8 @@ def uses_flash_prompts(dtype: torch.dtype, device: torch.device) -> bool:
     if os.environ.get("KVCOMPRESS_KERNELS") == "torch":
         return False
     # a bad value is refused on every device
-    why_not = prompt_attention.choose(os.environ.get(prompt_attention.VARIABLE, "auto"), dtype, device)
+    mode = os.environ.get(prompt_attention.VARIABLE, prompt_attention.DEFAULT)
+    why_not = prompt_attention.choose(mode, dtype, device)
     if device.type != "cuda":  # prompts take the torch path
         return False
     if why_not is None:

@@ -4,14 +4,16 @@ Such a chunk (most prompts arrive in one) attends causally to its own tokens onl
 this step. Their K and V as the pages store them are read back into the model's dtype
 (``triton_kernels.read_back``) and FlashAttention's varlen prefill runs over them: the attention
 the decode kernel's rows of prompt tokens give (``token_rows``: a row a token over the same pages),
-in a third of their time or less (H100: docs/benchmarks.md, "prompts with no history"). What a prompt
+in a third of their GPU time or less (H100: docs/benchmarks.md, "prompts with no history"). What a prompt
 attends to is unchanged, its tokens as stored; the only difference is arithmetic, the stored
 values rounded to the model's dtype (what a 16-bit cache would hold of them) before the products.
 Chunks with history (chunked prefill, prefix-cache hits) stay with the decode kernel's rows.
 
-``KVCOMPRESS_PROMPTS`` picks the path: ``auto`` (FlashAttention where vLLM has it for the model's
-dtype), ``triton`` (the decode kernel's rows for every prompt token), ``flash`` (refused at
-startup where FlashAttention cannot be used).
+``KVCOMPRESS_PROMPTS`` picks the path: ``triton`` (the default: the decode kernel's rows for every
+prompt token) or ``flash`` (this module; refused at startup where FlashAttention cannot be used).
+The rows are the default because they measured faster end to end: on the H100's ShareGPT run
+(Llama-2-7B shape, 4/4) ``flash`` gave 14,490 and 13,991 tokens/s against 15,105 and 15,037 for the
+rows, its mixed steps slower although its kernels take less GPU time (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 from .formats import KVPageFormat
 
 VARIABLE = "KVCOMPRESS_PROMPTS"
-MODES = ("auto", "triton", "flash")
+MODES = ("triton", "flash")
+DEFAULT = "triton"
 
 
 @dataclass
@@ -38,14 +41,14 @@ def choose(mode: str, dtype: torch.dtype, device: torch.device) -> str | None:
     """Under ``KVCOMPRESS_PROMPTS=mode``: None if chunks with no history go to FlashAttention,
     else why they go to the decode kernel's rows. ``flash`` where it cannot be used is refused."""
     if mode not in MODES:
-        raise ValueError(f"{VARIABLE}={mode!r}: allowed are 'auto' (the default: FlashAttention over a first chunk's "
-                         "stored K and V where vLLM has it), 'triton' (the decode kernel's rows) and 'flash'")
+        raise ValueError(f"{VARIABLE}={mode!r}: allowed are 'triton' (the default: the decode kernel's rows) and "
+                         "'flash' (FlashAttention over a first chunk's stored K and V)")
     if mode == "triton":
         return f"{VARIABLE}=triton"
     why = _why_not_flash(dtype, device)
-    if why is not None and mode == "flash":
-        raise ValueError(f"{VARIABLE}=flash: FlashAttention cannot be used: {why}; allowed: 'auto' or 'triton'")
-    return why
+    if why is not None:
+        raise ValueError(f"{VARIABLE}=flash: FlashAttention cannot be used: {why}; allowed: 'triton'")
+    return None
 
 
 def _why_not_flash(dtype: torch.dtype, device: torch.device) -> str | None:
