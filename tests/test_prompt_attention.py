@@ -87,14 +87,14 @@ def test_first_chunks_beside_chunks_with_history(bits):
 
 def test_modes_checked():
     """A value of KVCOMPRESS_PROMPTS that names no path is refused, as is ``flash`` where
-    FlashAttention cannot run; ``triton`` says why FlashAttention is not used."""
+    FlashAttention cannot run."""
     with pytest.raises(ValueError, match="KVCOMPRESS_PROMPTS='auto': allowed are 'triton' .*and 'flash'"):
         prompt_attention.choose("auto", torch.bfloat16, torch.device("cuda"))
     with pytest.raises(ValueError, match="KVCOMPRESS_PROMPTS=flash: FlashAttention cannot be used: model dtype"):
         prompt_attention.choose("flash", torch.float32, torch.device("cuda"))
     with pytest.raises(ValueError, match="KVCOMPRESS_PROMPTS=flash: FlashAttention cannot be used: the cache is on"):
         prompt_attention.choose("flash", torch.bfloat16, torch.device("cpu"))
-    assert prompt_attention.choose("triton", torch.bfloat16, torch.device("cuda")) == "KVCOMPRESS_PROMPTS=triton"
+    assert prompt_attention.choose("triton", torch.bfloat16, torch.device("cuda")) is False
 
 
 def test_rows_are_the_default_and_flash_is_chosen_by_name(monkeypatch):

@@ -194,17 +194,17 @@ def uses_flash_prompts(dtype: torch.dtype, device: torch.device) -> bool:
     if os.environ.get("KVCOMPRESS_KERNELS") == "torch":
         return False
     # a bad value is refused on every device
-    mode = os.environ.get(prompt_attention.VARIABLE, prompt_attention.DEFAULT)
-    why_not = prompt_attention.choose(mode, dtype, device)
+    flash = prompt_attention.choose(os.environ.get(prompt_attention.VARIABLE, prompt_attention.DEFAULT), dtype,
+                                    device)
     if device.type != "cuda":  # prompts take the torch path
         return False
-    if why_not is None:
+    if flash:
         logger.info_once("kv-compression: prompt chunks with no history attend with FlashAttention over their "
-                         "stored K and V; chunks with history with the decode kernel's rows")
+                         "stored K and V (KVCOMPRESS_PROMPTS=flash); chunks with history with the decode kernel's rows")
     else:
-        logger.info_once("kv-compression: prompt tokens attend with the decode kernel's rows; FlashAttention: %s",
-                         why_not)
-    return why_not is None
+        logger.info_once("kv-compression: prompt tokens attend with the decode kernel's rows (KVCOMPRESS_PROMPTS=flash "
+                         "would send chunks with no history to FlashAttention)")
+    return flash
 
 
 class KVCompressImpl(AttentionImpl[KVCompressMetadata]):

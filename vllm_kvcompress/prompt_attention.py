@@ -4,8 +4,8 @@ Such a chunk (most prompts arrive in one) attends causally to its own tokens onl
 this step. Their K and V as the pages store them are read back into the model's dtype
 (``triton_kernels.read_back``) and FlashAttention's varlen prefill runs over them: the attention
 the decode kernel's rows of prompt tokens give (``token_rows``: a row a token over the same pages),
-in a third of their GPU time or less (H100: docs/benchmarks.md, "prompts with no history"). What a prompt
-attends to is unchanged, its tokens as stored; the only difference is arithmetic, the stored
+in a third of their GPU time or less (H100: docs/benchmarks.md, "prompts with no history"). What a
+prompt attends to is unchanged, its tokens as stored; the only difference is arithmetic, the stored
 values rounded to the model's dtype (what a 16-bit cache would hold of them) before the products.
 Chunks with history (chunked prefill, prefix-cache hits) stay with the decode kernel's rows.
 
@@ -37,18 +37,18 @@ class FirstChunks:
     max_len: int              # tokens of the longest chunk
 
 
-def choose(mode: str, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Under ``KVCOMPRESS_PROMPTS=mode``: None if chunks with no history go to FlashAttention,
-    else why they go to the decode kernel's rows. ``flash`` where it cannot be used is refused."""
+def choose(mode: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether, under ``KVCOMPRESS_PROMPTS=mode``, chunks with no history go to FlashAttention.
+    A value that names no path, or ``flash`` where FlashAttention cannot be used, is refused."""
     if mode not in MODES:
         raise ValueError(f"{VARIABLE}={mode!r}: allowed are 'triton' (the default: the decode kernel's rows) and "
                          "'flash' (FlashAttention over a first chunk's stored K and V)")
     if mode == "triton":
-        return f"{VARIABLE}=triton"
+        return False
     why = _why_not_flash(dtype, device)
     if why is not None:
         raise ValueError(f"{VARIABLE}=flash: FlashAttention cannot be used: {why}; allowed: 'triton'")
-    return None
+    return True
 
 
 def _why_not_flash(dtype: torch.dtype, device: torch.device) -> str | None:
