@@ -3,6 +3,16 @@
 import torch
 
 from vllm_kvcompress import paged_torch
+from vllm_kvcompress.config import LayerFormat
+
+# the packed formats every kernel test covers: 2/3/4/8 bits, and ZipCache's channel-scaled V
+PACKED_FORMATS = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
+                  LayerFormat(k_bits=3, v_bits=3), LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True)]
+
+
+def format_id(layer_format: LayerFormat) -> str:
+    """A test id for a layer format."""
+    return layer_format.describe().replace("/", "_").replace(" ", "-")
 
 
 def request_slots(table_row, block_size, positions):

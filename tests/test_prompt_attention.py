@@ -9,15 +9,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from paged_cases import fill_pages, request_slots  # noqa: E402
+from paged_cases import PACKED_FORMATS, fill_pages, format_id, request_slots  # noqa: E402
 
 from vllm_kvcompress import paged_torch, prompt_attention  # noqa: E402
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
 from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-FORMATS = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
-           LayerFormat(k_bits=3, v_bits=3), LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True)]
+FORMATS = PACKED_FORMATS
 
 
 def _queries(qsl: list[int], hq: int, d: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -36,7 +35,7 @@ def _slots(table: torch.Tensor, block: int, seq_lens: list[int], q_lens: list[in
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("block, head_size", [(16, 64), (128, 128), (128, 256)])
-@pytest.mark.parametrize("layer_format", FORMATS, ids=lambda f: f.describe().replace("/", "_").replace(" ", "-"))
+@pytest.mark.parametrize("layer_format", FORMATS, ids=format_id)
 def test_first_chunks_equal_reference(layer_format, block, head_size, heads, dtype):
     """Four prompts with no history (lengths not multiples of the block; one of a single token) in
     one launch: each token's attention over its prompt's tokens as stored."""

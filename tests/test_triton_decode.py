@@ -17,15 +17,13 @@ from vllm_kvcompress import paged_torch  # noqa: E402
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
 from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
 from vllm_kvcompress.triton_kernels.decode import paged_decode  # noqa: E402
-from paged_cases import fill_pages  # noqa: E402
+from paged_cases import PACKED_FORMATS, fill_pages, format_id  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FORMATS = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
-           LayerFormat(k_bits=3, v_bits=3), LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True),
-           LayerFormat(k_bits=16, v_bits=4), LayerFormat(k_bits=8, v_bits=16), LayerFormat()]
+FORMATS = PACKED_FORMATS + [LayerFormat(k_bits=16, v_bits=4), LayerFormat(k_bits=8, v_bits=16), LayerFormat()]
 
 
-@pytest.mark.parametrize("layer_format", FORMATS, ids=lambda f: f.describe().replace("/", "_").replace(" ", "-"))
+@pytest.mark.parametrize("layer_format", FORMATS, ids=format_id)
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("block,tile", [(16, None), (32, 16)], ids=["tile=page", "2-tiles-per-page"])
 @pytest.mark.parametrize("HQ", [4, 2], ids=["GQA", "MHA"])  # MHA: the softmax of one query row a program
@@ -231,9 +229,9 @@ def test_selected_chunks_rows_equal_reference_and_leave_others(num_splits):
     B, H, HQ, D = 16, 2, 4, 64
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), dtype, B, H, D)
-    seq_lens, q_lens = [40, 9, 70], [25, 9, 3]  # a chunk after 15 tokens, a prompt, 3 tokens after 67
+    seq_lens = [40, 9, 70]
+    qsl = [0, 25, 34, 37]  # chunks of 25, 9 and 3 tokens: after 15 tokens, a prompt, after 67
     selected = [True, False, True]
-    qsl = [0, 25, 34, 37]
     cache, table = fill_pages(fmt, seq_lens, 3, seed=11)
     q = torch.randn(qsl[-1], HQ, D, generator=torch.Generator().manual_seed(12)).to(dtype)
     ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5)

@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from paged_cases import fill_pages, request_slots  # noqa: E402
+from paged_cases import PACKED_FORMATS, fill_pages, format_id, request_slots  # noqa: E402
 
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
 from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
@@ -16,13 +16,11 @@ from vllm_kvcompress.triton_kernels.layout import kernel_supports  # noqa: E402
 from vllm_kvcompress.triton_kernels.read_back import stored_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FORMATS = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
-           LayerFormat(k_bits=3, v_bits=3), LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True),
-           LayerFormat(k_bits=16, v_bits=4), LayerFormat(k_bits=4, v_bits=16), LayerFormat()]
+FORMATS = PACKED_FORMATS + [LayerFormat(k_bits=16, v_bits=4), LayerFormat(k_bits=4, v_bits=16), LayerFormat()]
 
 
 @pytest.mark.parametrize("block", [16, 128])
-@pytest.mark.parametrize("layer_format", FORMATS, ids=lambda f: f.describe().replace("/", "_").replace(" ", "-"))
+@pytest.mark.parametrize("layer_format", FORMATS, ids=format_id)
 def test_read_back_equals_reference_decode(layer_format, block):
     """Every written slot of three requests (lengths not multiples of the block, one of a single
     token), asked for in a scattered order: the values ``KVPageFormat.decode`` gives, in the

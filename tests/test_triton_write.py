@@ -8,21 +8,22 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+from paged_cases import PACKED_FORMATS, format_id  # noqa: E402
+
 from vllm_kvcompress import paged_torch  # noqa: E402
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
 from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
 from vllm_kvcompress.triton_kernels.write import write_tokens  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FORMATS = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
-           LayerFormat(k_bits=3, v_bits=3), LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True),
-           LayerFormat(k_bits=16, v_bits=4), LayerFormat(), LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"),
-           LayerFormat(k_bits=3, v_bits=2, v_axis="channel", v_channel_scaling=True), LayerFormat(k_only=True),
-           LayerFormat(k_bits=8, k_only=True)]
+FORMATS = PACKED_FORMATS + [
+    LayerFormat(k_bits=16, v_bits=4), LayerFormat(), LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"),
+    LayerFormat(k_bits=3, v_bits=2, v_axis="channel", v_channel_scaling=True), LayerFormat(k_only=True),
+    LayerFormat(k_bits=8, k_only=True)]
 
 
 @pytest.mark.parametrize("dealt", [False, True], ids=["shares", "dealt"])
-@pytest.mark.parametrize("layer_format", FORMATS, ids=lambda f: f.describe().replace("/", "_").replace(" ", "-"))
+@pytest.mark.parametrize("layer_format", FORMATS, ids=format_id)
 def test_write_matches_reference_bytes(layer_format, dealt):
     """A prefill batch (three requests: a full block, partial blocks, one across two blocks), two
     decode steps, then a chunk of several tokens appended to two partly filled blocks: identical

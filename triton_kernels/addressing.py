@@ -47,3 +47,9 @@ def load_units(ptr, mask, BITS: tl.constexpr):
         return tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
     else:
         return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def unpack_codes(units, width, shift):
+    """The codes (float32) at ``shift`` of ``width`` bits (``code_grid``) in int32 ``units``."""
+    return ((units >> shift) & ((1 << width) - 1)).to(tl.float32)

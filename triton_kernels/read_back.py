@@ -20,7 +20,7 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
 
-from .addressing import code_grid, code_unit_ptr, load_units
+from .addressing import code_grid, code_unit_ptr, load_units, unpack_codes
 from .launch import Variant, launch
 from .layout import TensorLayout, page_layout
 
@@ -35,7 +35,7 @@ def _read_codes(page, CODES: tl.constexpr, off, h, d, ROW: tl.constexpr, BLOCK: 
     VALS: tl.constexpr = 11 if BITS == 3 else 8 // BITS  # codes a storage unit
     width, _, ratio, shift = code_grid(d % VALS, BITS)
     units = load_units(code_unit_ptr(page, CODES, off, h, d // VALS, ROW, BLOCK, BITS, GROUP), mask, BITS)
-    return ((units >> shift) & ((1 << width) - 1)).to(tl.float32), ratio
+    return unpack_codes(units, width, shift), ratio
 
 
 @triton.jit

@@ -39,7 +39,7 @@ import triton.language as tl
 from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.formats.codecs import WIDEN_MARGIN
 
-from .addressing import code_grid, code_unit_ptr, load_units
+from .addressing import code_grid, code_unit_ptr, load_units, unpack_codes
 from .launch import Variant, launch
 from .layout import TensorLayout, page_layout
 
@@ -137,7 +137,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     # earlier tokens, decoded from the page (a new row's stored bytes are not read: with statistics
     # per token its units lie 16 bytes apart, a sector for every two)
     unit = load_units(code_unit_ptr(page, CODES, t, h, u, ROW, BLOCK, BITS, GROUP), stored & unit_ok, BITS)
-    old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
+    old_codes = unpack_codes(unit, width, shift)
     if PER_CHANNEL:
         sz = (h * D + ch) * 2
         scale = _half(page + SCALE + sz, ch_ok, 0.0)
@@ -250,7 +250,7 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
         t = t2[:, :, None]
         row_units = code_unit_ptr(page, CODES, t2, h, units[None, :], ROW, BLOCK, BITS, 0)
         unit = load_units(row_units, (t2 < off) & unit_ok, BITS)[:, :, None]
-        old_codes = ((unit >> shift) & ((1 << width) - 1)).to(tl.float32)
+        old_codes = unpack_codes(unit, width, shift)
         values = tl.where(t == off, x, old_codes * old_step + zero)
         codes = tl.minimum(tl.maximum(_code_on(values, new_zero, new_step), 0.0), top)
         codes = tl.where(widen | (t == off), codes, old_codes)
