@@ -8,7 +8,7 @@ now that a token which fits its grids writes one row).
 
     python benchmarks/kernels.py --out results/kernels.json [--sweep] [--scaling] [--write-chunks 8 32]
     python benchmarks/kernels.py --host   # host time of a mixed step's attention calls, a layer
-    python benchmarks/kernels.py --prompts   # prompt chunks: FlashAttention bf16, our rows, read-back + FlashAttention
+    python benchmarks/kernels.py --prompts   # prompt chunks: FlashAttention bf16 against our rows
     ncu ... python benchmarks/kernels.py --profile 4 32 32     # one decode launch per repeat, for a profiler
     ncu ... python benchmarks/kernels.py --profile-write 4 32  # the decode step's cache write only
 """
@@ -174,27 +174,6 @@ def bench_prompt_rows(bits: int, num_prompts: int, hq: int, hkv: int, d: int, pr
             + "".join(f" {k}={v}" for k, v in tuning.items()))
     return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes,
             "GB/s": nbytes / ms / 1e6}
-
-
-def bench_first_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, block: int = 128,
-                       read_back_only: bool = False) -> dict:
-    """The same prefill chunk as ``bench_prompt_rows`` as the backend runs prompts with no history
-    (``prompt_attention``): the tokens' K and V read back from the pages, then FlashAttention's
-    prefill over them; with ``read_back_only``, the read-back alone."""
-    from vllm_kvcompress.prompt_attention import FirstChunks, attend_first_chunks
-    from vllm_kvcompress.triton_kernels.read_back import stored_kv
-
-    fmt, cache, table, q, starts, nbytes = _prompt_case(bits, num_prompts, hq, hkv, d, prompt, block)
-    pos = torch.arange(prompt, device="cuda")
-    slots = (table[:, pos // block].long() * block + pos % block).flatten()
-    chunks = FirstChunks(starts, prompt)
-    out = torch.empty_like(q)
-    if read_back_only:
-        ms = _time_ms(lambda: stored_kv(cache, fmt, slots))
-    else:
-        ms = _time_ms(lambda: attend_first_chunks(q, cache, fmt, slots, chunks, d ** -0.5, out))
-    return {"kernel": f"ours k{bits}v{bits} " + ("read-back" if read_back_only else "read-back + FlashAttention"),
-            "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
 def bench_flash_prefill_bf16(num_prompts: int, hq: int, hkv: int, d: int, prompt: int, block: int = 16) -> dict:
@@ -446,10 +425,6 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
                                                                  d ** -0.5, prompt, out=out[nd:], groups=rows.groups),
     }
     if ops is not None:
-        from vllm_kvcompress.prompt_attention import FirstChunks, attend_first_chunks
-        chunks = FirstChunks(starts_dev[nd:] - nd, prompt)
-        cases[f"ours k{bits}v{bits}: first chunks (read-back + FlashAttention)"] = lambda: attend_first_chunks(
-            q[nd:], cache, fmt, slots[nd:], chunks, d ** -0.5, out[nd:])
         cases |= {
             "vLLM FlashAttention bf16: cache write": lambda: ops.reshape_and_cache_flash(
                 k, v, k_cache, v_cache, slots, "auto", one, one),
@@ -539,11 +514,9 @@ def main() -> None:
                 shape = f"{name} {num_prompts}x{prompt}"
                 print(f"{shape:34s} {base['kernel']:42s} {base['ms'] * 1e3:7.1f} us")
                 for bits in (4, 2):
-                    for r in (bench_prompt_rows(bits, num_prompts, hq, hkv, d, prompt),
-                              bench_first_chunks(bits, num_prompts, hq, hkv, d, prompt),
-                              bench_first_chunks(bits, num_prompts, hq, hkv, d, prompt, read_back_only=True)):
-                        print(f"{shape:34s} {r['kernel']:42s} {r['ms'] * 1e3:7.1f} us, {base['ms'] / r['ms']:5.2f}x "
-                              "FlashAttention bf16")
+                    r = bench_prompt_rows(bits, num_prompts, hq, hkv, d, prompt)
+                    print(f"{shape:34s} {r['kernel']:42s} {r['ms'] * 1e3:7.1f} us, {base['ms'] / r['ms']:5.2f}x "
+                          "FlashAttention bf16")
         return
     if args.profile_write:
         bits, hkv = args.profile_write

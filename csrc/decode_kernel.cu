@@ -38,9 +38,12 @@ namespace {
 constexpr int kHead = 128;    // head size
 constexpr int kSlice = 64;    // tokens one warp takes at a time
 constexpr int kWarps = 2;
-// V codes of a unit's 32 consecutive tokens lie together (TensorLayout.token_group; cuda_decode.supports
-// refuses other groups)
-constexpr int kTokenGroup = 32;
+// V codes of a unit's consecutive tokens lie together, KVC_TOKEN_GROUP of them (formats.layout.TOKEN_GROUP,
+// passed by cuda_jit at build; the kernel registry refuses pages grouped otherwise)
+#ifndef KVC_TOKEN_GROUP
+#error "build through vllm_kvcompress.cuda_jit, which passes the page layout's constants"
+#endif
+constexpr int kTokenGroup = KVC_TOKEN_GROUP;
 constexpr uint32_t kMagic = 0x64006400u;  // float16 1024.0, twice
 constexpr unsigned kAll = 0xffffffffu;
 

@@ -32,11 +32,15 @@
 
 namespace {
 
-constexpr float kEps = 1e-6f;  // smallest scale, as the reference's _EPS
+// formats.EPS and formats.WIDEN_MARGIN, passed by cuda_jit at build
+#if !defined(KVC_EPS) || !defined(KVC_WIDEN_MARGIN)
+#error "build through vllm_kvcompress.cuda_jit, which passes the formats' constants"
+#endif
+constexpr float kEps = KVC_EPS;  // smallest scale
 constexpr unsigned kAll = 0xffffffffu;
 constexpr int kWarps = 4;      // warps a thread block (each on its own work item)
 constexpr int kAppendUnroll = 8;  // (row, unit) pairs a lane has in flight at once
-constexpr float kWidenMargin = 0.125f;  // codecs.WIDEN_MARGIN
+constexpr float kWidenMargin = KVC_WIDEN_MARGIN;
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

@@ -18,7 +18,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm_kvcompress.backend import KVCompressMetadataBuilder  # noqa: E402
 
 
-def _build(q_lens: list[int], seq_lens: list[int], rows_per_group: int = 1, flash_prompts: bool = False):
+def _build(q_lens: list[int], seq_lens: list[int], rows_per_group: int = 1):
     qsl = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     n = len(q_lens)
@@ -28,7 +28,7 @@ def _build(q_lens: list[int], seq_lens: list[int], rows_per_group: int = 1, flas
         block_table_tensor=torch.arange(n * 4, dtype=torch.int32).view(n, 4),
         slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64), seq_lens_cpu_upper_bound=lens)
     builder = SimpleNamespace(device=torch.device("cuda"), _rows_per_group=rows_per_group,
-                              _row_order=torch.full((8,), -1, dtype=torch.int32), _flash_prompts=flash_prompts)
+                              _row_order=torch.full((8,), -1, dtype=torch.int32))
     return KVCompressMetadataBuilder.build(builder, 0, cam), builder._row_order
 
 
@@ -61,26 +61,50 @@ def test_mixed_step_rows():
     assert all(t.data_ptr() % 16 == 0 for t in (rows.seq_lens, rows.groups.rows, rows.groups.starts))
 
 
-def test_mixed_step_with_flash_prompts():
-    """The step above with FlashAttention for prompts: every prompt chunk is in its launch (offsets
-    from the first prompt token), and only the chunk with history gets rows of the decode kernel."""
-    md, _ = _build([1, 1, 5, 2], [5, 9, 12, 2], rows_per_group=4, flash_prompts=True)
-    assert md.first_chunks.cu_seqlens.tolist() == [0, 5, 7] and md.first_chunks.max_len == 5
-    rows = md.token_rows
-    assert rows.seq_lens.tolist() == [8, 9, 10, 11, 12, 0, 0]  # context 0: no rows to merge
-    assert rows.groups.starts.tolist() == [0, 4]
-    assert rows.groups.rows[[0, 4]].tolist() == [4, 1]
-    assert rows.max_seq_len == 12
+def test_backend_step_equals_reference(monkeypatch):
+    """The backend's forward over a step of two decodes, a chunk with history and two prompts: the
+    decodes through the decode kernel, every prompt token as a grouped row of it, each row equal to
+    the torch reference's causal attention over the pages (Triton's interpreter on the CPU)."""
+    from paged_cases import fill_pages, request_slots
 
+    from vllm_kvcompress import paged_torch
+    from vllm_kvcompress.backend import KVCompressImpl
+    from vllm_kvcompress.config import LayerFormat
+    from vllm_kvcompress.formats import KVPageFormat
+    from vllm_kvcompress.triton_kernels.decode import paged_decode, rows_per_program
 
-def test_flash_prompts_without_history_need_no_rows():
-    """Two first chunks and a chunk with history of a single request, one group a token: no rows
-    where every chunk starts its context; groups even at one token a group where one has history
-    (ungrouped rows would launch every prompt token)."""
-    md, _ = _build([1, 3, 2], [4, 3, 2], flash_prompts=True)
-    assert md.token_rows is None and md.first_chunks.cu_seqlens.tolist() == [0, 3, 5]
-    md, _ = _build([3, 2], [3, 6], flash_prompts=True)
-    assert md.first_chunks.cu_seqlens.tolist() == [0, 3, 5]
-    assert md.token_rows.groups.starts.tolist() == [3, 4] and md.token_rows.max_seq_len == 6
-    md, _ = _build([3, 2], [5, 6], flash_prompts=True)
-    assert md.first_chunks is None and md.token_rows.groups.starts.tolist() == [0, 1, 2, 3, 4]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    B, H, HQ, D = 16, 2, 4, 64
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), dtype, B, H, D)
+    seq_lens, q_lens = [21, 9, 40, 9, 33], [1, 1, 25, 9, 33]
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    cache, table = fill_pages(fmt, seq_lens, 2, seed=21)
+    query = torch.randn(qsl[-1], HQ * D, generator=torch.Generator().manual_seed(22)).to(dtype)
+    ref = paged_torch.attend(query.view(-1, HQ, D).float(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
+    if device == "cpu":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build of torch has none
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    slots = torch.cat([request_slots(table[i], B, torch.arange(L - m, L)) for i, (L, m) in enumerate(zip(seq_lens,
+                                                                                                       q_lens))])
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl_t.to(device), query_start_loc_cpu=qsl_t, seq_lens=lens.to(device), num_reqs=len(q_lens),
+        num_actual_tokens=qsl[-1], max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=table.to(device), slot_mapping=slots.to(device), seq_lens_cpu_upper_bound=lens)
+    builder = SimpleNamespace(device=torch.device("cuda"), _rows_per_group=rows_per_program(HQ // H),
+                              _row_order=torch.zeros(8, dtype=torch.int32, device=device))
+    md = KVCompressMetadataBuilder.build(builder, 0, cam)
+    assert md.num_decodes == 2 and md.token_rows is not None
+
+    impl = object.__new__(KVCompressImpl)
+    cache = cache.to(device)
+    impl.__dict__.update(num_heads=HQ, head_size=D, num_kv_heads=H, scale=D ** -0.5, sliding_window=None,
+                         _format=fmt, _decode_kernel=paged_decode, _prompt_kernel=paged_decode, _warm_ups=[],
+                         _max_model_len=1024, _kv_cache=cache, _cache_pages=cache)
+    output = torch.full((qsl[-1], HQ * D), float("nan"), dtype=dtype, device=device)
+    q = query.to(device)
+    impl.forward(SimpleNamespace(), q, q, q, cache, md, output)
+    torch.testing.assert_close(output.view(-1, HQ, D).float().cpu(), ref, rtol=2e-2, atol=2e-2)

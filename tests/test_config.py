@@ -58,24 +58,3 @@ def test_layer_past_model():
         cfg.check_layers(4)
     with pytest.raises(KVCompressionConfigError, match="full_precision_layers"):
         load_config({"full_precision_layers": [9]}).check_layers(4)
-
-
-def test_cuda_kernel_checks_refuse_head_size_and_dtype_and_name_slow_layers():
-    """What the CUDA path can't decode is refused at startup (head size, dtype) or named (formats
-    that fall back to the torch path), before any kernel runs."""
-    import torch
-
-    from vllm_kvcompress.engine_config import ModelKVShape, check_cuda_kernels
-
-    cfg = load_config({"default": {"k_bits": 4, "v_bits": 4},
-                       "layers": {2: {"rpc_fraction": 0.1, "rpc_tokens": 16}, 3: {"k_axis": "token"}}})
-    shape = ModelKVShape(num_layers=4, num_kv_heads=2, head_size=128, dtype=torch.bfloat16, block_size=128)
-    assert check_cuda_kernels(cfg, shape) == ["layer 2 (recent 16-bit window (KVmix RPC))",
-                                              "layer 3 (K quantized per token)"]
-    assert check_cuda_kernels(load_config("quant-k2v2"), shape) == []
-    with pytest.raises(KVCompressionConfigError, match=r"head size 80 is not supported by the CUDA kernels "
-                                                       r"\(allowed: 64, 128, 256\)"):
-        check_cuda_kernels(cfg, ModelKVShape(4, 2, 80, torch.bfloat16, 128))
-    with pytest.raises(KVCompressionConfigError, match=r"--dtype torch.float32 is not supported .* on CUDA "
-                                                       r"\(allowed: float16, bfloat16\)"):
-        check_cuda_kernels(cfg, ModelKVShape(4, 2, 128, torch.float32, 128))

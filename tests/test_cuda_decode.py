@@ -10,6 +10,7 @@ import torch
 from vllm_kvcompress import cuda_decode, cuda_jit, paged_torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.kernels import registry
 from c_structs import c_struct_fields, stub_launches
 from paged_cases import fill_pages
 
@@ -19,63 +20,6 @@ TWO = LayerFormat(k_bits=2, v_bits=2)
 
 def _fmt(layer_format=FOUR, block=128, heads=4, head_size=128, dtype=torch.bfloat16):
     return KVPageFormat.from_layer_format(layer_format, dtype, block, heads, head_size)
-
-
-@pytest.mark.parametrize("layer_format,block,head_size,query_heads,dtype,reason", [
-    (FOUR, 128, 128, 4, torch.bfloat16, None),
-    (FOUR, 128, 128, 4, torch.float16, None),
-    (TWO, 128, 128, 4, torch.bfloat16, None),
-    (FOUR, 128, 128, 8, torch.bfloat16, None),
-    (FOUR, 128, 128, 16, torch.bfloat16, None),
-    (TWO, 128, 128, 16, torch.bfloat16, None),
-    (TWO, 128, 128, 8, torch.bfloat16, "8 query heads for 4 KV heads (1, 4 query heads a KV head at 2 bits)"),
-    (FOUR, 128, 128, 32, torch.bfloat16, "32 query heads for 4 KV heads (1, 2, 4 query heads"),
-    (FOUR, 128, 128, 6, torch.bfloat16, "6 query heads for 4 KV heads"),
-    (FOUR, 128, 128, 64, torch.bfloat16, "64 query heads"),
-    (FOUR, 64, 128, 4, torch.bfloat16, None),
-    (TWO, 64, 128, 16, torch.bfloat16, None),
-    (FOUR, 32, 128, 4, torch.bfloat16, "pages of 32 tokens (64 or 128 only)"),
-    (FOUR, 256, 128, 4, torch.bfloat16, "pages of 256 tokens"),
-    (FOUR, 128, 64, 4, torch.bfloat16, "head size 64"),
-    (FOUR, 128, 128, 4, torch.float32, "queries in torch.float32"),
-    (LayerFormat(k_bits=8, v_bits=8), 128, 128, 4, torch.bfloat16, "K not at 2 or 4 bits"),
-    (LayerFormat(k_bits=4, v_bits=8), 128, 128, 4, torch.bfloat16, "V not at 2 or 4 bits"),
-    (LayerFormat(k_bits=4, v_bits=2), 128, 128, 4, torch.bfloat16, "the same width only"),
-    (LayerFormat(k_bits=4, v_bits=4, v_channel_scaling=True), 128, 128, 4, torch.bfloat16, "ZipCache"),
-])
-def test_supports_names_what_it_cannot_read(layer_format, block, head_size, query_heads, dtype, reason):
-    why = cuda_decode.supports(_fmt(layer_format, block, 4, head_size), query_heads, dtype)
-    if reason is None:
-        assert why is None
-    else:
-        assert why is not None and reason in why
-
-
-def test_mode_is_checked_and_cuda_refused_where_it_cannot_run():
-    fmt = _fmt()
-    with pytest.raises(ValueError, match="KVCOMPRESS_DECODE='fast'.*allowed are 'auto'"):
-        cuda_decode.choose("fast", fmt, 4, torch.bfloat16, torch.device("cpu"))
-    assert cuda_decode.choose("triton", fmt, 4, torch.bfloat16, torch.device("cpu")) == "KVCOMPRESS_DECODE=triton"
-    assert cuda_decode.choose("auto", fmt, 4, torch.bfloat16, torch.device("cpu")) == "not an NVIDIA GPU"
-    assert "12 query heads" in cuda_decode.choose("auto", fmt, 12, torch.bfloat16, torch.device("cpu"))
-    with pytest.raises(ValueError, match="KVCOMPRESS_DECODE=cuda: .*not an NVIDIA GPU"):
-        cuda_decode.choose("cuda", fmt, 4, torch.bfloat16, torch.device("cpu"))
-
-
-@pytest.mark.parametrize("name,value,message", [
-    ("KVCOMPRESS_DECODE", "cuda", "KVCOMPRESS_DECODE=cuda: the cache is on cpu"),
-    ("KVCOMPRESS_WRITE", "cuda", "KVCOMPRESS_WRITE=cuda: the cache is on cpu"),
-    ("KVCOMPRESS_DECODE", "fast", "KVCOMPRESS_DECODE='fast': allowed are 'auto'"),
-    ("KVCOMPRESS_WRITE", "fast", "KVCOMPRESS_WRITE='fast': allowed are 'auto'"),
-])
-def test_the_backend_refuses_kernel_choices_it_cannot_honour(monkeypatch, name, value, message):
-    """At startup (the first forward of a layer selects its kernels), not by falling back."""
-    pytest.importorskip("vllm")
-    from vllm_kvcompress.backend import KVCompressImpl
-    monkeypatch.setenv(name, value)
-    impl = KVCompressImpl.__new__(KVCompressImpl)  # only the selection, without an engine
-    with pytest.raises(ValueError, match=message):
-        impl._select_kernels(_fmt(), None, torch.device("cpu"))
 
 
 def test_launch_arguments_mirror_the_kernels_struct():
@@ -130,8 +74,15 @@ def test_split_count_gives_each_sm_four_programs(monkeypatch):
 def _gpu_ready() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"
-    return cuda_decode.device_supported(torch.device("cuda")) or (
-        None if cuda_jit.nvcc_available() else "no nvcc to build the kernel")
+    if torch.cuda.get_device_capability() < (8, 0):
+        return "compute capability below 8.0"
+    return None if cuda_jit.nvcc_available() else "no nvcc to build the kernel"
+
+
+def _why_not(fmt, num_query_heads, dtype) -> str | None:
+    """The registry's reason the CUDA decode does not serve ``fmt`` (None: it does)."""
+    ctx = registry.LayerContext(registry.Device("cuda", (9, 0), nvcc=True), dtype, num_query_heads)
+    return registry.implementations("decode", "cuda")[0].why_not(fmt, ctx)
 
 
 gpu = pytest.mark.skipif(_gpu_ready() is not None, reason=str(_gpu_ready()))
@@ -153,8 +104,8 @@ def test_decode_equals_reference(layer_format, group, dtype, num_splits, seq_len
     """On 64-token pages a warp takes every other page rather than half of each; split counts 2 and 3
     give splits of odd page counts there."""
     fmt = _fmt(layer_format, block, heads=4, dtype=dtype)
-    if cuda_decode.supports(fmt, 4 * group, dtype):
-        pytest.skip(cuda_decode.supports(fmt, 4 * group, dtype))
+    if _why_not(fmt, 4 * group, dtype):
+        pytest.skip(_why_not(fmt, 4 * group, dtype))
     cache, table = fill_pages(fmt, seq_lens, 3, seed=len(seq_lens), garbage=True)
     q = torch.randn(len(seq_lens), 4 * group, 128, generator=torch.Generator().manual_seed(5)).to(dtype)
     ref = _reference(q, cache, fmt, table, seq_lens, 128 ** -0.5)

@@ -1,6 +1,5 @@
 """The CUDA cache-write kernel (csrc/) writes the same bytes as the torch reference. The kernel
-tests need a GPU and nvcc; what the kernel covers, and the startup error where it cannot be used,
-are checked everywhere."""
+tests need a GPU and nvcc; what the kernel covers is the registry's (tests/test_kernel_registry.py)."""
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ import torch
 from vllm_kvcompress import cuda_jit, cuda_write, paged_torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
-from vllm_kvcompress.triton_kernels.layout import page_layout
+from vllm_kvcompress.formats import page_layout
 from c_structs import c_struct_fields, stub_launches
 
 COVERED = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
@@ -19,34 +18,6 @@ needs_gpu_and_nvcc = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_
 
 def _format(layer_format, dtype=torch.float32, block=16, heads=2, head_size=64):
     return KVPageFormat.from_layer_format(layer_format, dtype, block, heads, head_size)
-
-
-@pytest.mark.parametrize("layer_format", COVERED, ids=lambda f: f.describe())
-def test_covers_two_four_and_eight_bit_pages(layer_format):
-    assert cuda_write.supports(_format(layer_format)) is None
-
-
-@pytest.mark.parametrize("layer_format,why", [
-    (LayerFormat(k_bits=3, v_bits=4), "K at 3 bits"),
-    (LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True), "ZipCache"),
-    (LayerFormat(k_bits=16, v_bits=4), "K kept at 16 bits"),
-    (LayerFormat(k_bits=4, v_bits=4, rpc_tokens=8, rpc_fraction=0.1), "recent 16-bit window"),
-    (LayerFormat(k_bits=4, v_bits=4), "head size 80"),
-])
-def test_names_what_it_cannot_write(layer_format, why):
-    """auto gives the format to the Triton kernel and says why; cuda is refused at startup."""
-    fmt = _format(layer_format, head_size=80 if "head size" in why else 64)
-    assert why in cuda_write.supports(fmt)
-    assert why in cuda_write.choose("auto", fmt)
-    with pytest.raises(ValueError, match=f"KVCOMPRESS_WRITE=cuda.*{why}"):
-        cuda_write.choose("cuda", fmt)
-
-
-def test_mode_is_checked():
-    fmt = _format(LayerFormat(k_bits=4, v_bits=4))
-    assert cuda_write.choose("triton", fmt) == "KVCOMPRESS_WRITE=triton"
-    with pytest.raises(ValueError, match="KVCOMPRESS_WRITE='fast': allowed are 'auto'"):
-        cuda_write.choose("fast", fmt)
 
 
 def test_launch_arguments_mirror_the_kernels_structs():
@@ -126,14 +97,6 @@ def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch, caplog, age_s, rem
         cuda_jit.load("kernel", "kernel.cu", "KVCOMPRESS_WRITE")
     assert seen == [not removed]
     assert str(lock) in caplog.text and ("removing" if removed else "waiting") in caplog.text
-
-
-@pytest.mark.skipif(cuda_jit.nvcc_available(), reason="nvcc is installed here")
-def test_without_nvcc_auto_takes_triton_and_cuda_is_refused():
-    fmt = _format(LayerFormat(k_bits=4, v_bits=4))
-    assert "no nvcc" in cuda_write.choose("auto", fmt)
-    with pytest.raises(ValueError, match="KVCOMPRESS_WRITE=cuda.*no nvcc"):
-        cuda_write.choose("cuda", fmt)
 
 
 def _assert_pages_hold_reference_values(fmt, steps, new_kv):

@@ -218,34 +218,6 @@ def test_mixed_batch_as_token_rows_equals_reference(bits, prompt_rows, num_split
         assert computed.tolist() == [i != 2 + 7 for i in range(qsl[-1])]
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_selected_chunks_rows_equal_reference_and_leave_others(num_splits):
-    """Rows of only the chunks with history (``token_rows`` with ``selected``, as the backend builds
-    them where FlashAttention takes the first chunks): those rows equal the reference, and the other
-    chunks' rows of the output are left as they were, split or not (the split merge must not write
-    rows whose partials no program wrote)."""
-    from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels.decode import rows_per_program
-    B, H, HQ, D = 16, 2, 4, 64
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), dtype, B, H, D)
-    seq_lens = [40, 9, 70]
-    qsl = [0, 25, 34, 37]  # chunks of 25, 9 and 3 tokens: after 15 tokens, a prompt, after 67
-    selected = [True, False, True]
-    cache, table = fill_pages(fmt, seq_lens, 3, seed=11)
-    q = torch.randn(qsl[-1], HQ, D, generator=torch.Generator().manual_seed(12)).to(dtype)
-    ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), 70, rows_per_program(HQ // H),
-                      selected=selected)
-    out = torch.full_like(q, 7.0).to(DEVICE)
-    paged_decode(q.to(DEVICE), cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len,
-                 num_splits=num_splits, out=out, groups=rows.groups)
-    out = out.float().cpu()
-    assert (out[25:34] == 7.0).all()
-    torch.testing.assert_close(out[:25], ref[:25], rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out[34:], ref[34:], rtol=2e-2, atol=2e-2)
-
-
 def test_warm_up_compiles_every_variant_a_step_launches():
     """After ``warm_up``, decode steps of any shape (split or not, grouped prompt rows or not, block
     tables of another width) compile nothing: vLLM's JIT monitor would log each compile as a

@@ -15,7 +15,8 @@ from vllm_kvcompress import paged_torch  # noqa: E402
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
 from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
 from vllm_kvcompress.slim import Rotary, SlimLayer  # noqa: E402
-from vllm_kvcompress.triton_kernels.slim_decode import slim_decode, slim_kernel_supports  # noqa: E402
+from vllm_kvcompress.triton_kernels.slim_decode import slim_decode  # noqa: E402
+from vllm_kvcompress.kernels import registry  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,7 +43,8 @@ def run(seq_lens, heads, head_size, block, dtype, seed=0):
     size = heads * head_size
     w_kv = torch.randn(size, size, generator=gen) / size ** 0.5
     slim = SlimLayer.from_w_kv(w_kv.to(dtype), heads, Rotary(table, head_size, True))
-    assert slim_kernel_supports(fmt, slim.rotary) is None
+    ctx = registry.LayerContext(registry.Device("cuda", (9, 0)), dtype, heads, rotary=slim.rotary)
+    assert registry.plan(fmt, ctx, registry.KernelPolicy()).decode.name == "triton-slim"
     max_blocks = max(-(-L // block) for L in seq_lens)
     num_blocks = sum(-(-L // block) for L in seq_lens) + 3
     cache = torch.zeros(num_blocks, fmt.page_bytes, dtype=torch.uint8)

@@ -91,9 +91,9 @@ def test_decode_appends_match_reference_bytes(bits, fills, chunk_channels, appen
     paged_torch.write_tokens(ref, fmt, torch.randn(len(prefill), H, D, generator=gen),
                              torch.randn(len(prefill), H, D, generator=gen), prefill)
     ours = ref.clone().to(DEVICE)
-    k_codes = fmt.k._layout.offsets["codes"][1]  # head-major [H, B, row bytes]
-    k_stats = slice(fmt.k._layout.offsets["scale"][0], fmt.k.nbytes)
-    k_scale = slice(fmt.k._layout.offsets["scale"][0], fmt.k._layout.offsets["scale"][0] + H * D * 2)
+    k_codes = fmt.k.regions.offsets["codes"][1]  # head-major [H, B, row bytes]
+    k_stats = slice(fmt.k.regions.offsets["scale"][0], fmt.k.nbytes)
+    k_scale = slice(fmt.k.regions.offsets["scale"][0], fmt.k.regions.offsets["scale"][0] + H * D * 2)
     earlier_kept = earlier_rewritten = most_widened = 0
     for step in range(20):
         slots = torch.tensor([B + fills[0] + step, 3 * B + fills[1] + step])

@@ -21,12 +21,12 @@ import triton
 import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.formats.layout import page_layout
 from vllm_kvcompress.launch_plans import LaunchPlans
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .addressing import code_unit_ptr
 from .launch import Compiled, Variant, device_index, hooked, launch, stream_handle
-from .layout import page_layout
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvcompress.formats import KVPageFormat, UncompressedCodec
+from vllm_kvcompress.formats import KVPageFormat
 
 
 @triton.jit
@@ -93,18 +93,6 @@ def _mix_kernel(s_ptr, stats_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, cos_
     dst = out_ptr + (seq * H + heads[:, None]) * (H * D) + c * D + dh[None, :]
     tl.store(dst, acc1.to(dtype), mask=hmask[:, None])
     tl.store(dst + HALF, acc2.to(dtype), mask=hmask[:, None])
-
-
-def slim_kernel_supports(fmt: KVPageFormat, rotary) -> str | None:
-    """None if these kernels read this layer, else why not."""
-    if not isinstance(fmt.k, UncompressedCodec):
-        return f"{fmt.k.bits}-bit K (the kernels read 16-bit K pages)"
-    if not rotary.neox or rotary.rotary_dim != fmt.k.head_size:
-        return "RoPE other than NeoX style over the whole head"
-    d = fmt.k.head_size
-    if d & (d - 1) or d < 32:
-        return f"head size {d} (powers of two from 32)"
-    return None
 
 
 def slim_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,

@@ -37,11 +37,11 @@ import triton
 import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
-from vllm_kvcompress.formats.codecs import WIDEN_MARGIN
+from vllm_kvcompress.formats.layout import TensorLayout, page_layout
+from vllm_kvcompress.formats.codecs import EPS, WIDEN_MARGIN
 
 from .addressing import code_grid, code_unit_ptr, load_units, unpack_codes
 from .launch import Variant, launch
-from .layout import TensorLayout, page_layout
 
 # where statistics are per channel: channels re-encoded together, and programs a block's chunks are
 # dealt out to (so the program of a token that widened many channels, or of a prefill block, does
@@ -68,6 +68,7 @@ DEALT_PROGRAMS = 8192
 # 45.0. In shares, wider gathers were slower (a decode step of 144, MHA: 45.9 us; 71.0 with 8 units)
 APPEND_UNITS = 8
 _WIDEN_MARGIN = tl.constexpr(WIDEN_MARGIN)
+_EPS = tl.constexpr(EPS)
 
 
 @triton.jit
@@ -80,7 +81,7 @@ def _code_on(x, zero, step):
 def _min_max_stats(lo, hi, FULL_TOP: tl.constexpr):
     """float16 (zero, scale) of the grid spanning ``lo .. hi`` with codes 0..FULL_TOP."""
     zero = lo.to(tl.float16)
-    scale = tl.maximum(tl.math.div_rn(hi - zero.to(tl.float32), FULL_TOP + tl.zeros_like(hi)), 1e-6).to(tl.float16)
+    scale = tl.maximum(tl.math.div_rn(hi - zero.to(tl.float32), FULL_TOP + tl.zeros_like(hi)), _EPS).to(tl.float16)
     return zero, scale
 
 
@@ -154,7 +155,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
 
     if CS >= 0:  # ZipCache: divide channels by sqrt(max |x|) over the block
         amax = tl.max(tl.where(rows_ok, tl.abs(x), 0.0), 0)[None, :, :]
-        cs = tl.sqrt_rn(tl.maximum(amax, 1e-6)).to(tl.float16)
+        cs = tl.sqrt_rn(tl.maximum(amax, _EPS)).to(tl.float16)
         tl.store((page + CS + (h * D + ch) * 2).to(tl.pointer_type(tl.float16)), cs, mask=ch_ok)
         x = tl.math.div_rn(x, cs.to(tl.float32) + tl.zeros_like(x))
     if PER_CHANNEL and CS < 0:  # new rows, widened to span the stored grid where there is one

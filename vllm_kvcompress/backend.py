@@ -2,13 +2,12 @@
 
 Each layer's cache is one opaque page per block (``num_head_slots=1``, a page
 of ``block_size`` equal slots), laid out by the layer's ``KVPageFormat``. The
-backend only moves pages: encoding, decoding and attention go through the
-format and its compute path (``paged_torch`` on every device for now).
+backend only moves pages and calls what the kernel registry planned for the
+layer (``kernels.registry.plan``): a kernel, or the torch reference (``paged_torch``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -28,9 +27,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from . import cuda_decode, cuda_jit, cuda_write, paged_torch, prompt_attention
-from .engine_config import active_config, layer_page_format
+from . import paged_torch, policy
+from .engine_config import active_config, layer_page_format, layer_plans
 from .formats import KVPageFormat
+from .kernels import registry
 from .slim_loader import ATTRIBUTE
 from .token_rows import TokenRows, token_rows
 
@@ -94,31 +94,22 @@ class KVCompressMetadata:
     decode_seq_lens: torch.Tensor     # [num_decodes] on the device
     decode_max_seq_len: int           # at least the longest decode's context (0: no decodes)
     decode_row_order: torch.Tensor | None  # on CUDA, the decodes longest first (the kernel's row_order)
-    # on CUDA, the prefill chunks' tokens (after the decodes') as decode rows: all of them, or with
-    # first_chunks only those of chunks with history (None: none)
-    token_rows: TokenRows | None
-    # on CUDA with FlashAttention for prompts, the prefill chunks (None: none starts its request's context)
-    first_chunks: prompt_attention.FirstChunks | None
+    token_rows: TokenRows | None  # on CUDA, the prefill chunks' tokens (after the decodes') as decode rows
 
 
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        """Full CUDA graphs of decode-only batches where every layer decodes with the Triton kernel
-        (no host synchronization); otherwise vLLM's piecewise graphs around eager attention."""
-        from vllm.platforms import current_platform
+        """Full CUDA graphs of decode-only batches where every layer's planned decode runs in one (no
+        host synchronization); otherwise vLLM's piecewise graphs around eager attention."""
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-        from .engine_config import ModelKVShape
-        from .triton_kernels.layout import kernel_supports
-
-        if (not current_platform.is_cuda() or os.environ.get("KVCOMPRESS_KERNELS") == "torch"
-                or isinstance(kv_cache_spec, SlidingWindowSpec)):
+        if isinstance(kv_cache_spec, SlidingWindowSpec):
             return AttentionCGSupport.NEVER
-        cfg, shape = active_config(vllm_config), ModelKVShape.of(vllm_config)
-        if any(kernel_supports(shape.page_format(cfg, i)) for i in range(shape.num_layers)):
-            return AttentionCGSupport.NEVER
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        plans = layer_plans(vllm_config)
+        if all(p.decode.implementation.cuda_graphs for p in plans):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -131,7 +122,6 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             self._rows_per_group = rows_per_program(mc.get_num_attention_heads(pc) // mc.get_num_kv_heads(pc))
             self._row_order = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32,
                                           device=device)
-        self._flash_prompts = uses_flash_prompts(vllm_config.model_config.dtype, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVCompressMetadata:
@@ -149,7 +139,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
         # A full CUDA graph's batch is padded after its decodes with requests of no tokens: not
         # prompts, but rows of the graph's decode launch (context 0, so taken last in the order).
         has_prompts = query_start_loc[num_decodes] < query_start_loc[n]
-        rows, order, first_chunks = None, None, None
+        rows, order = None, None
         if self._row_order is not None and num_decodes:
             from .triton_kernels.decode import longest_first
             ordered = num_decodes if has_prompts else n
@@ -158,20 +148,8 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             order = longest_first(seq_lens_host[:ordered], out=self._row_order[:ordered])[:num_decodes]
         if self.device.type == "cuda" and has_prompts:  # the prefill chunks' tokens, after the decodes
             d, first = num_decodes, query_start_loc[num_decodes]
-            starts = [x - first for x in query_start_loc[d: n + 1]]
-            chunk_lens = [e - s for s, e in zip(starts, starts[1:])]
-            as_rows = [True] * (n - d)  # the chunks whose tokens go to the decode kernel's rows
-            if self._flash_prompts:
-                # those with history (from the host's context lengths: an upper bound only sends a
-                # first chunk to the rows, which are right for every chunk)
-                as_rows = [L > m for L, m in zip(seq_lens[d:n], chunk_lens)]
-                if not all(as_rows):
-                    qsl = cam.query_start_loc
-                    first_chunks = prompt_attention.FirstChunks(qsl[d: n + 1] - qsl[d], max(chunk_lens))
-            if any(as_rows):
-                longest = max(L for L, r in zip(seq_lens[d:n], as_rows) if r)
-                rows = token_rows(starts, cam.seq_lens[d:n], cam.block_table_tensor[d:n], longest,
-                                  self._rows_per_group, as_rows if self._flash_prompts else None)
+            rows = token_rows([x - first for x in query_start_loc[d: n + 1]], cam.seq_lens[d:n],
+                              cam.block_table_tensor[d:n], max(seq_lens[d:n]), self._rows_per_group)
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -184,27 +162,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             decode_max_seq_len=max(seq_lens[:num_decodes], default=0),
             decode_row_order=order,
             token_rows=rows,
-            first_chunks=first_chunks,
         )
-
-
-def uses_flash_prompts(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether prompt chunks with no history go to FlashAttention (``prompt_attention``) where a
-    layer's prompt tokens would go to the decode kernel's rows."""
-    if os.environ.get("KVCOMPRESS_KERNELS") == "torch":
-        return False
-    # a bad value is refused on every device
-    flash = prompt_attention.choose(os.environ.get(prompt_attention.VARIABLE, prompt_attention.DEFAULT), dtype,
-                                    device)
-    if device.type != "cuda":  # prompts take the torch path
-        return False
-    if flash:
-        logger.info_once("kv-compression: prompt chunks with no history attend with FlashAttention over their "
-                         "stored K and V (KVCOMPRESS_PROMPTS=flash); chunks with history with the decode kernel's rows")
-    else:
-        logger.info_once("kv-compression: prompt tokens attend with the decode kernel's rows (KVCOMPRESS_PROMPTS=flash "
-                         "would send chunks with no history to FlashAttention)")
-    return flash
 
 
 class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
@@ -231,67 +189,52 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._dtype = vllm_config.model_config.dtype
         self._max_model_len = vllm_config.model_config.max_model_len
         self._format: KVPageFormat | None = None
-        self._decode_kernel = None  # Triton decode on CUDA where the format has one
-        self._warm_up = None  # compiles that kernel's variants, once, outside CUDA-graph capture
+        self._plan: registry.LayerPlan | None = None  # the registry's implementations for this layer
+        self._decode_kernel = None  # decode rows' kernel (None: the torch path takes the decodes)
+        self._prompt_kernel = None  # prompt tokens' kernel, as decode rows (None: the torch path)
         self._write = paged_torch.write_tokens
-        self._write_warm_up = None  # likewise for the write kernel
+        # compile the kernels' variants a step may launch, once, outside CUDA-graph capture
+        self._warm_ups: list = []
         self._kv_cache: torch.Tensor | None = None  # the tensor self._cache_pages views
         self._cache_pages: torch.Tensor | None = None
 
-    def _select_kernels(self, fmt: KVPageFormat, layer, device: torch.device) -> None:
-        """CUDA or Triton kernels on CUDA; KVCOMPRESS_KERNELS=torch keeps the torch reference (for
-        checking). KVCOMPRESS_WRITE and KVCOMPRESS_DECODE (auto, triton, cuda) pick the write's and
-        the decode rows' kernels: auto takes the CUDA kernel where it covers the format and nvcc exists."""
-        write = os.environ.get("KVCOMPRESS_WRITE", "auto")
-        cuda_jit.check_mode("KVCOMPRESS_WRITE", write, "write")
-        decode = os.environ.get("KVCOMPRESS_DECODE", "auto")
-        cuda_jit.check_mode("KVCOMPRESS_DECODE", decode, "decode")
-        if device.type != "cuda" or os.environ.get("KVCOMPRESS_KERNELS") == "torch":
-            for name, value in (("KVCOMPRESS_WRITE", write), ("KVCOMPRESS_DECODE", decode)):
-                if value == "cuda":
-                    raise ValueError(f"{name}=cuda: the cache is on {device.type}, the CUDA kernel needs a CUDA "
-                                     "device (and KVCOMPRESS_KERNELS unset)")
-            return
-        why_not = cuda_write.choose(write, fmt)
-        if fmt.recent is None:  # the Triton write kernel has no 16-bit recent ring yet (nor the CUDA one)
-            from .triton_kernels import write as triton_write
-            if why_not is None:  # built here, at startup
-                cuda_write.build()
-                self._write = cuda_write.write_tokens
-            else:
-                logger.info_once("kv-compression: cache write with the Triton kernel; the CUDA kernel: %s", why_not)
-                self._write = triton_write.write_tokens
-            if self._write is triton_write.write_tokens:
-                self._write_warm_up = triton_write.warm_up
-        if fmt.v is None:
-            from .triton_kernels.slim_decode import slim_decode, slim_kernel_supports
-            if slim_kernel_supports(fmt, getattr(layer, ATTRIBUTE).rotary) is None:
-                self._decode_kernel = slim_decode
-            return
-        from .triton_kernels.layout import kernel_supports
-        if kernel_supports(fmt) is None and self.sliding_window is None:  # the decode kernel reads whole contexts
-            from .triton_kernels.decode import paged_decode, warm_up
-            self._decode_kernel = paged_decode
-            self._warm_up = warm_up
-            why_not = cuda_decode.choose(decode, fmt, self.num_heads, self._dtype, device)
-            if why_not is None:  # built here, at startup; the Triton warm-up still compiles prompt rows' variants
-                cuda_decode.build()
-                self._decode_kernel = cuda_decode.paged_decode
-            else:
-                logger.info_once("kv-compression: decode rows with the Triton kernel; the CUDA kernel: %s", why_not)
+    def _plan_layer(self, fmt: KVPageFormat, layer, device: torch.device) -> registry.LayerPlan:
+        """Ask the registry which implementation serves each operation here; build and load those."""
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        slim = getattr(layer, ATTRIBUTE, None) if fmt.v is None else None
+        ctx = registry.LayerContext(registry.Device.of(device.type, capability), self._dtype, self.num_heads,
+                                    self.sliding_window, None if slim is None else slim.rotary)
+        plan = registry.plan(fmt, ctx, policy.current())
+        for choice in (plan.decode, plan.prompt, plan.write):
+            prepare = choice.implementation.load("prepare")
+            if prepare is not None:  # a CUDA kernel's build: at startup, not in the middle of serving
+                prepare()
+        self._decode_kernel = plan.decode.implementation.load()
+        self._prompt_kernel = plan.prompt.implementation.load()
+        self._write = plan.write.implementation.load()
+        decode_warm_ups = {c.implementation.load("warm_up") for c in (plan.decode, plan.prompt)} - {None}
+        self._warm_ups = [lambda pages, dtype, w=w: w(pages, fmt, self.num_heads, dtype) for w in decode_warm_ups]
+        write_warm_up = plan.write.implementation.load("warm_up")
+        if write_warm_up is not None:
+            self._warm_ups.append(lambda pages, dtype: write_warm_up(pages, fmt, dtype))
+        return plan
 
     def _page_format(self, layer, kv_cache: torch.Tensor) -> KVPageFormat:
         if self._format is None:
-            self._format = layer_page_format(self._config, extract_layer_index(layer.layer_name), self._dtype,
-                                             kv_cache.shape[2], self.num_kv_heads, self.head_size)
-            self._select_kernels(self._format, layer, kv_cache.device)
-            logger.info_once(
-                "kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens); decode with %s, "
-                "write with %s", kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}",
-                "the torch reference" if self._decode_kernel is None
-                else f"{self._decode_kernel.__module__}.{self._decode_kernel.__name__}",
-                f"{self._write.__module__}.{self._write.__name__}")
+            index = extract_layer_index(layer.layer_name)
+            self._format = layer_page_format(self._config, index, self._dtype, kv_cache.shape[2], self.num_kv_heads,
+                                             self.head_size)
+            self._plan = self._plan_layer(self._format, layer, kv_cache.device)
+            logger.info_once("kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens)",
+                             kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}")
+            logger.debug("kv-compression: layer %d: %s", index, self._plan.describe())
         return self._format
+
+    def _warm_up(self, pages: torch.Tensor, dtype: torch.dtype) -> None:
+        if self._warm_ups and not torch.cuda.is_current_stream_capturing():
+            for warm_up in self._warm_ups:
+                warm_up(pages, dtype)
+            self._warm_ups = []
 
     def _pages(self, kv_cache: torch.Tensor, fmt: KVPageFormat) -> torch.Tensor:
         """``[num_blocks, 1, block_size, slot elems]`` cache view -> ``[num_blocks, page_bytes]`` uint8,
@@ -308,9 +251,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         fmt = self._page_format(layer, kv_cache)
         n = slot_mapping.shape[0]
         pages = self._pages(kv_cache, fmt)
-        if self._write_warm_up is not None and not torch.cuda.is_current_stream_capturing():
-            self._write_warm_up(pages, fmt, key.dtype)
-            self._write_warm_up = None
+        self._warm_up(pages, key.dtype)
         self._write(pages, fmt, key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1),
                     slot_mapping)
 
@@ -328,9 +269,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         q = query[:t].view(t, self.num_heads, self.head_size)
         out = output[:t].view(t, self.num_heads, self.head_size)
         pages = self._pages(kv_cache, fmt)
-        if self._warm_up is not None and not torch.cuda.is_current_stream_capturing():
-            self._warm_up(pages, fmt, self.num_heads, q.dtype)
-            self._warm_up = None
+        self._warm_up(pages, q.dtype)
         slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
@@ -343,17 +282,12 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order)
         start = md.query_start_loc[nd]
         if start < t:  # prompt tokens (a full CUDA graph's padding has none)
-            if slim is None and self._decode_kernel is not None and (md.token_rows is not None
-                                                                       or md.first_chunks is not None):
-                if md.first_chunks is not None:  # every chunk as if it had no history
-                    prompt_attention.attend_first_chunks(q[start:], pages, fmt, md.slot_mapping[start:t],
-                                                         md.first_chunks, self.scale, out[start:])
-                rows = md.token_rows
-                if rows is not None:
-                    # prompt tokens as decode rows, in groups of a chunk's consecutive tokens (a launch
-                    # of their own: groups take more rows of products than a decode row needs)
-                    self._decode_kernel(q[start:], pages, fmt, rows.block_table, rows.seq_lens, self.scale,
-                                        rows.max_seq_len, out=out[start:], groups=rows.groups)
+            rows = md.token_rows
+            if self._prompt_kernel is not None and rows is not None:
+                # prompt tokens as decode rows, in groups of a chunk's consecutive tokens (a launch
+                # of their own: groups take more rows of products than a decode row needs)
+                self._prompt_kernel(q[start:], pages, fmt, rows.block_table, rows.seq_lens, self.scale,
+                                    rows.max_seq_len, out=out[start:], groups=rows.groups)
                 return output
             k_new = key[start:t].reshape(t - start, self.num_kv_heads, self.head_size)
             v_new = value[start:t].reshape(t - start, self.num_kv_heads, self.head_size)

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic.fields import FieldInfo
 
 BITS_ALLOWED = (2, 3, 4, 8, 16)
 Bits = Literal[2, 3, 4, 8, 16]
-# Presets live in the repository's configs/; a wheel ships them as package data.
-_PRESET_DIRS = (Path(__file__).resolve().parent.parent / "configs", Path(__file__).resolve().parent / "configs")
+# The presets: package data, the checkout's configs/ installed as this package (pyproject.toml).
+_PRESET_PACKAGE = "vllm_kvcompress.configs"
 
 
 class KVCompressionConfigError(ValueError):
@@ -73,19 +74,19 @@ class LayerFormat(BaseModel):
         return f"K{self.k_bits}/{self.k_axis} V{self.v_bits}/{self.v_axis}{scaling}{window}"
 
 
-class LayerOverride(BaseModel):
-    """Fields of :class:`LayerFormat` that differ for one layer."""
+def _overrides_of(model: type[BaseModel]) -> type[BaseModel]:
+    """A model with every field of ``model`` optional (None: not overridden), same types and bounds:
+    per-layer overrides follow the format model as it grows, and are checked when the file is read."""
+    fields = {}
+    for name, info in model.model_fields.items():
+        optional = FieldInfo.merge_field_infos(info, default=None)
+        optional.annotation = Optional[info.annotation]
+        fields[name] = (Optional[info.annotation], optional)
+    return create_model(f"{model.__name__}Override", __config__=ConfigDict(extra="forbid", frozen=True),
+                        __doc__=f"Fields of :class:`{model.__name__}` that differ for one layer.", **fields)
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    k_bits: Bits | None = None
-    v_bits: Bits | None = None
-    k_axis: Literal["channel", "token"] | None = None
-    v_axis: Literal["channel", "token"] | None = None
-    v_channel_scaling: bool | None = None
-    k_only: bool | None = None
-    rpc_fraction: float | None = Field(None, ge=0.0, le=1.0)
-    rpc_tokens: int | None = Field(None, ge=0)
+LayerOverride = _overrides_of(LayerFormat)
 
 
 class ModelIdentity(BaseModel):
@@ -181,14 +182,14 @@ def _read_file(path: Path) -> Any:
 
 
 def preset_names() -> list[str]:
-    return sorted({p.stem for d in _PRESET_DIRS for p in d.glob("*.yaml")})
+    from importlib.resources import files
+    return sorted(p.name.removesuffix(".yaml") for p in files(_PRESET_PACKAGE).iterdir() if p.name.endswith(".yaml"))
 
 
 def _preset_path(name: str) -> Path | None:
-    for d in _PRESET_DIRS:
-        if (d / f"{name}.yaml").is_file():
-            return d / f"{name}.yaml"
-    return None
+    from importlib.resources import files
+    path = files(_PRESET_PACKAGE) / f"{name}.yaml"
+    return Path(str(path)) if path.is_file() else None
 
 
 def load_config(spec: str | dict | KVCompressionConfig) -> KVCompressionConfig:

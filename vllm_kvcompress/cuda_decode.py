@@ -1,13 +1,14 @@
 """Decode attention as a CUDA kernel (``csrc/decode_kernel.cu``) for the formats where the Triton
 kernel leaves most speed behind: 4/4- and 2/2-bit pages, head size 128, pages of 64 or 128 tokens, one
-query head a KV head (MHA) or groups of 2 or 4 (GQA; 4 at 2 bits). Groups of 8 were no faster than
-the Triton kernel (``docs/benchmarks.md``) and stay with it. Built just in time with nvcc through
+query head a KV head (MHA) or groups of 2 or 4 (GQA; 4 at 2 bits); the kernel registry
+(``kernels.registry``) says which formats it serves. Groups of 8 were no faster than the Triton
+kernel (``docs/benchmarks.md``) and stay with it. Built just in time with nvcc through
 ``torch.utils.cpp_extension`` (cached by torch under ``TORCH_EXTENSIONS_DIR``) and called through
 ctypes, so the build includes no torch headers (a few seconds).
 
-``paged_decode`` has the Triton kernel's signature: decode rows (one token a request) go to the
-CUDA kernel, prompt tokens taken in groups (``groups``) to the Triton kernel. Splits of a long
-context are merged by a CUDA kernel launched in the same call.
+``paged_decode`` takes the Triton kernel's decode rows (one token a request; prompt tokens go to the
+Triton kernel's grouped rows). Splits of a long context are merged by a CUDA kernel launched in the
+same call.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import functools
 
 import torch
 
-from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
-from vllm_kvcompress.token_rows import TokenGroups
+from vllm_kvcompress.formats import KVPageFormat
 
 from . import cuda_jit
 from .launch_plans import LaunchPlans
-from .triton_kernels.layout import page_layout
+from .formats.layout import page_layout
 
 _LOG2E = 1.4426950408889634
-PAGE_SIZES = (64, 128)  # tokens a page (csrc/decode_kernel.cu's WarpSlices)
 # The split count aims for 4 programs a SM (the Triton kernel's rule asks for 2), and is at most the
 # longest context's 256-token pieces rounded up to a power of two, whatever the page size.
 # Decode alone in a CUDA graph, rows of up to 1,150 to 2,000 tokens, this gives the fastest count
@@ -35,61 +34,6 @@ PAGE_SIZES = (64, 128)  # tokens a page (csrc/decode_kernel.cu's WarpSlices)
 # "split counts for a few rows' decode").
 PROGRAMS_PER_SM = 4
 _TOKENS_A_SPLIT = 256
-
-
-def supports(fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype) -> str | None:
-    """None if the CUDA decode kernel reads this format's decode rows for queries of ``dtype``,
-    else why not."""
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"queries in {dtype} (bfloat16 or float16 only)"
-    if fmt.recent is not None:
-        return "recent 16-bit window (KVmix RPC)"
-    if fmt.v is None:
-        return "K-only pages (slim attention)"
-    for name, codec, axis in (("K", fmt.k, "channel"), ("V", fmt.v, "token")):
-        if not isinstance(codec, MinMaxCodec) or codec.bits not in (2, 4):
-            return f"{name} not at 2 or 4 bits"
-        if codec.axis != axis:
-            return f"{name} quantized per {codec.axis}"
-        if codec.channel_scaling:
-            return f"{name} with ZipCache channel scales"
-    if fmt.k.bits != fmt.v.bits:
-        return f"K at {fmt.k.bits} bits and V at {fmt.v.bits} (the same width only)"
-    group, rest = divmod(num_query_heads, fmt.k.num_heads)
-    groups = (1, 2, 4) if fmt.k.bits == 4 else (1, 4)
-    if rest or group not in groups:
-        return (f"{num_query_heads} query heads for {fmt.k.num_heads} KV heads "
-                f"({', '.join(map(str, groups))} query heads a KV head at {fmt.k.bits} bits)")
-    if fmt.k.head_size != 128:
-        return f"head size {fmt.k.head_size} (128 only)"
-    if fmt.block_size not in PAGE_SIZES:
-        return f"pages of {fmt.block_size} tokens ({' or '.join(map(str, PAGE_SIZES))} only)"
-    lay = page_layout(fmt)
-    if lay.v.token_group != 32:  # csrc/decode_kernel.cu's kTokenGroup
-        return f"V codes in groups of {lay.v.token_group} tokens (32 only)"
-    offsets = (fmt.page_bytes, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero)
-    if any(x % 16 for x in offsets):
-        return "page regions not on 16-byte boundaries"
-    return None
-
-
-def device_supported(device: torch.device) -> str | None:
-    """None if this device's compute capability runs the kernel (8.0 or later: mma.sync m16n8k16);
-    ``cuda_jit.choose`` refuses ROCm."""
-    if device.type != "cuda":
-        return "not an NVIDIA GPU"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 8:
-        return f"compute capability {major}.{minor} (8.0 or later)"
-    return None
-
-
-def choose(mode: str, fmt: KVPageFormat, num_query_heads: int, dtype: torch.dtype,
-           device: torch.device) -> str | None:
-    """Under ``KVCOMPRESS_DECODE=mode``: None if decode rows go to the CUDA kernel, else why they go
-    to the Triton one. ``cuda`` where the CUDA kernel cannot be used is refused."""
-    return cuda_jit.choose("KVCOMPRESS_DECODE", mode, "decode",
-                           lambda: supports(fmt, num_query_heads, dtype) or device_supported(device))
 
 
 class _DecodeArgs(ctypes.Structure):
@@ -150,14 +94,10 @@ def _plan(fmt: KVPageFormat, query: torch.Tensor, out: torch.Tensor, block_table
 
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
-                 out: torch.Tensor | None = None, groups: TokenGroups | None = None,
-                 row_order: torch.Tensor | None = None) -> torch.Tensor:
-    """``triton_kernels.decode.paged_decode``'s contract, for formats where ``supports`` is None;
-    ``groups`` (prompt tokens) go to the Triton kernel."""
+                 out: torch.Tensor | None = None, row_order: torch.Tensor | None = None) -> torch.Tensor:
+    """``triton_kernels.decode.paged_decode``'s contract for decode rows, for the formats the registry
+    gives this kernel."""
     triton_decode = cuda_jit.triton_kernels("decode")
-    if groups is not None:
-        return triton_decode.paged_decode(query, cache, fmt, block_table, seq_lens, sm_scale, max_seq_len,
-                                          num_splits=num_splits, out=out, groups=groups)
     query, q_stride, out = triton_decode.query_and_output(query, out)
     n, hq, _ = query.shape
     if n == 0:

@@ -3,10 +3,10 @@ through ``torch.utils.cpp_extension`` (cached by torch under ``TORCH_EXTENSIONS_
 through ctypes, so the build includes no torch headers.
 
 Same contract and bytes as ``paged_torch.write_tokens``. It covers 2-, 4- and 8-bit K and V with
-statistics per channel (append rule) or per token, head sizes 64, 128 and 256; ``supports`` says
-why not for the rest (3 bits, ZipCache channel scales, 16-bit tensors, the KVmix recent window),
-which the Triton kernel writes. ``KVCOMPRESS_WRITE`` picks it (``choose``): by default wherever it
-covers the format and nvcc exists (``docs/gpu.md`` has the timings against the Triton kernel).
+statistics per channel (append rule) or per token, head sizes 64, 128 and 256; the kernel registry
+(``kernels.registry``) says why not for the rest (3 bits, ZipCache channel scales, 16-bit tensors,
+the KVmix recent window), which the Triton kernel writes, and gives it every format it covers
+where nvcc exists unless ``KVCOMPRESS_WRITE=triton`` (``docs/gpu.md`` has the timings).
 """
 
 from __future__ import annotations
@@ -16,37 +16,11 @@ import functools
 
 import torch
 
-from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
+from vllm_kvcompress.formats import KVPageFormat
 
 from . import cuda_jit
 from .launch_plans import LaunchPlans
-from .triton_kernels.layout import page_layout
-
-def supports(fmt: KVPageFormat) -> str | None:
-    """None if the CUDA write kernel writes this format, else why not."""
-    if fmt.recent is not None:
-        return "recent 16-bit window (KVmix RPC)"
-    for name, codec in (("K", fmt.k), ("V", fmt.v)):
-        if codec is None:
-            continue
-        if not isinstance(codec, MinMaxCodec):
-            return f"{name} kept at 16 bits"
-        if codec.bits not in (2, 4, 8):
-            return f"{name} at {codec.bits} bits (2, 4 or 8 only)"
-        if codec.channel_scaling:
-            return f"{name} with ZipCache channel scales"
-    if fmt.k.head_size not in (64, 128, 256):
-        return f"head size {fmt.k.head_size} (64, 128 or 256 only)"
-    if fmt.page_bytes % 8:
-        return f"pages of {fmt.page_bytes} bytes (a multiple of 8 only)"
-    return None
-
-
-def choose(mode: str, fmt: KVPageFormat) -> str | None:
-    """Under ``KVCOMPRESS_WRITE=mode``: None if the cache write goes to the CUDA kernel, else why it
-    goes to the Triton one. ``cuda`` where the CUDA kernel cannot be used is refused."""
-    return cuda_jit.choose("KVCOMPRESS_WRITE", mode, "write", lambda: supports(fmt))
-
+from .formats.layout import page_layout
 
 class _TensorArgs(ctypes.Structure):
     """``csrc/write_kernel.cu``'s Tensor: a source [N, H, head_size] and its page layout."""
@@ -116,7 +90,7 @@ def _plan(fmt: KVPageFormat, slots: torch.Tensor, dtype: torch.dtype, stream: in
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """Same contract as ``paged_torch.write_tokens``, for formats where ``supports`` is None."""
+    """Same contract as ``paged_torch.write_tokens``, for the formats the registry gives this kernel."""
     n = slot_mapping.shape[0]
     if n == 0:
         return

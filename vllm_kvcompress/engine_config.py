@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import policy
 from .config import KVCompressionConfig, KVCompressionConfigError, load_config
 from .formats import KVPageFormat
+from .kernels import registry
 
 ADDITIONAL_CONFIG_KEY = "kv_compression"
 
@@ -39,21 +41,32 @@ class ModelKVShape:
     head_size: int
     dtype: torch.dtype
     block_size: int
+    num_query_heads: int = 0
+    sliding_windows: tuple[int | None, ...] = ()  # by layer (empty: none)
 
     @classmethod
     def of(cls, vllm_config) -> "ModelKVShape":
         mc = vllm_config.model_config
+        num_layers = mc.get_total_num_hidden_layers()
         return cls(
-            num_layers=mc.get_total_num_hidden_layers(),
+            num_layers=num_layers,
             num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
             head_size=mc.get_head_size(),
             dtype=mc.dtype,
             block_size=vllm_config.cache_config.block_size,
+            num_query_heads=mc.get_num_attention_heads(vllm_config.parallel_config),
+            sliding_windows=layer_sliding_windows(mc.hf_text_config, num_layers),
         )
+
+    def sliding_window(self, layer_index: int) -> int | None:
+        return self.sliding_windows[layer_index] if self.sliding_windows else None
 
     def page_format(self, cfg: KVCompressionConfig, layer_index: int) -> KVPageFormat:
         return layer_page_format(cfg, layer_index, self.dtype, self.block_size, self.num_kv_heads,
                                  self.head_size)
+
+    def layer_context(self, layer_index: int, device: "registry.Device") -> "registry.LayerContext":
+        return registry.LayerContext(device, self.dtype, self.num_query_heads, self.sliding_window(layer_index))
 
 
 def layer_page_format(cfg: KVCompressionConfig, layer_index: int, dtype: torch.dtype, block_size: int,
@@ -68,8 +81,38 @@ def layer_page_format(cfg: KVCompressionConfig, layer_index: int, dtype: torch.d
         raise KVCompressionConfigError(f"kv-compression config {cfg.source}: layer {layer_index}: {err}") from None
 
 
+def layer_sliding_windows(hf_text_config, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as the Hugging Face config states it: ``layer_types`` where it
+    names them (Gemma 3), else every layer or none (``use_sliding_window: false``, as Qwen2's)."""
+    window = getattr(hf_text_config, "sliding_window", None)
+    if not window or getattr(hf_text_config, "use_sliding_window", True) is False:
+        return ()
+    types = getattr(hf_text_config, "layer_types", None)
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types[:num_layers])
+    return (window,) * num_layers
+
+
+def layer_plans(vllm_config, device: "registry.Device | None" = None) -> list["registry.LayerPlan"]:
+    """What the kernel registry plans for each layer of this engine (``device``: the platform's)."""
+    cfg, shape = active_config(vllm_config), ModelKVShape.of(vllm_config)
+    if device is None:
+        device = platform_device()
+    return [registry.plan(shape.page_format(cfg, i), shape.layer_context(i, device), policy.current())
+            for i in range(shape.num_layers)]
+
+
+def platform_device() -> "registry.Device":
+    """The device this engine serves on, as the registry sees it, without initializing CUDA."""
+    from vllm.platforms import current_platform
+    if not current_platform.is_cuda():
+        return registry.Device.of("cpu")
+    cap = current_platform.get_device_capability()
+    return registry.Device.of("cuda", None if cap is None else (cap.major, cap.minor))
+
+
 def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[float, str]:
-    """(ratio of KV tokens vs. vLLM's 16-bit cache in the same memory, a log line)."""
+    """(ratio of KV tokens vs. vLLM's own cache in the model's dtype in the same memory, a log line)."""
     formats = [shape.page_format(cfg, i) for i in range(shape.num_layers)]
     ours = sum(f.page_bytes for f in formats)
     dense = sum(f.dense_page_bytes() for f in formats)
@@ -79,8 +122,9 @@ def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[floa
         counts[d] = counts.get(d, 0) + 1
     layers = ", ".join(f"{n} layers {d}" for d, n in counts.items())
     ratio = dense / ours
+    dtype = str(shape.dtype).removeprefix("torch.")
     line = (f"kv-compression '{cfg.name}': {layers}; block of {shape.block_size} tokens takes "
-            f"{ours:,} B over all layers instead of {dense:,} B at 16 bits: {ratio:.2f}x KV tokens in the same memory")
+            f"{ours:,} B over all layers instead of {dense:,} B in {dtype}: {ratio:.2f}x KV tokens in the same memory")
     return ratio, line
 
 
@@ -127,29 +171,24 @@ def check_slim_fits(cfg: KVCompressionConfig, vllm_config) -> None:
             f"but {mc.model} has attention_bias=true")
 
 
-CUDA_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def check_cuda_kernels(cfg: KVCompressionConfig, shape: ModelKVShape) -> list[str]:
-    """On CUDA: refuse shapes and dtypes the Triton kernels cannot read; return the layers that
-    decode through the torch reference path instead (formats without a kernel yet), with why."""
-    from .triton_kernels.layout import kernel_supports
-
-    if shape.dtype not in CUDA_DTYPES:
-        raise KVCompressionConfigError(
-            f"--dtype {shape.dtype} is not supported with --kv-compression on CUDA (allowed: float16, bfloat16)")
-    d = shape.head_size
-    if d & (d - 1) or not 64 <= d <= 256:
-        raise KVCompressionConfigError(
-            f"kv-compression config {cfg.source}: the model's head size {d} is not supported by the CUDA kernels "
-            "(allowed: 64, 128, 256); KVCOMPRESS_KERNELS=torch runs the slow torch reference path instead")
-    slow = []
+def kernel_report(cfg: KVCompressionConfig, shape: ModelKVShape, device: "registry.Device") -> list[str]:
+    """The startup log block: per run of layers with the same format and plan, what runs each
+    operation and why any implementation was passed over. Refuses a model the device's kernels
+    cannot serve at all."""
+    why = registry.model_refusal(shape.dtype, shape.head_size, device, policy.current())
+    if why is not None:
+        raise KVCompressionConfigError(f"kv-compression config {cfg.source}: {why}")
+    rows: list[list] = []  # [first, last, text]
     for i in range(shape.num_layers):
         fmt = shape.page_format(cfg, i)
-        reason = None if fmt.v is None else kernel_supports(fmt)  # K-only layers: checked at load (RoPE)
-        if reason is not None:
-            slow.append(f"layer {i} ({reason})")
-    return slow
+        text = (f"{cfg.layer_format(i).describe()}: "
+                f"{registry.plan(fmt, shape.layer_context(i, device), policy.current()).describe()}")
+        if rows and rows[-1][2] == text:
+            rows[-1][1] = i
+        else:
+            rows.append([i, i, text])
+    span = lambda a, b: f"layer {a}" if a == b else f"layers {a}-{b}"  # noqa: E731
+    return [f"kv-compression kernels on {device.type}:"] + [f"  {span(a, b)}: {text}" for a, b, text in rows]
 
 
 def validate_against_model(cfg: KVCompressionConfig, vllm_config) -> None:

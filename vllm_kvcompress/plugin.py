@@ -9,15 +9,15 @@ plugin leaves vLLM as it is.
 from __future__ import annotations
 
 import logging
-import os
 
 from .engine_config import (
     ADDITIONAL_CONFIG_KEY,
     ModelKVShape,
     active_config,
     capacity_report,
-    check_cuda_kernels,
+    kernel_report,
     layer_page_format,
+    platform_device,
     requested_setting,
     validate_against_model,
 )
@@ -140,8 +140,6 @@ def _hook_platform() -> None:
 
 def activate(vllm_config) -> None:
     """Resolve and check the setting once per engine, and say what it does."""
-    from vllm.platforms import current_platform
-
     cfg = active_config(vllm_config)
     validate_against_model(cfg, vllm_config)
     cache_config = vllm_config.cache_config
@@ -150,13 +148,10 @@ def activate(vllm_config) -> None:
         cache_config.block_size = PAGE_TOKENS  # what vLLM asks the backend for later; the report below uses it
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(mode="json") | {"source": cfg.source}
     shape = ModelKVShape.of(vllm_config)
-    if current_platform.is_cuda() and os.environ.get("KVCOMPRESS_KERNELS") != "torch":
-        slow = check_cuda_kernels(cfg, shape)
-        if slow:
-            logger.warning("kv-compression: %d layers have no CUDA kernel for their format yet and run the much "
-                           "slower torch reference path: %s", len(slow), ", ".join(slow))
+    kernels = kernel_report(cfg, shape, platform_device())
     ratio, line = capacity_report(cfg, shape)
     logger.info("%s (config: %s)", line, cfg.source)
+    logger.info("\n".join(kernels))
     vllm_config.additional_config["kv_compression_capacity_ratio"] = round(ratio, 4)
 
 

@@ -35,19 +35,17 @@ class TokenGroups:
 
 @dataclass
 class TokenRows:
-    seq_lens: torch.Tensor     # [T] int32: context length each token sees, itself included (0: not selected)
+    seq_lens: torch.Tensor     # [T] int32: context length each token sees, itself included
     block_table: torch.Tensor  # [T, max_blocks] int32: its request's row of the block table
     max_seq_len: int
     groups: TokenGroups | None  # None: one token per program
 
 
 def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table: torch.Tensor,
-               max_seq_len: int, rows_per_group: int = 1, selected: list[bool] | None = None) -> TokenRows:
+               max_seq_len: int, rows_per_group: int = 1) -> TokenRows:
     """``query_start_host``: the R chunks' token offsets on the host, from 0 ([R+1]); ``seq_lens``
     [R] and ``block_table`` [R, max_blocks] on the device. A request's tokens are grouped
-    ``rows_per_group`` at a time from its first (1 and no ``selected``: not grouped). With
-    ``selected`` ([R]), only the chunks it marks get groups, so only their tokens are launched
-    (``max_seq_len`` then bounds theirs), and the others' tokens have context 0."""
+    ``rows_per_group`` at a time from its first (1: not grouped)."""
     starts = np.asarray(query_start_host, dtype=np.int32)
     q_lens = np.diff(starts)
     num_tokens = int(starts[-1])
@@ -55,21 +53,15 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
     offset = np.arange(num_tokens, dtype=np.int32) - starts[request]
     q_len = q_lens[request]  # of each token's chunk
     parts = [request, offset + 1 - q_len]  # a token's context: its request's, less the chunk's later tokens
-    if rows_per_group > 1 or selected is not None:
+    if rows_per_group > 1:
         per_request = -(-q_lens // rows_per_group)
-        if selected is not None:
-            per_request = np.where(selected, per_request, 0)
         first_group = np.repeat(np.cumsum(per_request) - per_request, per_request)
         group_starts = (np.repeat(starts[:-1], per_request)
                         + (np.arange(len(first_group), dtype=np.int32) - first_group) * rows_per_group)
         parts += [np.where(offset % rows_per_group == 0, np.minimum(q_len - offset, rows_per_group), 0),
                   group_starts]
-    if selected is not None:  # the other chunks' tokens: context 0, which the split merge leaves alone
-        parts.append(np.repeat(np.asarray(selected, dtype=np.int32), q_lens))
     request_dev, shift, *grouping = _to_device(parts, seq_lens.device)
     token_lens = seq_lens[request_dev] + shift
-    if selected is not None:
-        token_lens = token_lens * grouping.pop()
     groups = TokenGroups(grouping[0], grouping[1], rows_per_group) if grouping else None
     return TokenRows(token_lens.to(torch.int32), block_table[request_dev], max_seq_len, groups)
 

@@ -11,27 +11,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import ClassVar, Literal, Protocol
 
 import torch
 
+from .layout import TOKEN_GROUP, TOKEN_GROUP_BITS, Regions, TensorLayout
 from .packing import pack, packed_row_bytes, three_bit_slot_is_narrow, unpack
 
 Axis = Literal["channel", "token"]
 _SCALE_DTYPE = torch.float16
-_EPS = 1e-6
+EPS = 1e-6  # the smallest scale
 # A widened K channel's grid reaches this share of its span further out on each side its new values
 # passed, so that the next tokens of a drifting channel fit it (docs/formats.md: on a real model's
 # keys at 4 bits, 48% fewer rows re-encoded and a smaller error than the bare span). A power of two,
 # so that the product is exact and an FMA in a kernel rounds as the reference does.
 WIDEN_MARGIN = 0.125
-# Tokens of a group of 2- and 4-bit codes with statistics per token (``MinMaxCodec.token_group``):
-# a decoding token's write touches a quarter of the 128-byte lines it would touch with the block's
-# tokens together, and a warp's loads of 16 tokens a lane still cover whole lines (docs/formats.md).
-TOKEN_GROUP = 32
-TOKEN_GROUP_BITS = (2, 4)
-
-
 def widened_span(lo: torch.Tensor, hi: torch.Tensor, zero: torch.Tensor, grid_top: torch.Tensor):
     """The bounds a widened channel's grid spans: its stored grid ``zero .. grid_top`` and its new
     values ``lo .. hi``, moved out by ``WIDEN_MARGIN`` of that span on each side the new values pass
@@ -46,27 +40,54 @@ def _valid_mask(num_valid: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.arange(block_size, device=num_valid.device)[None, :] < num_valid[:, None]
 
 
-class _Layout:
-    """Named byte regions laid end to end, each aligned to 16 bytes."""
+class Codec(Protocol):
+    """What a page format needs of a codec: its size, its torch reference, and where its regions lie
+    (``tensor_layout``, which every kernel reads). New codecs register with ``register_codec``."""
 
-    def __init__(self, regions: list[tuple[str, int]]):
-        self.offsets: dict[str, tuple[int, int]] = {}
-        pos = 0
-        for name, size in regions:
-            self.offsets[name] = (pos, size)
-            pos += -(-size // 16) * 16
-        self.nbytes = pos
+    name: ClassVar[str]
+    bits: int
+    block_size: int
+    num_heads: int
+    head_size: int
 
-    def view(self, pages: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        start, size = self.offsets[name]
-        raw = pages[:, start:start + size].contiguous()
-        return raw.view(dtype).reshape(pages.shape[0], *shape)
+    @property
+    def nbytes(self) -> int: ...
 
-    def write(self, pages: torch.Tensor, name: str, value: torch.Tensor) -> None:
-        start, size = self.offsets[name]
-        pages[:, start:start + size] = value.contiguous().view(torch.uint8).reshape(pages.shape[0], size)
+    def encode(self, x: torch.Tensor, num_valid: torch.Tensor, stored: torch.Tensor | None = None,
+               num_stored: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def decode(self, pages: torch.Tensor) -> torch.Tensor: ...
+
+    def tensor_layout(self, base: int) -> TensorLayout: ...
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """How one tensor (K or V) of a layer is stored, as a config states it."""
+    bits: int
+    axis: Axis = "channel"
+    channel_scaling: bool = False
+
+    @property
+    def codec(self) -> str:
+        """The registered codec that stores it."""
+        return UncompressedCodec.name if self.bits == 16 else MinMaxCodec.name
+
+
+CODECS: dict[str, type] = {}
+
+
+def register_codec(cls: type) -> type:
+    """Make ``cls`` (a ``Codec`` with a ``from_spec`` constructor) available under ``cls.name``."""
+    CODECS[cls.name] = cls
+    return cls
+
+
+def make_codec(spec: TensorSpec, dtype: torch.dtype, block_size: int, num_heads: int, head_size: int) -> Codec:
+    return CODECS[spec.codec].from_spec(spec, dtype, block_size, num_heads, head_size)
+
+
+@register_codec
 @dataclass(frozen=True)
 class UncompressedCodec:
     """Uncompressed: the model's own values, in its dtype ("16 bits" in configs)."""
@@ -76,7 +97,13 @@ class UncompressedCodec:
     num_heads: int
     head_size: int
 
+    name: ClassVar[str] = "raw"
     bits = 16
+
+    @classmethod
+    def from_spec(cls, spec: TensorSpec, dtype: torch.dtype, block_size: int, num_heads: int,
+                  head_size: int) -> "UncompressedCodec":
+        return cls(dtype, block_size, num_heads, head_size)
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +121,11 @@ class UncompressedCodec:
         y = pages.contiguous().view(self.dtype)
         return y.reshape(pages.shape[0], self.block_size, self.num_heads, self.head_size).float()
 
+    def tensor_layout(self, base: int) -> TensorLayout:
+        return TensorLayout(16, base, self.head_size * self.dtype.itemsize)
 
+
+@register_codec
 @dataclass(frozen=True)
 class MinMaxCodec:
     """Asymmetric min-max integer quantization, packed.
@@ -126,6 +157,13 @@ class MinMaxCodec:
     num_heads: int
     head_size: int
 
+    name: ClassVar[str] = "minmax"
+
+    @classmethod
+    def from_spec(cls, spec: TensorSpec, dtype: torch.dtype, block_size: int, num_heads: int,
+                  head_size: int) -> "MinMaxCodec":
+        return cls(spec.bits, spec.axis, spec.channel_scaling, block_size, num_heads, head_size)
+
     @property
     def token_group(self) -> int:
         """Tokens whose codes of one storage unit lie together where statistics are per token:
@@ -135,18 +173,25 @@ class MinMaxCodec:
         return TOKEN_GROUP if grouped else self.block_size
 
     @cached_property  # read by every kernel launch (page offsets)
-    def _layout(self) -> _Layout:
+    def regions(self) -> Regions:
         B, H, D = self.block_size, self.num_heads, self.head_size
         stat_shape = H * D if self.axis == "channel" else B * H
         regions = [("codes", B * H * packed_row_bytes(D, self.bits)),
                    ("scale", stat_shape * 2), ("zero", stat_shape * 2)]
         if self.channel_scaling:
             regions.append(("channel_scale", H * D * 2))
-        return _Layout(regions)
+        return Regions(regions)
 
     @property
     def nbytes(self) -> int:
-        return self._layout.nbytes
+        return self.regions.nbytes
+
+    def tensor_layout(self, base: int) -> TensorLayout:
+        at = self.regions.start
+        return TensorLayout(self.bits, base + at("codes"), packed_row_bytes(self.head_size, self.bits),
+                            base + at("scale"), base + at("zero"),
+                            base + at("channel_scale") if self.channel_scaling else -1,
+                            self.token_group if self.axis == "token" else 0)
 
     def levels(self, device=None) -> torch.Tensor:
         """[D] highest code per channel (7 or 3 for the narrow 3-bit slots)."""
@@ -170,11 +215,11 @@ class MinMaxCodec:
         N, B, H, D = x.shape
         x = x.float()
         mask = _valid_mask(num_valid, B)[:, :, None, None]
-        layout = self._layout
+        layout = self.regions
         pages = torch.zeros(N, layout.nbytes, dtype=torch.uint8, device=x.device)
         if self.channel_scaling:
             # sqrt in float64: some CPU builds of torch round float32 sqrt inexactly; kernels use IEEE sqrt
-            c = torch.where(mask, x.abs(), 0).amax(dim=1).clamp_min(_EPS).double().sqrt().float().to(_SCALE_DTYPE)
+            c = torch.where(mask, x.abs(), 0).amax(dim=1).clamp_min(EPS).double().sqrt().float().to(_SCALE_DTYPE)
             layout.write(pages, "channel_scale", c)
             x = x / c.float()[:, None]
         full_levels = float((1 << self.bits) - 1)
@@ -197,7 +242,7 @@ class MinMaxCodec:
         mn = torch.where(torch.isfinite(mn), mn, 0)
         mx = torch.where(torch.isfinite(mx), mx, 0)
         zero = mn.to(_SCALE_DTYPE).float()
-        scale = ((mx - zero) / full_levels).clamp_min(_EPS).to(_SCALE_DTYPE).float()
+        scale = ((mx - zero) / full_levels).clamp_min(EPS).to(_SCALE_DTYPE).float()
         keep = None
         if appending:
             keep = self._grid_kept(x, stat_rows, old_zero, old_scale * ratio) & has_stored
@@ -241,10 +286,10 @@ class MinMaxCodec:
         B, H, D = self.block_size, self.num_heads, self.head_size
         R = packed_row_bytes(D, self.bits)
         if self.axis == "channel":
-            rows = self._layout.view(pages, "codes", torch.uint8, (H, B, R)).transpose(1, 2)
+            rows = self.regions.view(pages, "codes", torch.uint8, (H, B, R)).transpose(1, 2)
         else:
             ub, g = self._unit_bytes(), self.token_group
-            units = self._layout.view(pages, "codes", torch.uint8, (H, B // g, R // ub, g, ub))
+            units = self.regions.view(pages, "codes", torch.uint8, (H, B // g, R // ub, g, ub))
             rows = units.permute(0, 2, 4, 1, 3, 5).reshape(pages.shape[0], B, H, R)
         return unpack(rows, self.bits, D)
 
@@ -258,12 +303,12 @@ class MinMaxCodec:
         """Back to [N, 1, H, D] (per channel) or [N, B, H, 1] (per token), float32."""
         B, H, D = self.block_size, self.num_heads, self.head_size
         if self.axis == "channel":
-            return self._layout.view(pages, name, _SCALE_DTYPE, (1, H, D)).float()
-        return self._layout.view(pages, name, _SCALE_DTYPE, (H, B, 1)).transpose(1, 2).float()
+            return self.regions.view(pages, name, _SCALE_DTYPE, (1, H, D)).float()
+        return self.regions.view(pages, name, _SCALE_DTYPE, (H, B, 1)).transpose(1, 2).float()
 
     def decode(self, pages: torch.Tensor) -> torch.Tensor:
         H, D = self.num_heads, self.head_size
-        layout = self._layout
+        layout = self.regions
         codes = self._page_codes(pages).float()
         scale = self._stats_from_page(pages, "scale")
         zero = self._stats_from_page(pages, "zero")

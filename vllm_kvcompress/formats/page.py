@@ -22,20 +22,13 @@ from functools import cached_property
 
 import torch
 
-from .codecs import UncompressedCodec, MinMaxCodec
-
-
-def make_codec(bits: int, axis: str, channel_scaling: bool, dtype: torch.dtype,
-               block_size: int, num_heads: int, head_size: int):
-    if bits == 16:
-        return UncompressedCodec(dtype, block_size, num_heads, head_size)
-    return MinMaxCodec(bits, axis, channel_scaling, block_size, num_heads, head_size)
+from .codecs import Codec, TensorSpec, UncompressedCodec, make_codec
 
 
 @dataclass(frozen=True)
 class KVPageFormat:
-    k: UncompressedCodec | MinMaxCodec
-    v: UncompressedCodec | MinMaxCodec | None  # None: K-only page (slim attention rebuilds V)
+    k: Codec
+    v: Codec | None  # None: K-only page (slim attention rebuilds V)
     block_size: int
     dtype: torch.dtype
     recent: UncompressedCodec | None = None  # ring of 16-bit copies: K's heads, then V's
@@ -44,9 +37,9 @@ class KVPageFormat:
     @classmethod
     def from_layer_format(cls, fmt, dtype: torch.dtype, block_size: int, num_kv_heads: int,
                           head_size: int) -> "KVPageFormat":
-        k = make_codec(fmt.k_bits, fmt.k_axis, False, dtype, block_size, num_kv_heads, head_size)
-        v = None if fmt.k_only else make_codec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling, dtype, block_size,
-                                               num_kv_heads, head_size)
+        k = make_codec(TensorSpec(fmt.k_bits, fmt.k_axis), dtype, block_size, num_kv_heads, head_size)
+        v = None if fmt.k_only else make_codec(TensorSpec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling), dtype,
+                                               block_size, num_kv_heads, head_size)
         if not fmt.has_recent_window:
             return cls(k, v, block_size, dtype)
         if fmt.rpc_tokens >= block_size:

@@ -1,0 +1,1 @@
+"""The kernel registry: which implementation serves each (page format, operation, device)."""

@@ -1,0 +1,295 @@
+"""Which implementation runs each operation on a layer's pages: the one place that decides.
+
+Implementations are registered for an (operation, device) pair in order of preference. Each says why
+it cannot serve a page format in a given context (``None``: it can); ``plan`` takes the first that
+can and keeps the reasons of those it passed over, which the startup log prints. The backend asks
+``plan`` and nothing else; the environment reaches this module only as a ``KernelPolicy``.
+
+Operations: ``decode`` (one new token a request), ``prompt`` (a prefill chunk's tokens), ``write``
+(new tokens into the pages). Devices: ``cuda`` and ``cpu`` (everything else takes the torch path).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import TOKEN_GROUP, KVPageFormat, MinMaxCodec, UncompressedCodec, page_layout
+from ..policy import KernelPolicy, PolicyError
+
+OPERATIONS = ("decode", "prompt", "write")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# csrc/decode_kernel.cu: head size 128, pages of 64 or 128 tokens (its WarpSlices), query heads a KV head
+CUDA_DECODE_HEAD = 128
+CUDA_DECODE_PAGES = (64, 128)
+CUDA_DECODE_GROUPS = {4: (1, 2, 4), 2: (1, 4)}
+CUDA_WRITE_HEADS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the machine allows, apart from the format."""
+    type: str                                # "cuda" or "cpu"
+    capability: tuple[int, int] | None = None  # NVIDIA compute capability
+    hip: bool = False                        # a ROCm build of torch
+    nvcc: bool = False                       # a CUDA compiler for the CUDA kernels' build
+
+    @classmethod
+    def of(cls, device_type: str, capability: tuple[int, int] | None = None) -> "Device":
+        if device_type != "cuda":
+            return cls(device_type)
+        from ..cuda_jit import nvcc_available
+        return cls("cuda", capability, torch.version.hip is not None, nvcc_available())
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What besides the page format decides a layer's implementations."""
+    device: Device
+    dtype: torch.dtype                # queries and new K/V (the model's dtype)
+    num_query_heads: int
+    sliding_window: int | None = None
+    # slim attention's RoPE (``SlimLayer.rotary``), attached at model load; None before (not checked)
+    rotary: object | None = None
+
+
+@dataclass(frozen=True)
+class Implementation:
+    operation: str
+    device: str
+    name: str
+    # why it cannot serve ``fmt`` in ``ctx`` (None: it can)
+    why_not: Callable[[KVPageFormat, LayerContext], str | None]
+    entry: str | None = None      # "module:function" the backend calls (None: the backend's torch path)
+    prepare: str | None = None    # "module:function" run once at startup (a CUDA kernel's build)
+    warm_up: str | None = None    # "module:function" that compiles the variants a step may launch
+    cuda_graphs: bool = False     # runs inside a full CUDA graph of decode-only steps
+    needs_nvcc: bool = False
+
+    def load(self, what: str = "entry") -> Callable | None:
+        path = getattr(self, what)
+        if path is None:
+            return None
+        module, function = path.split(":")
+        return getattr(importlib.import_module(module), function)
+
+
+@dataclass(frozen=True)
+class Choice:
+    implementation: Implementation
+    passed_over: tuple[tuple[str, str], ...] = ()  # (name, why not) of those preferred to it
+
+    @property
+    def name(self) -> str:
+        return self.implementation.name
+
+    def describe(self) -> str:
+        """``torch (not cuda, triton: recent 16-bit window ...)``: each reason once, with the names it stopped."""
+        names: dict[str, list[str]] = {}
+        for name, reason in self.passed_over:
+            names.setdefault(reason, []).append(name)
+        why = "; ".join(f"not {', '.join(n)}: {reason}" for reason, n in names.items())
+        return self.name + (f" ({why})" if why else "")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    decode: Choice
+    prompt: Choice
+    write: Choice
+
+    def describe(self) -> str:
+        return ", ".join(f"{op} {getattr(self, op).describe()}" for op in OPERATIONS)
+
+
+_REGISTRY: list[Implementation] = []
+
+
+def register(impl: Implementation) -> Implementation:
+    """Add ``impl`` after the implementations already registered for its operation and device."""
+    if impl.operation not in OPERATIONS:
+        raise ValueError(f"operation {impl.operation!r}: allowed: {', '.join(OPERATIONS)}")
+    _REGISTRY.append(impl)
+    return impl
+
+
+def implementations(operation: str, device: str) -> list[Implementation]:
+    return [i for i in _REGISTRY if i.operation == operation and i.device == device]
+
+
+def _choose(operation: str, fmt: KVPageFormat, ctx: LayerContext, policy: KernelPolicy) -> Choice:
+    passed = []
+    candidates = implementations(operation, ctx.device.type) or implementations(operation, "cpu")
+    mode = policy.mode(operation)
+    for impl in candidates:
+        why = _policy_refuses(impl, ctx, policy) or impl.why_not(fmt, ctx)
+        if why is None:
+            if mode == "cuda" and impl.name != "cuda":
+                where = dict(passed).get("cuda", f"the cache is on {ctx.device.type}, not a CUDA device")
+                raise PolicyError(f"{policy.variable(operation)}=cuda: the CUDA {operation} kernel cannot be used: "
+                                  f"{where}; allowed: 'auto' or 'triton' (the Triton kernel)")
+            return Choice(impl, tuple(passed))
+        passed.append((impl.name, why))
+    raise LookupError(f"no {operation} implementation for {ctx.device.type}")  # torch serves every format
+
+
+def _policy_refuses(impl: Implementation, ctx: LayerContext, policy: KernelPolicy) -> str | None:
+    if impl.name == "torch":
+        return None
+    if policy.reference_only:
+        return "KVCOMPRESS_KERNELS=torch"
+    if impl.name == "cuda":
+        if policy.mode(impl.operation) == "triton":
+            return f"{policy.variable(impl.operation)}=triton"
+        if ctx.device.hip:
+            return "not an NVIDIA GPU"
+        if impl.needs_nvcc and not ctx.device.nvcc:
+            return "no nvcc (set CUDA_HOME to a CUDA toolkit)"
+    return None
+
+
+def plan(fmt: KVPageFormat, ctx: LayerContext, policy: KernelPolicy) -> LayerPlan:
+    """The implementation of each operation for one layer; a policy that asks for what cannot serve
+    is refused (``PolicyError``)."""
+    decode = _choose("decode", fmt, ctx, policy)
+    prompt = _choose("prompt", fmt, ctx, policy)
+    if decode.name == "torch" and prompt.name != "torch":  # the torch path attends a step's tokens together
+        prompt = Choice(implementations("prompt", ctx.device.type)[-1], prompt.passed_over
+                        + ((prompt.name, "decodes take the torch path"),))
+    return LayerPlan(decode, prompt, _choose("write", fmt, ctx, policy))
+
+
+def model_refusal(dtype: torch.dtype, head_size: int, device: Device, policy: KernelPolicy) -> str | None:
+    """Why the kernels of ``device`` cannot serve this model at all (the engine is refused), or None."""
+    if device.type != "cuda" or policy.reference_only:
+        return None
+    if dtype not in KERNEL_DTYPES:
+        return f"--dtype {dtype} is not supported with --kv-compression on CUDA (allowed: float16, bfloat16)"
+    if head_size & (head_size - 1) or not 64 <= head_size <= 256:
+        return (f"the model's head size {head_size} is not supported by the CUDA kernels (allowed: 64, 128, 256); "
+                "KVCOMPRESS_KERNELS=torch runs the slow torch reference path instead")
+    return None
+
+
+# --- what each implementation serves -------------------------------------------------------------
+
+def _triton_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    if fmt.recent is not None:
+        return "recent 16-bit window (KVmix RPC)"
+    if fmt.v is None:
+        return "K-only pages (slim attention)"
+    if isinstance(fmt.k, MinMaxCodec) and fmt.k.axis != "channel":
+        return "K quantized per token"
+    if isinstance(fmt.v, MinMaxCodec) and fmt.v.axis != "token":
+        return "V quantized per channel"
+    d = fmt.k.head_size
+    if d & (d - 1):
+        return f"head size {d} (powers of two only)"
+    if ctx.sliding_window is not None:
+        return "sliding-window layer (the kernel reads whole contexts)"
+    return None
+
+
+def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    why = _triton_decode(fmt, ctx)
+    if why is not None:
+        return why
+    if ctx.dtype not in KERNEL_DTYPES:
+        return f"queries in {ctx.dtype} (bfloat16 or float16 only)"
+    for name, codec, axis in (("K", fmt.k, "channel"), ("V", fmt.v, "token")):
+        if not isinstance(codec, MinMaxCodec) or codec.bits not in CUDA_DECODE_GROUPS:
+            return f"{name} not at 2 or 4 bits"
+        if codec.channel_scaling:
+            return f"{name} with ZipCache channel scales"
+    if fmt.k.bits != fmt.v.bits:
+        return f"K at {fmt.k.bits} bits and V at {fmt.v.bits} (the same width only)"
+    group, rest = divmod(ctx.num_query_heads, fmt.k.num_heads)
+    groups = CUDA_DECODE_GROUPS[fmt.k.bits]
+    if rest or group not in groups:
+        return (f"{ctx.num_query_heads} query heads for {fmt.k.num_heads} KV heads "
+                f"({', '.join(map(str, groups))} query heads a KV head at {fmt.k.bits} bits)")
+    if fmt.k.head_size != CUDA_DECODE_HEAD:
+        return f"head size {fmt.k.head_size} ({CUDA_DECODE_HEAD} only)"
+    if fmt.block_size not in CUDA_DECODE_PAGES:
+        return f"pages of {fmt.block_size} tokens ({' or '.join(map(str, CUDA_DECODE_PAGES))} only)"
+    lay = page_layout(fmt)
+    if lay.v.token_group != TOKEN_GROUP:
+        return f"V codes in groups of {lay.v.token_group} tokens ({TOKEN_GROUP} only)"
+    offsets = (fmt.page_bytes, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero)
+    if any(x % 16 for x in offsets):
+        return "page regions not on 16-byte boundaries"
+    cap = ctx.device.capability
+    if cap is not None and cap < (8, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (8.0 or later: mma.sync m16n8k16)"
+    return None
+
+
+def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    if fmt.v is not None:
+        return "pages hold V (K-only pages only)"
+    if not isinstance(fmt.k, UncompressedCodec):
+        return f"{fmt.k.bits}-bit K (the kernels read 16-bit K pages)"
+    rotary = ctx.rotary
+    if rotary is not None and (not rotary.neox or rotary.rotary_dim != fmt.k.head_size):
+        return "RoPE other than NeoX style over the whole head"
+    d = fmt.k.head_size
+    if d & (d - 1) or d < 32:
+        return f"head size {d} (powers of two from 32)"
+    return None
+
+
+def _prompt_rows(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    return _triton_decode(fmt, ctx)
+
+
+def _triton_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    return "recent 16-bit window (KVmix RPC)" if fmt.recent is not None else None
+
+
+def _cuda_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    if fmt.recent is not None:
+        return "recent 16-bit window (KVmix RPC)"
+    for name, codec in (("K", fmt.k), ("V", fmt.v)):
+        if codec is None:
+            continue
+        if not isinstance(codec, MinMaxCodec):
+            return f"{name} kept at 16 bits"
+        if codec.bits not in (2, 4, 8):
+            return f"{name} at {codec.bits} bits (2, 4 or 8 only)"
+        if codec.channel_scaling:
+            return f"{name} with ZipCache channel scales"
+    if fmt.k.head_size not in CUDA_WRITE_HEADS:
+        return f"head size {fmt.k.head_size} ({', '.join(map(str, CUDA_WRITE_HEADS))} only)"
+    if fmt.page_bytes % 8:
+        return f"pages of {fmt.page_bytes} bytes (a multiple of 8 only)"
+    return None
+
+
+def _always(fmt: KVPageFormat, ctx: LayerContext) -> None:
+    return None
+
+
+_TRITON = "vllm_kvcompress.triton_kernels"
+for _impl in (
+    Implementation("decode", "cuda", "cuda", _cuda_decode, "vllm_kvcompress.cuda_decode:paged_decode",
+                   prepare="vllm_kvcompress.cuda_decode:build", cuda_graphs=True, needs_nvcc=True),
+    Implementation("decode", "cuda", "triton", _triton_decode, f"{_TRITON}.decode:paged_decode",
+                   warm_up=f"{_TRITON}.decode:warm_up", cuda_graphs=True),
+    Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode"),
+    Implementation("decode", "cuda", "torch", _always),
+    Implementation("decode", "cpu", "torch", _always),
+    Implementation("prompt", "cuda", "triton-rows", _prompt_rows, f"{_TRITON}.decode:paged_decode",
+                   warm_up=f"{_TRITON}.decode:warm_up"),
+    Implementation("prompt", "cuda", "torch", _always),
+    Implementation("prompt", "cpu", "torch", _always),
+    Implementation("write", "cuda", "cuda", _cuda_write, "vllm_kvcompress.cuda_write:write_tokens",
+                   prepare="vllm_kvcompress.cuda_write:build", needs_nvcc=True),
+    Implementation("write", "cuda", "triton", _triton_write, f"{_TRITON}.write:write_tokens",
+                   warm_up=f"{_TRITON}.write:warm_up"),
+    Implementation("write", "cuda", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
+    Implementation("write", "cpu", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
+):
+    register(_impl)
