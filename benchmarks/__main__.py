@@ -8,19 +8,12 @@
     python -m benchmarks kvmix [--small]        KVmix profiled bits vs uniform 2-bit vs random high-bit layers
 """
 
+import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
-# `python -m` puts the checkout root first on sys.path, where the checkout's triton_kernels/ folder
-# would shadow the upstream package of that name that vLLM imports (its MoE kernels). This package
-# is already imported by now and finds its own modules through its __path__, so the root can go.
-_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-
-from . import report, settings  # noqa: E402
+from . import report, settings
 
 BENCHES = ("throughput", "serve", "kernels", "quality", "kvmix")
 DEFAULT_SETTINGS = {

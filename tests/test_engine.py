@@ -23,7 +23,7 @@ def stock_run(mha):
 def test_installed_but_unconfigured_is_stock_vllm(mha, stock_run):
     """Plugin loaded, no setting: same backend, tokens, logprobs and capacity as vLLM without the plugin."""
     code = (
-        "import os, sys, json; sys.path.insert(0, 'tests');"
+        "import os, sys, json;"
         "from engine_utils import engine, greedy, kv_capacity_tokens, attention_backends;"
         f"from test_engine import PROMPTS\n"
         "if __name__ == '__main__':\n"
@@ -31,7 +31,8 @@ def test_installed_but_unconfigured_is_stock_vllm(mha, stock_run):
         "        print('RESULT', json.dumps([greedy(llm, PROMPTS), kv_capacity_tokens(llm), sorted(attention_backends(llm))]))\n"
         "        import vllm.plugins, importlib.metadata as md\n"
         "        print('PLUGINS', [e.name for e in md.entry_points(group='vllm.general_plugins')])")
-    env = {**__import__("os").environ, "VLLM_PLUGINS": "none-loaded"}
+    env = {**__import__("os").environ, "VLLM_PLUGINS": "none-loaded",
+           "PYTHONPATH": __import__("os").path.dirname(__file__)}  # engine_utils, test_engine
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")]
     assert line, out.stderr[-3000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+CSRC = Path(importlib.import_module("vllm_kvcompress.csrc").__path__[0])  # csrc/, installed as this package
 MODES = ("auto", "triton", "cuda")
 # A build takes far less; an older lock file in the build directory was left by a process killed
 # in the middle of a build, and torch would wait for it forever: the engine would hang at startup.

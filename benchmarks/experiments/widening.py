@@ -9,7 +9,7 @@ It also measures what appending costs in accuracy: the RMS error of K decoded fr
 token by token through the torch codec (``MinMaxCodec.encode``, as ``paged_torch.write_tokens``
 calls it), against the same blocks encoded whole, as a prefill writes them.
 
-    python benchmarks/widening.py [--model-dir models/smollm2-135m-instruct] [--bits 4] [--texts 2]
+    python benchmarks/experiments/widening.py [--model-dir models/smollm2-135m-instruct] [--bits 4] [--texts 2]
 
 Keys come from a Hugging Face forward pass over ShareGPT conversations (after RoPE, as vLLM caches
 them); the same count on Gaussian keys of the same shape is printed for comparison.

@@ -1,6 +1,6 @@
 """Plot a kernels.json (from benchmarks/kernels.py): decode time per KV format, and share of copy bandwidth.
 
-    python benchmarks/plot_kernels.py results/kernels.json docs/results/kernels.png
+    python benchmarks/experiments/plot_kernels.py results/kernels.json docs/results/kernels.png
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ so the table says what a K-only 8-bit page costs against K8/V8 pages. Weights ar
 random (no real multi-head-attention checkpoint is available offline) with a
 chosen condition number: the error of the rebuilt V grows with cond(W_K).
 
-    python benchmarks/slim_error.py [--hidden 4096] [--heads 32] [--tokens 1024]
+    python benchmarks/experiments/slim_error.py [--hidden 4096] [--heads 32] [--tokens 1024]
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The preset configs, installed as ``vllm_kvcompress.configs`` (package data; ``kvcompress presets``)."""
