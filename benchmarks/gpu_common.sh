@@ -14,7 +14,7 @@ MODEL=${MODELS_DIR:-/tmp/models}/$SHAPE
 # run's environment) and name (for file names). vLLM's own cache dtypes (auto, fp8,
 # int4_per_token_head) or our configs (a preset name or a YAML path in the checkout); :BLOCK adds
 # --block-size BLOCK (tokens a page), e.g. quant-k4v4:64; ,VAR=VALUE sets an environment variable
-# for this run only, e.g. quant-k4v4,KVCOMPRESS_PROMPTS=flash (a before/after in one call).
+# for this run only, e.g. quant-k4v4,KVCOMPRESS_DECODE=triton (a before/after in one call).
 kv_flags() {
   local spec=${1%%,*} assignments=""
   [ "$spec" = "$1" ] || assignments=${1#*,}

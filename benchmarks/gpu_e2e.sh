@@ -3,7 +3,7 @@
 # memory (8 GiB), dummy weights of a well-known shape, vLLM's defaults (torch.compile, CUDA graphs).
 # Settings: vLLM's own cache dtypes (auto, fp8, int4_per_token_head) or our configs (a preset
 # name or a YAML path), each with ,VAR=VALUE for an environment of its own (gpu_common.sh, kv_flags:
-# SETTINGS="quant-k4v4 quant-k4v4,KVCOMPRESS_PROMPTS=flash"). Logs and vLLM's JSON go to $OUT as
+# SETTINGS="quant-k4v4 quant-k4v4,KVCOMPRESS_DECODE=triton"). Logs and vLLM's JSON go to $OUT as
 # SHAPE-SETTING.{log,json}.
 #   SHAPE=llama2-7b TOKENIZER=dir DATA=sharegpt.json SETTINGS="auto fp8 quant-k4v4" bash benchmarks/gpu_e2e.sh
 # TOKENIZER: a folder with a tokenizer and its config.json (benchmarks/dummy_models.py);

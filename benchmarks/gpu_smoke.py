@@ -24,8 +24,14 @@ def run(model: str, setting, eager: bool, prompts, torch_path: bool = False) -> 
     import torch
     from vllm import LLM, SamplingParams
 
+    from vllm_kvcompress import policy
+
     extra = {"additional_config": {"kv_compression": setting}} if setting else {}
-    os.environ["KVCOMPRESS_KERNELS"] = "torch" if torch_path else "triton"
+    if torch_path:
+        os.environ["KVCOMPRESS_KERNELS"] = "torch"
+    else:
+        os.environ.pop("KVCOMPRESS_KERNELS", None)
+    policy.current.cache_clear()  # this process reads the switches once; the engine's processes anew
     llm = LLM(model, dtype="bfloat16", kv_cache_memory_bytes=1 << 30, enforce_eager=eager,
               max_model_len=2048, seed=0, **extra)
     t = time.time()

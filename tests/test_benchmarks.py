@@ -277,7 +277,7 @@ def test_widening_counts_the_units_whose_k_statistics_the_codec_renews(bits):
     B, H, D = 16, 2, 16
     x = torch.randn(1, B, H, D) * torch.linspace(0.5, 3, D)
     codec = MinMaxCodec(bits, "channel", False, B, H, D)
-    stats = slice(codec._layout.offsets["scale"][0], codec.nbytes)  # scale, then zero: [H, D] each
+    stats = slice(codec.regions.offsets["scale"][0], codec.nbytes)  # scale, then zero: [H, D] each
     pages = codec.encode(x, torch.tensor([1]))
     widened = rewritten = 0
     for n in range(1, B):
@@ -400,8 +400,8 @@ def test_gpu_scripts_stop_processes_a_killed_run_left_on_the_gpu(tmp_path):
 @pytest.mark.parametrize("setting, kv, run_env, name", [
     ("fp8", "--kv-cache-dtype fp8", "", "fp8"),
     ("quant-k4v4:64", "--kv-compression quant-k4v4 --block-size 64", "", "quant-k4v4-b64"),
-    ("quant-k4v4,KVCOMPRESS_PROMPTS=triton", "--kv-compression quant-k4v4", "KVCOMPRESS_PROMPTS=triton",
-     "quant-k4v4-KVCOMPRESS_PROMPTS-triton"),
+    ("quant-k4v4,KVCOMPRESS_DECODE=triton", "--kv-compression quant-k4v4", "KVCOMPRESS_DECODE=triton",
+     "quant-k4v4-KVCOMPRESS_DECODE-triton"),
     ("quant-k2v2:64,A=1,B=x", "--kv-compression quant-k2v2 --block-size 64", "A=1 B=x", "quant-k2v2-b64-A-1-B-x"),
 ])
 def test_gpu_scripts_read_a_settings_flags_and_environment(setting, kv, run_env, name):

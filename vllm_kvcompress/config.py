@@ -45,6 +45,9 @@ class LayerFormat(BaseModel):
         description="KVmix recent pivotal context: share of the newest tokens read at 16 bits")
     rpc_tokens: int = Field(
         0, ge=0, description="cap on the recent window in tokens (16-bit copies kept per page); 0 = no window")
+    k_codec: str | None = Field(
+        None, description="a registered codec (formats.CODECS) that stores K; default: raw at 16 bits, minmax below")
+    v_codec: str | None = Field(None, description="likewise for V")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -71,7 +74,8 @@ class LayerFormat(BaseModel):
             return f"K{self.k_bits}/{self.k_axis} only (V = K W_KV)"
         scaling = "+chscale" if self.v_channel_scaling and self.v_bits != 16 else ""
         window = f" +{self.rpc_fraction:.0%} recent (<= {self.rpc_tokens}) at 16-bit" if self.has_recent_window else ""
-        return f"K{self.k_bits}/{self.k_axis} V{self.v_bits}/{self.v_axis}{scaling}{window}"
+        k_codec, v_codec = (f"[{c}]" if c else "" for c in (self.k_codec, self.v_codec))
+        return f"K{self.k_bits}/{self.k_axis}{k_codec} V{self.v_bits}/{self.v_axis}{v_codec}{scaling}{window}"
 
 
 def _overrides_of(model: type[BaseModel]) -> type[BaseModel]:

@@ -67,10 +67,12 @@ class TensorSpec:
     bits: int
     axis: Axis = "channel"
     channel_scaling: bool = False
+    codec: str | None = None  # a registered codec's name (None: raw at 16 bits, min-max below)
 
     @property
-    def codec(self) -> str:
-        """The registered codec that stores it."""
+    def codec_name(self) -> str:
+        if self.codec is not None:
+            return self.codec
         return UncompressedCodec.name if self.bits == 16 else MinMaxCodec.name
 
 
@@ -84,7 +86,10 @@ def register_codec(cls: type) -> type:
 
 
 def make_codec(spec: TensorSpec, dtype: torch.dtype, block_size: int, num_heads: int, head_size: int) -> Codec:
-    return CODECS[spec.codec].from_spec(spec, dtype, block_size, num_heads, head_size)
+    name = spec.codec_name
+    if name not in CODECS:
+        raise ValueError(f"codec {name!r} is not registered (registered: {', '.join(sorted(CODECS))})")
+    return CODECS[name].from_spec(spec, dtype, block_size, num_heads, head_size)
 
 
 @register_codec

@@ -176,7 +176,19 @@ def model_refusal(dtype: torch.dtype, head_size: int, device: Device, policy: Ke
 
 # --- what each implementation serves -------------------------------------------------------------
 
+KERNEL_CODECS = (UncompressedCodec.name, MinMaxCodec.name)  # the codecs the Triton and CUDA kernels read
+
+
+def _foreign_codec(fmt: KVPageFormat) -> str | None:
+    for name, codec in (("K", fmt.k), ("V", fmt.v)):
+        if codec is not None and codec.name not in KERNEL_CODECS:
+            return f"{name} in codec {codec.name!r} (the kernels read {', '.join(KERNEL_CODECS)})"
+    return None
+
+
 def _triton_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    if _foreign_codec(fmt):
+        return _foreign_codec(fmt)
     if fmt.recent is not None:
         return "recent 16-bit window (KVmix RPC)"
     if fmt.v is None:
@@ -228,6 +240,8 @@ def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
 
 
 def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    if _foreign_codec(fmt):
+        return _foreign_codec(fmt)
     if fmt.v is not None:
         return "pages hold V (K-only pages only)"
     if not isinstance(fmt.k, UncompressedCodec):
@@ -246,10 +260,14 @@ def _prompt_rows(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
 
 
 def _triton_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    if _foreign_codec(fmt):
+        return _foreign_codec(fmt)
     return "recent 16-bit window (KVmix RPC)" if fmt.recent is not None else None
 
 
 def _cuda_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    if _foreign_codec(fmt):
+        return _foreign_codec(fmt)
     if fmt.recent is not None:
         return "recent 16-bit window (KVmix RPC)"
     for name, codec in (("K", fmt.k), ("V", fmt.v)):

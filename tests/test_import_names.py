@@ -1,0 +1,32 @@
+"""The checkout's top-level ``triton_kernels/`` folder never stands in for the upstream package of
+that name, which vLLM imports: from the checkout's root, ``import triton_kernels`` gives what it
+gives elsewhere (the upstream package, vLLM's bundled copy, or ModuleNotFoundError)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = ("import importlib.util, triton_kernels; print(triton_kernels.__file__); "
+         "import vllm_kvcompress.triton_kernels.decode as d; print(d.__file__)")
+
+
+def _run(cwd, pythonpath=""):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_from_the_root_an_upstream_package_is_found(tmp_path):
+    upstream = tmp_path / "site" / "triton_kernels"
+    upstream.mkdir(parents=True)
+    (upstream / "__init__.py").write_text("")
+    run = _run(ROOT, str(tmp_path / "site"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    first, second = run.stdout.split()
+    assert first == str(upstream / "__init__.py")
+    assert second == str(ROOT / "triton_kernels" / "decode.py")  # our kernels still import as ours
+
+
+def test_from_the_root_no_upstream_package_is_no_package():
+    run = _run(ROOT)
+    assert "ModuleNotFoundError: No module named 'triton_kernels'" in run.stderr or "vllm/third_party" in run.stdout
