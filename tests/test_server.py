@@ -89,6 +89,9 @@ def test_completions_and_chat_concurrently(server, model):
     assert all(text for text, _ in completions + chats)
     text = log.read_text()
     assert "kv-compression 'quant-k4v4'" in text and "KV tokens in the same memory" in text
+    # the ratio names the dtype it is against, and the kernel plan is logged per run of layers
+    assert " B in float32: " in text
+    assert "kv-compression kernels on cpu:" in text and "K4/channel V4/token: decode torch, prompt torch, write torch" in text
 
     # the server answers what the same compressed engine computes offline
     from transformers import AutoTokenizer
