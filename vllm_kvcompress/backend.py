@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from . import paged_torch, policy
 from .engine_config import active_config, layer_page_format, layer_plans
 from .formats import KVPageFormat
+from .formats.merged import MergedPairFormat
 from .kernels import registry
 from .slim_loader import ATTRIBUTE
 from .token_rows import TokenRows, token_rows
@@ -188,6 +189,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._config = active_config(vllm_config)
         self._dtype = vllm_config.model_config.dtype
         self._max_model_len = vllm_config.model_config.max_model_len
+        self._num_layers = vllm_config.model_config.get_total_num_hidden_layers()
+        self._pair_layer = 0  # in a merged pair (MiniCache): 0 the first layer, 1 the second
         self._format: KVPageFormat | None = None
         self._plan: registry.LayerPlan | None = None  # the registry's implementations for this layer
         self._decode_kernel = None  # decode rows' kernel (None: the torch path takes the decodes)
@@ -222,8 +225,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
     def _page_format(self, layer, kv_cache: torch.Tensor) -> KVPageFormat:
         if self._format is None:
             index = extract_layer_index(layer.layer_name)
-            self._format = layer_page_format(self._config, index, self._dtype, kv_cache.shape[2], self.num_kv_heads,
-                                             self.head_size)
+            self._format = layer_page_format(self._config, index, self._num_layers, self._dtype, kv_cache.shape[2],
+                                             self.num_kv_heads, self.head_size)
+            self._pair_layer = int(self.kv_sharing_target_layer_name is not None)
             self._plan = self._plan_layer(self._format, layer, kv_cache.device)
             logger.info_once("kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens)",
                              kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}")
@@ -250,6 +254,10 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return
         fmt = self._page_format(layer, kv_cache)
         n = slot_mapping.shape[0]
+        if isinstance(fmt, MergedPairFormat):  # the pair's second layer writes both layers' tokens
+            _pair_tokens[layer.layer_name] = (key[:n].view(n, self.num_kv_heads, -1).clone(),
+                                              value[:n].view(n, self.num_kv_heads, -1).clone(), slot_mapping[:n])
+            return
         pages = self._pages(kv_cache, fmt)
         self._warm_up(pages, key.dtype)
         self._write(pages, fmt, key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1),
@@ -269,6 +277,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         q = query[:t].view(t, self.num_heads, self.head_size)
         out = output[:t].view(t, self.num_heads, self.head_size)
         pages = self._pages(kv_cache, fmt)
+        if isinstance(fmt, MergedPairFormat):
+            self._forward_merged(layer, q, key, value, pages, fmt, md, out)
+            return output
         self._warm_up(pages, q.dtype)
         slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load
         nd = md.num_decodes if self._decode_kernel is not None else 0
@@ -298,3 +309,22 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 out[start:] = paged_torch.attend(q[start:], pages, fmt, *rest, self.sliding_window,
                                                  key=k_new, value=v_new)
         return output
+
+    def _forward_merged(self, layer, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+                        fmt: MergedPairFormat, md: KVCompressMetadata, out: torch.Tensor) -> None:
+        """A layer of a merged pair: the step's own tokens attend with their new K/V, earlier ones
+        restored from the pair's pages; after the second layer's attention, both layers' new tokens
+        go into the pages together."""
+        t = q.shape[0]
+        k = key[:t].view(t, self.num_kv_heads, self.head_size)
+        v = value[:t].view(t, self.num_kv_heads, self.head_size)
+        out[:] = paged_torch.attend_pair(q, pages, fmt, self._pair_layer, md.query_start_loc, md.seq_lens,
+                                         md.block_table, self.scale, k, v)
+        if self._pair_layer == 1:
+            k_a, v_a, slots = _pair_tokens.pop(self.kv_sharing_target_layer_name)
+            paged_torch.write_pair_tokens(pages, fmt, k_a, v_a, k[:slots.shape[0]], v[:slots.shape[0]], slots)
+
+
+# A merged pair's first layer's new tokens, by its layer name, until the second layer writes both.
+_pair_tokens: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+

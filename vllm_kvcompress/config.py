@@ -104,6 +104,16 @@ class ModelIdentity(BaseModel):
     head_size: int | None = None
 
 
+class MergeSpec(BaseModel):
+    """MiniCache: from ``start_layer`` on, layers (l, l + 1) keep one page of merged directions."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start_layer: int | None = Field(None, ge=1, description="first merged layer S (default: half the model's layers)")
+    t: float = Field(0.6, ge=0.0, le=1.0, description="SLERP weight of the pair's second layer (0.5: plain average)")
+    gamma: float = Field(0.05, ge=0.0, le=0.5, description="share of a block's tokens kept unmerged, most distinct first")
+
+
 class KVCompressionConfig(BaseModel):
     """A whole-model setting: a default format, per-layer overrides, and
     layers kept at 16 bits."""
@@ -116,6 +126,7 @@ class KVCompressionConfig(BaseModel):
     default: LayerFormat = LayerFormat()
     layers: dict[int, LayerOverride] = Field(default_factory=dict)
     full_precision_layers: list[int] = Field(default_factory=list)
+    merge: MergeSpec | None = Field(None, description="MiniCache cross-layer merging (none: every layer its own pages)")
     slim_weights: str | None = Field(
         None, description="file of precomputed W_KV (kvcompress slim-weights) for k_only layers")
     slim_max_amplification: float | None = Field(
@@ -135,6 +146,13 @@ class KVCompressionConfig(BaseModel):
         except ValidationError as err:
             raise KVCompressionConfigError(
                 f"kv-compression config {self.source}: layer {layer_index}: {err.errors()[0]['msg']}") from None
+
+    def merged_pairs(self, num_layers: int) -> list[tuple[int, int]]:
+        """The layer pairs that share pages (MiniCache), first layer first."""
+        if self.merge is None:
+            return []
+        start = num_layers // 2 if self.merge.start_layer is None else self.merge.start_layer
+        return [(layer, layer + 1) for layer in range(start, num_layers - 1, 2)]
 
     def uses_k_only(self, num_layers: int) -> bool:
         return any(self.layer_format(i).k_only for i in range(num_layers))
@@ -171,6 +189,8 @@ def _allowed_keys_at(loc: tuple) -> list[str]:
             model = LayerOverride
         elif part == "model":
             model = ModelIdentity
+        elif part == "merge":
+            model = MergeSpec
     return sorted(k for k in model.model_fields if k != "source")
 
 

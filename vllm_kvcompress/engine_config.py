@@ -14,6 +14,7 @@ import torch
 from . import policy
 from .config import KVCompressionConfig, KVCompressionConfigError, load_config
 from .formats import KVPageFormat
+from .formats.merged import MergedPairFormat
 from .kernels import registry
 
 ADDITIONAL_CONFIG_KEY = "kv_compression"
@@ -61,18 +62,27 @@ class ModelKVShape:
     def sliding_window(self, layer_index: int) -> int | None:
         return self.sliding_windows[layer_index] if self.sliding_windows else None
 
-    def page_format(self, cfg: KVCompressionConfig, layer_index: int) -> KVPageFormat:
-        return layer_page_format(cfg, layer_index, self.dtype, self.block_size, self.num_kv_heads,
+    def page_format(self, cfg: KVCompressionConfig, layer_index: int) -> KVPageFormat | MergedPairFormat:
+        return layer_page_format(cfg, layer_index, self.num_layers, self.dtype, self.block_size, self.num_kv_heads,
                                  self.head_size)
+
+    def cache_owners(self, cfg: KVCompressionConfig) -> list[int]:
+        """The layers with pages of their own: all but the second of each merged pair."""
+        seconds = {b for _, b in cfg.merged_pairs(self.num_layers)}
+        return [i for i in range(self.num_layers) if i not in seconds]
 
     def layer_context(self, layer_index: int, device: "registry.Device") -> "registry.LayerContext":
         return registry.LayerContext(device, self.dtype, self.num_query_heads, self.sliding_window(layer_index))
 
 
-def layer_page_format(cfg: KVCompressionConfig, layer_index: int, dtype: torch.dtype, block_size: int,
-                      num_kv_heads: int, head_size: int) -> KVPageFormat:
-    """The page one layer uses under ``cfg``."""
+def layer_page_format(cfg: KVCompressionConfig, layer_index: int, num_layers: int, dtype: torch.dtype,
+                      block_size: int, num_kv_heads: int, head_size: int) -> KVPageFormat | MergedPairFormat:
+    """The page one layer uses under ``cfg``: its own, or its merged pair's (both layers the same)."""
     try:
+        for pair in cfg.merged_pairs(num_layers):
+            if layer_index in pair:
+                return MergedPairFormat.from_layer_format(cfg.layer_format(pair[0]), cfg.merge.t, cfg.merge.gamma,
+                                                          dtype, block_size, num_kv_heads, head_size)
         return KVPageFormat.from_layer_format(cfg.layer_format(layer_index), dtype, block_size, num_kv_heads,
                                               head_size)
     except ValueError as err:
@@ -113,12 +123,12 @@ def platform_device() -> "registry.Device":
 
 def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[float, str]:
     """(ratio of KV tokens vs. vLLM's own cache in the model's dtype in the same memory, a log line)."""
-    formats = [shape.page_format(cfg, i) for i in range(shape.num_layers)]
+    formats = [shape.page_format(cfg, i) for i in shape.cache_owners(cfg)]
     ours = sum(f.page_bytes for f in formats)
     dense = sum(f.dense_page_bytes() for f in formats)
     counts: dict[str, int] = {}
     for i in range(shape.num_layers):
-        d = cfg.layer_format(i).describe()
+        d = layer_description(cfg, i, shape.num_layers)
         counts[d] = counts.get(d, 0) + 1
     layers = ", ".join(f"{n} layers {d}" for d, n in counts.items())
     ratio = dense / ours
@@ -126,6 +136,37 @@ def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[floa
     line = (f"kv-compression '{cfg.name}': {layers}; block of {shape.block_size} tokens takes "
             f"{ours:,} B over all layers instead of {dense:,} B in {dtype}: {ratio:.2f}x KV tokens in the same memory")
     return ratio, line
+
+
+def layer_description(cfg: KVCompressionConfig, layer_index: int, num_layers: int) -> str:
+    merged = any(layer_index in pair for pair in cfg.merged_pairs(num_layers))
+    suffix = f" merged in pairs (t={cfg.merge.t}, gamma={cfg.merge.gamma})" if merged else ""
+    return cfg.layer_format(layer_index).describe() + suffix
+
+
+def check_merge_fits(cfg: KVCompressionConfig, shape: ModelKVShape) -> None:
+    """MiniCache pairs need two layers of one format, without K-only pages, recent windows or sliding windows."""
+    if cfg.merge is None:
+        return
+    pairs = cfg.merged_pairs(shape.num_layers)
+    if not pairs:
+        raise KVCompressionConfigError(
+            f"kv-compression config {cfg.source}: field 'merge.start_layer' = {cfg.merge.start_layer} leaves no pair "
+            f"of layers to merge: the model has {shape.num_layers} attention layers "
+            f"(allowed: 1..{shape.num_layers - 2})")
+    for a, b in pairs:
+        fa, fb = cfg.layer_format(a), cfg.layer_format(b)
+        why = None
+        if fa != fb:
+            why = f"their formats differ ({fa.describe()} and {fb.describe()}; give both the same)"
+        elif fa.k_only:
+            why = "k_only layers (slim attention) cannot be merged"
+        elif fa.has_recent_window:
+            why = "a recent window (rpc_fraction) cannot be combined with merging"
+        elif shape.sliding_window(a) is not None or shape.sliding_window(b) is not None:
+            why = "sliding-window layers cannot be merged"
+        if why is not None:
+            raise KVCompressionConfigError(f"kv-compression config {cfg.source}: merge pairs layers {a} and {b}: {why}")
 
 
 def check_model_identity(cfg: KVCompressionConfig, vllm_config) -> None:
@@ -181,7 +222,7 @@ def kernel_report(cfg: KVCompressionConfig, shape: ModelKVShape, device: "regist
     rows: list[list] = []  # [first, last, text]
     for i in range(shape.num_layers):
         fmt = shape.page_format(cfg, i)
-        text = (f"{cfg.layer_format(i).describe()}: "
+        text = (f"{layer_description(cfg, i, shape.num_layers)}: "
                 f"{registry.plan(fmt, shape.layer_context(i, device), policy.current()).describe()}")
         if rows and rows[-1][2] == text:
             rows[-1][1] = i
@@ -207,6 +248,12 @@ def validate_against_model(cfg: KVCompressionConfig, vllm_config) -> None:
             "the compressed pages replace vLLM's cache dtype (allowed: --kv-cache-dtype auto)")
     if cfg.uses_k_only(mc.get_total_num_hidden_layers()):
         check_slim_fits(cfg, vllm_config)
+    check_merge_fits(cfg, ModelKVShape.of(vllm_config))
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if cfg.merge is not None and pp > 1:
+        raise KVCompressionConfigError(
+            f"kv-compression config {cfg.source}: merge with --pipeline-parallel-size {pp}: a merged pair's two "
+            "layers must run in one process (allowed: 1)")
     if mc.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise KVCompressionConfigError(
             f"--dtype {mc.dtype} is not supported with --kv-compression (allowed: float16, bfloat16, float32)")

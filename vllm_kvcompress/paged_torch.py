@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .formats import KVPageFormat
+from .formats.merged import MergedPairFormat
 from .slim import SlimLayer
 
 
@@ -159,5 +160,50 @@ def attend_k_only(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, q
             probs = scores.softmax(-1)
             positions = torch.arange(history, device=query.device)
             o = slim.values_from(probs[..., :history], k_hist, positions) + probs[..., history:] @ v_new
+        out[qs:qe] = o.transpose(0, 1).to(query.dtype)
+    return out
+
+
+def write_pair_tokens(cache: torch.Tensor, fmt: MergedPairFormat, key_a: torch.Tensor, value_a: torch.Tensor,
+                      key_b: torch.Tensor, value_b: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store two layers' new tokens ``[N, H, D]`` at ``slot_mapping`` in their shared pages: each
+    touched block is restored for both layers, extended and merged again (``MergedPairFormat``)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    if slots.numel() == 0:
+        return
+    B = fmt.block_size
+    blocks, offsets = slots // B, slots % B
+    touched, which = torch.unique(blocks, return_inverse=True)
+    filled = torch.zeros_like(touched).scatter_reduce(0, which, offsets + 1, reduce="amax")
+    old = cache[touched]
+    tensors = [*fmt.decode(old, 0), *fmt.decode(old, 1)]
+    for stored, new in zip(tensors, (key_a, value_a, key_b, value_b)):
+        stored[which, offsets] = new[keep].float()
+    cache[touched] = fmt.encode(*tensors, filled)
+
+
+def attend_pair(query: torch.Tensor, cache: torch.Tensor, fmt: MergedPairFormat, layer: int,
+                query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor, scale: float,
+                key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one layer of a merged pair: earlier tokens restored from the shared pages
+    for ``layer``, the query rows' own tokens from their new ``key``/``value`` (the pair's pages
+    take them only once both layers have run)."""
+    out = torch.empty_like(query)
+    B = fmt.block_size
+    for i, L in enumerate(seq_lens):
+        qs, qe = query_start_loc[i], query_start_loc[i + 1]
+        m = qe - qs
+        if m == 0:
+            continue
+        history = L - m
+        k, v = key[qs:qe].float(), value[qs:qe].float()
+        if history:
+            k_old, v_old = fmt.decode(cache[block_table[i, :-(-history // B)].long()], layer)
+            k = torch.cat([k_old.flatten(0, 1)[:history], k])
+            v = torch.cat([v_old.flatten(0, 1)[:history], v])
+        mask = torch.ones(m, L, dtype=torch.bool, device=query.device).tril(history)
+        o = F.scaled_dot_product_attention(query[qs:qe].float().transpose(0, 1), k.transpose(0, 1),
+                                           v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
         out[qs:qe] = o.transpose(0, 1).to(query.dtype)
     return out

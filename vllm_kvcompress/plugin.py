@@ -39,6 +39,7 @@ def register() -> None:
     _add_cli_flag()
     _hook_platform()
     _hook_layer_spec()
+    _hook_merged_pairs()
     _hook_weight_loading()
 
 
@@ -171,11 +172,76 @@ def _hook_layer_spec() -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
         from .backend import compressed_spec
-        fmt = layer_page_format(cfg, extract_layer_index(self.layer_name), spec.dtype, spec.block_size,
+        if cfg.merge is not None:
+            _give_pairs_their_specs()
+        fmt = layer_page_format(cfg, extract_layer_index(self.layer_name),
+                                vllm_config.model_config.get_total_num_hidden_layers(), spec.dtype, spec.block_size,
                                 spec.num_kv_heads, spec.head_size)
         return compressed_spec(spec, fmt)
 
     Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+# --- MiniCache: a merged pair's second layer reads the first one's pages --------
+
+def _hook_merged_pairs() -> None:
+    """The second layer of each merged pair is built sharing the first one's cache tensor (vLLM's
+    ``kv_sharing_target_layer_name``): vLLM then gives it no cache and no cache update of its own,
+    and the backend writes both layers' tokens when the second one runs."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    original = Attention.__init__
+
+    def __init__(self, *args, prefix: str = "", **kwargs):
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+        cfg = active_config(vllm_config) if vllm_config is not None else None
+        if cfg is not None and cfg.merge is not None and kwargs.get("kv_sharing_target_layer_name") is None:
+            kwargs["kv_sharing_target_layer_name"] = _pair_target(cfg, prefix, vllm_config)
+        original(self, *args, prefix=prefix, **kwargs)
+
+    Attention.__init__ = __init__
+
+
+def _give_pairs_their_specs() -> None:
+    """vLLM adds a cache-sharing layer to its target's group by name only; where the group's layers
+    have pages of different sizes (``UniformTypeKVCacheSpecs``, as single layers beside merged pairs
+    have), the runner then looks the sharing layer's spec up and fails. Give it its target's spec.
+    Installed from the spec hook, once the model runner's module is loaded."""
+    import sys
+
+    runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
+    if runner is None or getattr(runner.add_kv_sharing_layers_to_kv_cache_groups, "_kvcompress", False):
+        return
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    original = runner.add_kv_sharing_layers_to_kv_cache_groups
+
+    def add_kv_sharing_layers_to_kv_cache_groups(shared_kv_cache_layers, kv_cache_groups, *args, **kwargs):
+        original(shared_kv_cache_layers, kv_cache_groups, *args, **kwargs)
+        for group in kv_cache_groups:
+            specs = group.kv_cache_spec
+            if isinstance(specs, UniformTypeKVCacheSpecs):
+                for layer, target in shared_kv_cache_layers.items():
+                    if target in specs.kv_cache_specs:
+                        specs.kv_cache_specs[layer] = specs.kv_cache_specs[target]
+
+    add_kv_sharing_layers_to_kv_cache_groups._kvcompress = True
+    runner.add_kv_sharing_layers_to_kv_cache_groups = add_kv_sharing_layers_to_kv_cache_groups
+
+
+def _pair_target(cfg, prefix: str, vllm_config) -> str | None:
+    """The layer name whose cache ``prefix``'s layer shares: its pair's first layer, if it is a second."""
+    import re
+
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    index = extract_layer_index(prefix)
+    for a, b in cfg.merged_pairs(vllm_config.model_config.get_total_num_hidden_layers()):
+        if index == b:
+            return re.sub(rf"\.{b}\.", f".{a}.", prefix, count=1)
+    return None
 
 
 # --- slim attention: W_KV once the weights are in -------------------------------

@@ -25,7 +25,7 @@ import torch
 from .codecs import Codec, TensorSpec, UncompressedCodec, make_codec
 
 
-def _codec(field: str, spec: TensorSpec, *shape) -> Codec:
+def codec_for(field: str, spec: TensorSpec, *shape) -> Codec:
     try:
         return make_codec(spec, *shape)
     except ValueError as err:
@@ -45,8 +45,8 @@ class KVPageFormat:
     def from_layer_format(cls, fmt, dtype: torch.dtype, block_size: int, num_kv_heads: int,
                           head_size: int) -> "KVPageFormat":
         shape = (dtype, block_size, num_kv_heads, head_size)
-        k = _codec("k_codec", TensorSpec(fmt.k_bits, fmt.k_axis, codec=fmt.k_codec), *shape)
-        v = None if fmt.k_only else _codec("v_codec", TensorSpec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling,
+        k = codec_for("k_codec", TensorSpec(fmt.k_bits, fmt.k_axis, codec=fmt.k_codec), *shape)
+        v = None if fmt.k_only else codec_for("v_codec", TensorSpec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling,
                                                                  fmt.v_codec), *shape)
         if not fmt.has_recent_window:
             return cls(k, v, block_size, dtype)

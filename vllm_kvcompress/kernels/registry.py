@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import TOKEN_GROUP, KVPageFormat, MinMaxCodec, UncompressedCodec, page_layout
+from ..formats.merged import MergedPairFormat
 from ..policy import KernelPolicy, PolicyError
 
 OPERATIONS = ("decode", "prompt", "write")
@@ -179,7 +180,9 @@ def model_refusal(dtype: torch.dtype, head_size: int, device: Device, policy: Ke
 KERNEL_CODECS = (UncompressedCodec.name, MinMaxCodec.name)  # the codecs the Triton and CUDA kernels read
 
 
-def _foreign_codec(fmt: KVPageFormat) -> str | None:
+def _unread_by_kernels(fmt: KVPageFormat | MergedPairFormat) -> str | None:
+    if isinstance(fmt, MergedPairFormat):
+        return "layers merged in pairs (MiniCache)"
     for name, codec in (("K", fmt.k), ("V", fmt.v)):
         if codec is not None and codec.name not in KERNEL_CODECS:
             return f"{name} in codec {codec.name!r} (the kernels read {', '.join(KERNEL_CODECS)})"
@@ -187,8 +190,8 @@ def _foreign_codec(fmt: KVPageFormat) -> str | None:
 
 
 def _triton_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    if _foreign_codec(fmt):
-        return _foreign_codec(fmt)
+    if _unread_by_kernels(fmt):
+        return _unread_by_kernels(fmt)
     if fmt.recent is not None:
         return "recent 16-bit window (KVmix RPC)"
     if fmt.v is None:
@@ -240,8 +243,8 @@ def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
 
 
 def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    if _foreign_codec(fmt):
-        return _foreign_codec(fmt)
+    if _unread_by_kernels(fmt):
+        return _unread_by_kernels(fmt)
     if fmt.v is not None:
         return "pages hold V (K-only pages only)"
     if not isinstance(fmt.k, UncompressedCodec):
@@ -260,14 +263,14 @@ def _prompt_rows(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
 
 
 def _triton_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    if _foreign_codec(fmt):
-        return _foreign_codec(fmt)
+    if _unread_by_kernels(fmt):
+        return _unread_by_kernels(fmt)
     return "recent 16-bit window (KVmix RPC)" if fmt.recent is not None else None
 
 
 def _cuda_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    if _foreign_codec(fmt):
-        return _foreign_codec(fmt)
+    if _unread_by_kernels(fmt):
+        return _unread_by_kernels(fmt)
     if fmt.recent is not None:
         return "recent 16-bit window (KVmix RPC)"
     for name, codec in (("K", fmt.k), ("V", fmt.v)):
