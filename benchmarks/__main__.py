@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--needles", nargs="+", default=None, metavar="LENGTH:COUNT",
                    help="needle prompts per length (quality), e.g. 1024:4 2048:2")
     p.add_argument("--greedy-prompts", type=int, default=None, help="prompts of the greedy comparison (quality)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="prompt chunks of at most N tokens, so that earlier context is read from the pages (quality, kvmix)")
+    p.add_argument("--contexts", type=int, nargs="+", default=None, help="perplexity at these contexts (quality)")
     p.add_argument("--gsm8k-questions", type=int, default=None, help="questions of the 16-bit GSM8K check (quality)")
     p.add_argument("--config", type=Path, default=Path("configs/kvmix-smollm2.yaml"), help="profiled config (kvmix)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="random baselines (kvmix)")
@@ -112,10 +115,14 @@ def _quality_sizes(args):
     """How much text each quality measurement uses (quality, kvmix)."""
     from . import quality
 
+    if args.chunk is not None and args.chunk < 16:
+        raise SystemExit(f"error: --chunk {args.chunk} is not allowed; allowed: 16 tokens or more")
     if args.bench == "kvmix":  # perplexity only: windows of 2048 tokens (256 with --small)
         return quality.Sizes(contexts=(256,) if args.small else (2048,), ppl_windows=1 if args.small else 2,
-                             needle=())
-    sizes = quality.SMALL if args.small else quality.FULL
+                             needle=(), chunk=args.chunk)
+    sizes = dataclasses.replace(quality.SMALL if args.small else quality.FULL, chunk=args.chunk)
+    if args.contexts:
+        sizes = dataclasses.replace(sizes, contexts=tuple(sorted(args.contexts)))
     for flag, value, least in (("--greedy-prompts", args.greedy_prompts, 1),
                                ("--gsm8k-questions", args.gsm8k_questions, 0)):
         if value is not None and value < least:

@@ -44,6 +44,7 @@ class Sizes:
     gsm8k_tokens: int = 256
     top_k: int = 20  # the reference's most likely tokens per position that KL is taken over
     test_top_k: int = 100  # prompt logprobs per position asked of the other settings (so few are missing)
+    chunk: int | None = None  # prompt chunks of at most this many tokens (None: vLLM's default)
 
     @property
     def max_len(self) -> int:
@@ -108,6 +109,8 @@ def engine(model: Model, setting, sizes: Sizes, dtype: str, kv_bytes: int):
 
     kwargs = {"additional_config": {"kv_compression": setting}} if isinstance(setting, dict) else \
         settings.llm_kwargs(setting)
+    if sizes.chunk is not None:  # context beyond the current chunk is read from the pages
+        kwargs |= {"enable_chunked_prefill": True, "max_num_batched_tokens": sizes.chunk}
     llm = LLM(str(model.path), dtype=dtype, enforce_eager=True, seed=0, max_model_len=sizes.max_len,
               kv_cache_memory_bytes=kv_bytes, max_logprobs=sizes.test_top_k, **kwargs)
     try:

@@ -129,7 +129,7 @@ def test_overrides_follow_the_format_model(refined_codec):
     assert cfg.layer_format(1).v_codec == RefinedTokensCodec.name and cfg.layer_format(0).v_codec is None
     with pytest.raises(Exception, match="field 'k_codec': codec 'nope' is not registered"):
         from vllm_kvcompress.engine_config import layer_page_format
-        layer_page_format(load_config({"default": {"k_bits": 4, "k_codec": "nope"}}), 0, torch.float32, 128, 2, 64)
+        layer_page_format(load_config({"default": {"k_bits": 4, "k_codec": "nope"}}), 0, 2, torch.float32, 128, 2, 64)
 
 
 @pytest.mark.engine
