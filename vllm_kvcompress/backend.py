@@ -320,9 +320,11 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         v = value[:t].view(t, self.num_kv_heads, self.head_size)
         out[:] = paged_torch.attend_pair(q, pages, fmt, self._pair_layer, md.query_start_loc, md.seq_lens,
                                          md.block_table, self.scale, k, v)
-        if self._pair_layer == 1:
+        if self._pair_layer == 1:  # the slots cover the step's tokens and its padding (-1), as key's rows do
             k_a, v_a, slots = _pair_tokens.pop(self.kv_sharing_target_layer_name)
-            paged_torch.write_pair_tokens(pages, fmt, k_a, v_a, k[:slots.shape[0]], v[:slots.shape[0]], slots)
+            n = slots.shape[0]
+            paged_torch.write_pair_tokens(pages, fmt, k_a, v_a, key[:n].view(n, self.num_kv_heads, -1),
+                                          value[:n].view(n, self.num_kv_heads, -1), slots)
 
 
 # A merged pair's first layer's new tokens, by its layer name, until the second layer writes both.

@@ -207,16 +207,17 @@ def _hook_merged_pairs() -> None:
 def _give_pairs_their_specs() -> None:
     """vLLM adds a cache-sharing layer to its target's group by name only; where the group's layers
     have pages of different sizes (``UniformTypeKVCacheSpecs``, as single layers beside merged pairs
-    have), the runner then looks the sharing layer's spec up and fails. Give it its target's spec.
-    Installed from the spec hook, once the model runner's module is loaded."""
+    have), its model runners then look the sharing layer's spec up and fail. Give it its target's
+    spec: ``add_kv_sharing_layers_to_kv_cache_groups`` is wrapped where it is defined and in every
+    worker module that has imported it (called from the spec hook, in the worker, once)."""
     import sys
 
-    runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
-    if runner is None or getattr(runner.add_kv_sharing_layers_to_kv_cache_groups, "_kvcompress", False):
-        return
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+    from vllm.v1.worker import utils
 
-    original = runner.add_kv_sharing_layers_to_kv_cache_groups
+    original = utils.add_kv_sharing_layers_to_kv_cache_groups
+    if getattr(original, "_kvcompress", False):
+        return
 
     def add_kv_sharing_layers_to_kv_cache_groups(shared_kv_cache_layers, kv_cache_groups, *args, **kwargs):
         original(shared_kv_cache_layers, kv_cache_groups, *args, **kwargs)
@@ -228,7 +229,10 @@ def _give_pairs_their_specs() -> None:
                         specs.kv_cache_specs[layer] = specs.kv_cache_specs[target]
 
     add_kv_sharing_layers_to_kv_cache_groups._kvcompress = True
-    runner.add_kv_sharing_layers_to_kv_cache_groups = add_kv_sharing_layers_to_kv_cache_groups
+    for name, module in list(sys.modules.items()):
+        if name.startswith("vllm.v1.worker") and getattr(module, "add_kv_sharing_layers_to_kv_cache_groups",
+                                                         None) is original:
+            module.add_kv_sharing_layers_to_kv_cache_groups = add_kv_sharing_layers_to_kv_cache_groups
 
 
 def _pair_target(cfg, prefix: str, vllm_config) -> str | None:
