@@ -89,3 +89,28 @@ def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, bloc
             logp = model(ids).logits[0].log_softmax(-1)
             result.append(logp[:-1].gather(1, ids[0, 1:, None])[:, 0])
     return result
+
+
+def record_attention(monkeypatch) -> list:
+    """Every attention call of the backend in this process from now on, a profiling run's aside:
+    the layer's name, heads, scale, the step's query offsets and context lengths, and its query,
+    key, value and output rows (copies)."""
+    from types import SimpleNamespace
+
+    from vllm_kvcompress.backend import KVCompressImpl
+
+    calls = []
+    original = KVCompressImpl.forward
+
+    def recording_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        if attn_metadata is not None:
+            t = attn_metadata.num_actual_tokens
+            calls.append(SimpleNamespace(
+                layer=layer.layer_name, heads=self.num_heads, kv_heads=self.num_kv_heads, scale=self.scale,
+                qsl=list(attn_metadata.query_start_loc), seq_lens=list(attn_metadata.seq_lens),
+                q=query[:t].clone(), k=key[:t].clone(), v=value[:t].clone(), out=output[:t].clone()))
+        return result
+
+    monkeypatch.setattr(KVCompressImpl, "forward", recording_forward)
+    return calls

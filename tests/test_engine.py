@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_utils import (attention_backends, engine, greedy, kv_capacity_tokens, prompt_logprobs, prose,
-                          reference_prompt_logprobs)
+                          record_attention, reference_prompt_logprobs)
 
 pytestmark = pytest.mark.engine
 PROMPTS = [prose(40, 1), prose(25, 2), prose(60, 3), "The quick brown fox"]
@@ -127,24 +127,13 @@ def test_backend_output_equals_reference_attention(request, monkeypatch, model_n
     attention over the same K/V put through the format's arithmetic (torch reference), to float
     rounding. Prompts span several 128-token blocks; the batch mixes lengths."""
     from reference_quant import fake_quant
-    from vllm_kvcompress.backend import KVCompressImpl
 
     model = request.getfixturevalue(model_name)
-    calls = []
-    original = KVCompressImpl.forward
-
-    def recording_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
-        if attn_metadata is not None and max(attn_metadata.seq_lens) > 1:
-            t = attn_metadata.num_actual_tokens
-            calls.append((self.num_heads, self.num_kv_heads, self.scale, list(attn_metadata.query_start_loc),
-                          query[:t].clone(), key[:t].clone(), value[:t].clone(), output[:t].clone()))
-        return result
-
-    monkeypatch.setattr(KVCompressImpl, "forward", recording_forward)
+    recorded = record_attention(monkeypatch)
     prompts = [prose(300, 31), prose(90, 32), prose(170, 33)]
     with engine(model, f"quant-k{bits}v{bits}") as llm:
         greedy(llm, prompts, max_tokens=1)
+    calls = [(c.heads, c.kv_heads, c.scale, c.qsl, c.q, c.k, c.v, c.out) for c in recorded if max(c.seq_lens) > 1]
     assert calls
     for hq, hkv, scale, qsl, q, k, v, out in calls:
         d = q.shape[-1] // hq if q.dim() == 2 else q.shape[-1]

@@ -110,24 +110,10 @@ def test_engine_restores_merged_layers(mha, monkeypatch):
     """A 4-layer model with layers 2 and 3 merged: the second step's attention of those layers equals
     attention over the prompt's K/V put through the merged format, plus the new token's own K/V; the
     other layers are stock 16-bit pages."""
-    from engine_utils import engine, greedy, kv_capacity_tokens, prose
+    from engine_utils import engine, greedy, kv_capacity_tokens, prose, record_attention
     from vllm.model_executor.models.utils import extract_layer_index
 
-    from vllm_kvcompress.backend import KVCompressImpl
-
-    calls = {}
-    original = KVCompressImpl.forward
-
-    def recording_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
-        if attn_metadata is not None:
-            t = attn_metadata.num_actual_tokens
-            calls.setdefault(extract_layer_index(layer.layer_name), []).append(
-                (self.num_heads, self.num_kv_heads, self.scale, query[:t].clone(), key[:t].clone(),
-                 value[:t].clone(), output[:t].clone()))
-        return result
-
-    monkeypatch.setattr(KVCompressImpl, "forward", recording_forward)
+    recorded = record_attention(monkeypatch)
     setting = {"merge": {"start_layer": 2, "gamma": 0.05}}
     prompt = prose(150, 51)
     with engine(mha, setting) as llm:
@@ -136,6 +122,9 @@ def test_engine_restores_merged_layers(mha, monkeypatch):
     with engine(mha) as llm:
         stock_capacity = kv_capacity_tokens(llm)
     assert len(tokens[0]) == 2 and merged_capacity > 1.2 * stock_capacity
+    calls = {}
+    for c in recorded:
+        calls.setdefault(extract_layer_index(c.layer), []).append((c.heads, c.kv_heads, c.scale, c.q, c.k, c.v, c.out))
     prefill = {i: calls[i][0] for i in (2, 3)}
     hq, hkv, scale = prefill[2][:3]
     kv = [x.reshape(x.shape[0], hkv, -1).float() for i in (2, 3) for x in prefill[i][4:6]]

@@ -136,23 +136,12 @@ def test_overrides_follow_the_format_model(refined_codec):
 def test_engine_attends_through_a_registered_codec(refined_codec, mha, monkeypatch):
     """Inside a real CPU engine, each layer's attention over a batch of prompts equals causal
     attention over K/V put through the codec block by block."""
-    from engine_utils import engine, greedy, prose
-    from vllm_kvcompress.backend import KVCompressImpl
+    from engine_utils import engine, greedy, prose, record_attention
 
-    calls = []
-    original = KVCompressImpl.forward
-
-    def recording_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
-        if attn_metadata is not None and max(attn_metadata.seq_lens) > 1:
-            t = attn_metadata.num_actual_tokens
-            calls.append((self.num_heads, self.num_kv_heads, self.scale, list(attn_metadata.query_start_loc),
-                          query[:t].clone(), key[:t].clone(), value[:t].clone(), output[:t].clone()))
-        return result
-
-    monkeypatch.setattr(KVCompressImpl, "forward", recording_forward)
+    recorded = record_attention(monkeypatch)
     with engine(mha, SETTING) as llm:
         tokens = greedy(llm, [prose(200, 41), prose(60, 42)], max_tokens=1)
+    calls = [(c.heads, c.kv_heads, c.scale, c.qsl, c.q, c.k, c.v, c.out) for c in recorded if max(c.seq_lens) > 1]
     assert calls and all(len(t) == 1 for t in tokens)
     for hq, hkv, scale, qsl, q, k, v, out in calls:
         d = q.shape[-1] // hq if q.dim() == 2 else q.shape[-1]

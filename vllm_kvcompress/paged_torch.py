@@ -141,12 +141,8 @@ def attend_k_only(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, q
     """
     out = torch.empty_like(query)
     B = fmt.block_size
-    for i, L in enumerate(seq_lens):
-        qs, qe = query_start_loc[i], query_start_loc[i + 1]
+    for i, qs, qe, history in _chunks(query_start_loc, seq_lens):
         m = qe - qs
-        if m == 0:
-            continue
-        history = L - m
         q = query[qs:qe].float().transpose(0, 1)  # [H, m, D]
         k_new, v_new = (t[qs:qe].float().transpose(0, 1) for t in (key, value))
         causal = torch.ones(m, m, dtype=torch.bool, device=query.device).triu(1)
@@ -191,12 +187,8 @@ def attend_pair(query: torch.Tensor, cache: torch.Tensor, fmt: MergedPairFormat,
     take them only once both layers have run)."""
     out = torch.empty_like(query)
     B = fmt.block_size
-    for i, L in enumerate(seq_lens):
-        qs, qe = query_start_loc[i], query_start_loc[i + 1]
-        m = qe - qs
-        if m == 0:
-            continue
-        history = L - m
+    for i, qs, qe, history in _chunks(query_start_loc, seq_lens):
+        m, L = qe - qs, seq_lens[i]
         k, v = key[qs:qe].float(), value[qs:qe].float()
         if history:
             k_old, v_old = fmt.decode(cache[block_table[i, :-(-history // B)].long()], layer)
@@ -207,3 +199,11 @@ def attend_pair(query: torch.Tensor, cache: torch.Tensor, fmt: MergedPairFormat,
                                            v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
         out[qs:qe] = o.transpose(0, 1).to(query.dtype)
     return out
+
+
+def _chunks(query_start_loc: list[int], seq_lens: list[int]):
+    """(request, first query row, end, tokens before its chunk) of each request with query rows."""
+    for i, L in enumerate(seq_lens):
+        qs, qe = query_start_loc[i], query_start_loc[i + 1]
+        if qe > qs:
+            yield i, qs, qe, L - (qe - qs)
