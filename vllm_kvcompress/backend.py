@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import paged_torch, policy
-from .engine_config import active_config, layer_page_format, layer_plans
+from .engine_config import ModelKVShape, active_config, layer_page_format, layer_plans, platform_device
 from .formats import KVPageFormat
 from .formats.merged import MergedPairFormat
 from .kernels import registry
@@ -107,7 +107,7 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
 
         if isinstance(kv_cache_spec, SlidingWindowSpec):
             return AttentionCGSupport.NEVER
-        plans = layer_plans(vllm_config)
+        plans = layer_plans(active_config(vllm_config), ModelKVShape.of(vllm_config), platform_device())
         if all(p.decode.implementation.cuda_graphs for p in plans):
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
@@ -190,9 +190,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._dtype = vllm_config.model_config.dtype
         self._max_model_len = vllm_config.model_config.max_model_len
         self._num_layers = vllm_config.model_config.get_total_num_hidden_layers()
-        self._pair_layer = 0  # in a merged pair (MiniCache): 0 the first layer, 1 the second
+        # in a merged pair (MiniCache): 0 the first layer, 1 the second (which shares the first one's cache)
+        self._pair_layer = int(kv_sharing_target_layer_name is not None)
         self._format: KVPageFormat | None = None
-        self._plan: registry.LayerPlan | None = None  # the registry's implementations for this layer
         self._decode_kernel = None  # decode rows' kernel (None: the torch path takes the decodes)
         self._prompt_kernel = None  # prompt tokens' kernel, as decode rows (None: the torch path)
         self._write = paged_torch.write_tokens
@@ -227,11 +227,10 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             index = extract_layer_index(layer.layer_name)
             self._format = layer_page_format(self._config, index, self._num_layers, self._dtype, kv_cache.shape[2],
                                              self.num_kv_heads, self.head_size)
-            self._pair_layer = int(self.kv_sharing_target_layer_name is not None)
-            self._plan = self._plan_layer(self._format, layer, kv_cache.device)
+            plan = self._plan_layer(self._format, layer, kv_cache.device)
             logger.info_once("kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens)",
                              kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}")
-            logger.debug("kv-compression: layer %d: %s", index, self._plan.describe())
+            logger.debug("kv-compression: layer %d: %s", index, plan.describe())
         return self._format
 
     def _warm_up(self, pages: torch.Tensor, dtype: torch.dtype) -> None:

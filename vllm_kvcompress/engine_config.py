@@ -103,11 +103,8 @@ def layer_sliding_windows(hf_text_config, num_layers: int) -> tuple[int | None, 
     return (window,) * num_layers
 
 
-def layer_plans(vllm_config, device: "registry.Device | None" = None) -> list["registry.LayerPlan"]:
-    """What the kernel registry plans for each layer of this engine (``device``: the platform's)."""
-    cfg, shape = active_config(vllm_config), ModelKVShape.of(vllm_config)
-    if device is None:
-        device = platform_device()
+def layer_plans(cfg: KVCompressionConfig, shape: ModelKVShape, device: "registry.Device") -> list["registry.LayerPlan"]:
+    """What the kernel registry plans for each layer of a model on ``device``."""
     return [registry.plan(shape.page_format(cfg, i), shape.layer_context(i, device), policy.current())
             for i in range(shape.num_layers)]
 
@@ -220,10 +217,8 @@ def kernel_report(cfg: KVCompressionConfig, shape: ModelKVShape, device: "regist
     if why is not None:
         raise KVCompressionConfigError(f"kv-compression config {cfg.source}: {why}")
     rows: list[list] = []  # [first, last, text]
-    for i in range(shape.num_layers):
-        fmt = shape.page_format(cfg, i)
-        text = (f"{layer_description(cfg, i, shape.num_layers)}: "
-                f"{registry.plan(fmt, shape.layer_context(i, device), policy.current()).describe()}")
+    for i, plan in enumerate(layer_plans(cfg, shape, device)):
+        text = f"{layer_description(cfg, i, shape.num_layers)}: {plan.describe()}"
         if rows and rows[-1][2] == text:
             rows[-1][1] = i
         else:

@@ -27,15 +27,11 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     block's tokens.
     """
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    if slots.numel() == 0:
+    if not keep.any():
         return
     key, value = key[keep], value[keep]
-    B = fmt.block_size
-    blocks, offsets = slots // B, slots % B
-    touched, which = torch.unique(blocks, return_inverse=True)
-    filled = torch.zeros_like(touched).scatter_reduce(0, which, offsets + 1, reduce="amax")
-    num_stored = torch.full_like(touched, B).scatter_reduce(0, which, offsets, reduce="amin")
+    touched, which, offsets, filled = _touched_blocks(slot_mapping[keep], fmt.block_size)
+    num_stored = torch.full_like(touched, fmt.block_size).scatter_reduce(0, which, offsets, reduce="amin")
     old = cache[touched]
     k, v = fmt.decode(old)
     k[which, offsets] = key.float()
@@ -47,6 +43,16 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
         newest = offsets >= filled[which] - fmt.window_cap  # the page's last tokens: one per ring slot
         fmt.write_recent(pages, which[newest], offsets[newest], key[newest], value[newest])
     cache[touched] = pages
+
+
+def _touched_blocks(slots: torch.Tensor, block_size: int):
+    """For new tokens at ``slots`` (none -1): the blocks they touch, each token's index among those
+    and offset in its block, and how many leading slots of each touched block hold tokens after."""
+    slots = slots.long()
+    blocks, offsets = slots // block_size, slots % block_size
+    touched, which = torch.unique(blocks, return_inverse=True)
+    filled = torch.zeros_like(touched).scatter_reduce(0, which, offsets + 1, reduce="amax")
+    return touched, which, offsets, filled
 
 
 def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_start_loc: list[int],
@@ -165,13 +171,9 @@ def write_pair_tokens(cache: torch.Tensor, fmt: MergedPairFormat, key_a: torch.T
     """Store two layers' new tokens ``[N, H, D]`` at ``slot_mapping`` in their shared pages: each
     touched block is restored for both layers, extended and merged again (``MergedPairFormat``)."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    if slots.numel() == 0:
+    if not keep.any():
         return
-    B = fmt.block_size
-    blocks, offsets = slots // B, slots % B
-    touched, which = torch.unique(blocks, return_inverse=True)
-    filled = torch.zeros_like(touched).scatter_reduce(0, which, offsets + 1, reduce="amax")
+    touched, which, offsets, filled = _touched_blocks(slot_mapping[keep], fmt.block_size)
     old = cache[touched]
     tensors = [*fmt.decode(old, 0), *fmt.decode(old, 1)]
     for stored, new in zip(tensors, (key_a, value_a, key_b, value_b)):

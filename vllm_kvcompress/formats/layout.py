@@ -49,6 +49,13 @@ class Regions:
         pages[:, start:start + size] = value.contiguous().view(torch.uint8).reshape(pages.shape[0], size)
 
 
+def slot_bytes(nbytes: int, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes per token slot as vLLM sees a page of ``nbytes``: ``block_size`` equal slots, each a
+    whole number of the model dtype's elements."""
+    per_slot = -(-nbytes // block_size)
+    return -(-per_slot // dtype.itemsize) * dtype.itemsize
+
+
 @dataclass(frozen=True)
 class TensorLayout:
     """One tensor's (K's or V's) regions, as offsets from the start of the page."""

@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 
 from .codecs import Codec, TensorSpec
-from .layout import Regions
+from .layout import Regions, slot_bytes
 from .page import codec_for
 
 _EPS = 1e-6
@@ -71,8 +71,7 @@ class MergedPairFormat:
 
     @cached_property
     def slot_bytes(self) -> int:
-        elem = self.dtype.itemsize
-        return -(-(-(-self.regions.nbytes // self.block_size)) // elem) * elem
+        return slot_bytes(self.regions.nbytes, self.block_size, self.dtype)
 
     @cached_property
     def page_bytes(self) -> int:

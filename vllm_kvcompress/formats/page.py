@@ -23,6 +23,7 @@ from functools import cached_property
 import torch
 
 from .codecs import Codec, TensorSpec, UncompressedCodec, make_codec
+from .layout import slot_bytes
 
 
 def codec_for(field: str, spec: TensorSpec, *shape) -> Codec:
@@ -81,10 +82,8 @@ class KVPageFormat:
     @cached_property  # read by every kernel launch
     def slot_bytes(self) -> int:
         """Bytes per token slot as vLLM sees it (page rounded up to whole slots of the dtype)."""
-        elem = self.dtype.itemsize
         recent = 0 if self.recent is None else self.recent.nbytes
-        per_slot = -(-(self.codes_bytes + recent) // self.block_size)
-        return -(-per_slot // elem) * elem
+        return slot_bytes(self.codes_bytes + recent, self.block_size, self.dtype)
 
     @cached_property
     def page_bytes(self) -> int:

@@ -68,7 +68,6 @@ class Implementation:
     prepare: str | None = None    # "module:function" run once at startup (a CUDA kernel's build)
     warm_up: str | None = None    # "module:function" that compiles the variants a step may launch
     cuda_graphs: bool = False     # runs inside a full CUDA graph of decode-only steps
-    needs_nvcc: bool = False
 
     def load(self, what: str = "entry") -> Callable | None:
         path = getattr(self, what)
@@ -126,7 +125,7 @@ def _choose(operation: str, fmt: KVPageFormat, ctx: LayerContext, policy: Kernel
     candidates = implementations(operation, ctx.device.type) or implementations(operation, "cpu")
     mode = policy.mode(operation)
     for impl in candidates:
-        why = _policy_refuses(impl, ctx, policy) or impl.why_not(fmt, ctx)
+        why = _refuses(impl, fmt, ctx, policy) or impl.why_not(fmt, ctx)
         if why is None:
             if mode == "cuda" and impl.name != "cuda":
                 where = dict(passed).get("cuda", f"the cache is on {ctx.device.type}, not a CUDA device")
@@ -137,7 +136,8 @@ def _choose(operation: str, fmt: KVPageFormat, ctx: LayerContext, policy: Kernel
     raise LookupError(f"no {operation} implementation for {ctx.device.type}")  # torch serves every format
 
 
-def _policy_refuses(impl: Implementation, ctx: LayerContext, policy: KernelPolicy) -> str | None:
+def _refuses(impl: Implementation, fmt: KVPageFormat, ctx: LayerContext, policy: KernelPolicy) -> str | None:
+    """Why no kernel, whatever it serves, may run here: the policy, the machine, or pages no kernel reads."""
     if impl.name == "torch":
         return None
     if policy.reference_only:
@@ -147,20 +147,15 @@ def _policy_refuses(impl: Implementation, ctx: LayerContext, policy: KernelPolic
             return f"{policy.variable(impl.operation)}=triton"
         if ctx.device.hip:
             return "not an NVIDIA GPU"
-        if impl.needs_nvcc and not ctx.device.nvcc:
+        if not ctx.device.nvcc:
             return "no nvcc (set CUDA_HOME to a CUDA toolkit)"
-    return None
+    return _unread_by_kernels(fmt)
 
 
 def plan(fmt: KVPageFormat, ctx: LayerContext, policy: KernelPolicy) -> LayerPlan:
     """The implementation of each operation for one layer; a policy that asks for what cannot serve
     is refused (``PolicyError``)."""
-    decode = _choose("decode", fmt, ctx, policy)
-    prompt = _choose("prompt", fmt, ctx, policy)
-    if decode.name == "torch" and prompt.name != "torch":  # the torch path attends a step's tokens together
-        prompt = Choice(implementations("prompt", ctx.device.type)[-1], prompt.passed_over
-                        + ((prompt.name, "decodes take the torch path"),))
-    return LayerPlan(decode, prompt, _choose("write", fmt, ctx, policy))
+    return LayerPlan(*(_choose(op, fmt, ctx, policy) for op in OPERATIONS))
 
 
 def model_refusal(dtype: torch.dtype, head_size: int, device: Device, policy: KernelPolicy) -> str | None:
@@ -190,8 +185,6 @@ def _unread_by_kernels(fmt: KVPageFormat | MergedPairFormat) -> str | None:
 
 
 def _triton_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    if _unread_by_kernels(fmt):
-        return _unread_by_kernels(fmt)
     if fmt.recent is not None:
         return "recent 16-bit window (KVmix RPC)"
     if fmt.v is None:
@@ -243,8 +236,6 @@ def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
 
 
 def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    if _unread_by_kernels(fmt):
-        return _unread_by_kernels(fmt)
     if fmt.v is not None:
         return "pages hold V (K-only pages only)"
     if not isinstance(fmt.k, UncompressedCodec):
@@ -258,19 +249,11 @@ def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     return None
 
 
-def _prompt_rows(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    return _triton_decode(fmt, ctx)
-
-
 def _triton_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    if _unread_by_kernels(fmt):
-        return _unread_by_kernels(fmt)
     return "recent 16-bit window (KVmix RPC)" if fmt.recent is not None else None
 
 
 def _cuda_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    if _unread_by_kernels(fmt):
-        return _unread_by_kernels(fmt)
     if fmt.recent is not None:
         return "recent 16-bit window (KVmix RPC)"
     for name, codec in (("K", fmt.k), ("V", fmt.v)):
@@ -296,18 +279,20 @@ def _always(fmt: KVPageFormat, ctx: LayerContext) -> None:
 _TRITON = "vllm_kvcompress.triton_kernels"
 for _impl in (
     Implementation("decode", "cuda", "cuda", _cuda_decode, "vllm_kvcompress.cuda_decode:paged_decode",
-                   prepare="vllm_kvcompress.cuda_decode:build", cuda_graphs=True, needs_nvcc=True),
+                   prepare="vllm_kvcompress.cuda_decode:build", cuda_graphs=True),
     Implementation("decode", "cuda", "triton", _triton_decode, f"{_TRITON}.decode:paged_decode",
                    warm_up=f"{_TRITON}.decode:warm_up", cuda_graphs=True),
     Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode"),
     Implementation("decode", "cuda", "torch", _always),
     Implementation("decode", "cpu", "torch", _always),
-    Implementation("prompt", "cuda", "triton-rows", _prompt_rows, f"{_TRITON}.decode:paged_decode",
+    # prompt tokens as grouped rows of the Triton decode: served exactly where that decode is, so a
+    # layer whose decodes take the torch path sends its prompts there too (it attends a step together)
+    Implementation("prompt", "cuda", "triton-rows", _triton_decode, f"{_TRITON}.decode:paged_decode",
                    warm_up=f"{_TRITON}.decode:warm_up"),
     Implementation("prompt", "cuda", "torch", _always),
     Implementation("prompt", "cpu", "torch", _always),
     Implementation("write", "cuda", "cuda", _cuda_write, "vllm_kvcompress.cuda_write:write_tokens",
-                   prepare="vllm_kvcompress.cuda_write:build", needs_nvcc=True),
+                   prepare="vllm_kvcompress.cuda_write:build"),
     Implementation("write", "cuda", "triton", _triton_write, f"{_TRITON}.write:write_tokens",
                    warm_up=f"{_TRITON}.write:warm_up"),
     Implementation("write", "cuda", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
