@@ -21,6 +21,9 @@ SHAPES = {
     # grouped-query attention: 32 query heads share 8 KV heads
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0),
+    # multi-head attention: 40 query and 40 KV heads (the tensor-parallel table)
+    "llama2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                       num_key_value_heads=40, max_position_embeddings=4096, rope_theta=10000.0),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
