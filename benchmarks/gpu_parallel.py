@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 
 LAYOUTS = {
-    "1 GPU": {},
-    "TP2 mp": dict(tensor_parallel_size=2, distributed_executor_backend="mp"),
-    "TP2 ray": dict(tensor_parallel_size=2, distributed_executor_backend="ray"),
-    "PP2 mp": dict(pipeline_parallel_size=2, distributed_executor_backend="mp"),
-    "PP2 ray": dict(pipeline_parallel_size=2, distributed_executor_backend="ray"),
+    "1-GPU": {},
+    "TP2-mp": dict(tensor_parallel_size=2, distributed_executor_backend="mp"),
+    "TP2-ray": dict(tensor_parallel_size=2, distributed_executor_backend="ray"),
+    "PP2-mp": dict(pipeline_parallel_size=2, distributed_executor_backend="mp"),
+    "PP2-ray": dict(pipeline_parallel_size=2, distributed_executor_backend="ray"),
 }
 PER_LAYER = "default: {k_bits: 4, v_bits: 4}\nlayers:\n  0: {k_bits: 8, v_bits: 8}\n  3: {k_bits: 2, v_bits: 2}\n"
 KV_BYTES = 256 << 20  # a GPU
@@ -38,7 +38,7 @@ def settings(out: Path) -> dict[str, tuple[str | None, list[str]]]:
     per_layer = out / "per-layer.yaml"
     per_layer.write_text(PER_LAYER)
     return {"16-bit": (None, list(LAYOUTS)), "quant-k4v4": ("quant-k4v4", list(LAYOUTS)),
-            "per-layer": (str(per_layer), ["1 GPU", "TP2 mp", "PP2 mp", "PP2 ray"])}
+            "per-layer": (str(per_layer), ["1-GPU", "TP2-mp", "PP2-mp", "PP2-ray"])}
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -67,6 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, help="folder for the model, logs and parallel.json")
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    ap.add_argument("--settings", nargs="+", default=["16-bit", "quant-k4v4", "per-layer"])
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/kvc-parallel-llama"))
     ap.add_argument("--timeout", type=int, default=180, help="seconds a run")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--one", nargs=4, metavar=("MODEL", "LAYOUT", "SETTING", "OUT_FILE"), help=argparse.SUPPRESS)
@@ -77,15 +79,20 @@ def main() -> None:
         return
     if args.out is None:
         ap.error("--out is required")
+    from importlib.metadata import entry_points
+    if not any(p.value.startswith("vllm_kvcompress") for p in entry_points(group="vllm.general_plugins")):
+        sys.exit("vllm-kvcompress is not installed for this Python: vLLM would ignore the settings (docs/gpu.md)")
 
     from tiny_models import build_llama
 
     args.out.mkdir(parents=True, exist_ok=True)
-    model = str(build_llama(args.out / "llama-gqa", num_kv_heads=2, num_heads=4))
+    model = str(build_llama(args.model_dir, num_kv_heads=2, num_heads=4))
     results: dict[str, dict[str, dict]] = {}
     for name, (setting, layouts) in settings(args.out).items():
-        for layout in ["1 GPU"] + [x for x in args.layouts if x != "1 GPU" and x in layouts]:
-            out_file = args.out / f"{name}-{layout.replace(' ', '-')}.json"
+        if name not in args.settings:
+            continue
+        for layout in ["1-GPU"] + [x for x in args.layouts if x != "1-GPU" and x in layouts]:
+            out_file = args.out / f"{name}-{layout}.json"
             log = out_file.with_suffix(".log")
             cmd = [sys.executable, __file__, "--dtype", args.dtype, "--one", model, layout, setting or "-", str(out_file)]
             try:
@@ -96,18 +103,20 @@ def main() -> None:
                 rc = "timeout"
             if rc == 0:
                 results.setdefault(name, {})[layout] = json.loads(out_file.read_text())
+                log.unlink()
+                out_file.unlink()
             else:
                 tail = log.read_text().splitlines()[-8:]
                 results.setdefault(name, {})[layout] = {"error": f"rc={rc}", "log_tail": tail}
             r = results[name][layout]
-            base = results[name].get("1 GPU", {})
+            base = results[name].get("1-GPU", {})
             if "tokens" in r and "tokens" in base:
                 same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
                 r["greedy_equal"] = f"{same}/{len(base['tokens'])}"
                 r["same_first_tokens"] = [common_prefix(a, b) for a, b in zip(r["tokens"], base["tokens"])]
                 r["kv_ratio"] = round(r["kv_tokens"] / base["kv_tokens"], 3)
             print(f"{name:10s} {layout:8s} " + json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
-    (args.out / "parallel.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"parallel-{'-'.join(args.settings)}.json").write_text(json.dumps(results, indent=1))
     failed = [f"{n} {lay}" for n, rows in results.items() for lay, r in rows.items()
               if "error" in r or r.get("greedy_equal", "8/8") != "8/8"]
     print("all layouts equal one GPU" if not failed else f"differ or failed: {failed}")
