@@ -24,10 +24,10 @@ from pathlib import Path
 
 LAYOUTS = {
     "1-GPU": {},
-    "TP2-mp": dict(tensor_parallel_size=2, distributed_executor_backend="mp"),
-    "TP2-ray": dict(tensor_parallel_size=2, distributed_executor_backend="ray"),
-    "PP2-mp": dict(pipeline_parallel_size=2, distributed_executor_backend="mp"),
-    "PP2-ray": dict(pipeline_parallel_size=2, distributed_executor_backend="ray"),
+    "TP2-mp": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    "TP2-ray": {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
+    "PP2-mp": {"pipeline_parallel_size": 2, "distributed_executor_backend": "mp"},
+    "PP2-ray": {"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"},
 }
 PER_LAYER = "default: {k_bits: 4, v_bits: 4}\nlayers:\n  0: {k_bits: 8, v_bits: 8}\n  3: {k_bits: 2, v_bits: 2}\n"
 KV_BYTES = 256 << 20  # a GPU
@@ -97,7 +97,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--dtype", args.dtype, "--one", model, layout, setting or "-", str(out_file)]
             try:
                 with open(log, "w") as f:
-                    rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout,
+                    rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, check=False,
                                         env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0")).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"

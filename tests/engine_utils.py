@@ -20,12 +20,12 @@ def prose(num_words: int, seed: int) -> str:
 
 
 @contextlib.contextmanager
-def engine(model, kv_compression=None, dtype="float32", kv_bytes=32 << 20, **kwargs):
+def engine(model, kv_compression=None, dtype="float32", kv_bytes=32 << 20, max_model_len=1024, **kwargs):
     from vllm import LLM
 
     extra = {"additional_config": {"kv_compression": kv_compression}} if kv_compression is not None else {}
     llm = LLM(str(model), enforce_eager=True, kv_cache_memory_bytes=kv_bytes, dtype=dtype, seed=0,
-              max_model_len=1024, **extra, **kwargs)
+              max_model_len=max_model_len, **extra, **kwargs)
     try:
         yield llm
     finally:

@@ -4,7 +4,6 @@ benchmarks/gpu_parallel.py checks both on two GPUs."""
 
 import pytest
 import torch
-
 from engine_utils import engine, greedy, kv_capacity_tokens, prose
 
 PROMPTS = [prose(30 + 41 * i, seed=i) for i in range(4)]
