@@ -47,20 +47,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def one_run(model: str, layout: str, setting: str | None, dtype: str, out_file: Path) -> None:
     """In its own process: greedy tokens and KV capacity of one (layout, setting)."""
-    from engine_utils import prose
-    from vllm import LLM, SamplingParams
+    from engine_utils import engine, greedy, kv_capacity_tokens, prose
 
-    extra = {"additional_config": {"kv_compression": setting}} if setting else {}
     prompts = [prose(30 + 41 * i, seed=i) for i in range(8)]
     start = time.time()
-    llm = LLM(model, dtype=dtype, kv_cache_memory_bytes=KV_BYTES, enforce_eager=True, max_model_len=1024,
-              seed=0, **LAYOUTS[layout], **extra)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
-    cc = llm.llm_engine.vllm_config.cache_config
-    out_file.write_text(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                                    "kv_tokens": cc.num_gpu_blocks * cc.block_size,
-                                    "seconds": round(time.time() - start, 1)}))
-    llm.llm_engine.engine_core.shutdown()
+    with engine(model, setting, dtype=dtype, kv_bytes=KV_BYTES, **LAYOUTS[layout]) as llm:
+        out_file.write_text(json.dumps({"tokens": greedy(llm, prompts, 48), "kv_tokens": kv_capacity_tokens(llm),
+                                        "seconds": round(time.time() - start, 1)}))
 
 
 def main() -> None:

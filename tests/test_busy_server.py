@@ -13,12 +13,11 @@ import concurrent.futures
 import json
 import re
 import signal
-import subprocess
 import time
 
 import pytest
 from engine_utils import engine, greedy, prose
-from test_server import _free_port, _kvcompress, _server_env
+from server_utils import start_server
 from tiny_models import build_llama
 
 pytestmark = pytest.mark.engine
@@ -40,7 +39,6 @@ def model(tmp_path_factory):
 def busy_server(model, tmp_path_factory, request):
     """Room for about 2,000 tokens (64 requests want about 9,000), prompt chunks of at most 128
     tokens, prefix caching on."""
-    port = _free_port()
     folder = tmp_path_factory.mktemp("busy")
     log = folder / "server.log"
     if request.param == "16-bit":
@@ -48,23 +46,10 @@ def busy_server(model, tmp_path_factory, request):
         (folder / "pages-16-bit.yaml").write_text(PAGES_16_BIT)
     else:
         setting, kv_bytes = request.param, 9 << 17
-    cmd = [*_kvcompress(), "serve", str(model), "--kv-compression", setting, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_LEN),
-           "--kv-cache-memory-bytes", str(kv_bytes), "--max-num-batched-tokens", "128", "--max-num-seqs", "64",
-           "--enable-prefix-caching", "--served-model-name", "tiny"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_server_env())
-    base = f"http://127.0.0.1:{port}"
-    import httpx
-    deadline = time.time() + 240
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.time() < deadline, "server did not come up:\n" + log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(1)
+    proc, base = start_server(model, ["--kv-compression", setting, "--dtype", "float32", "--enforce-eager",
+                                      "--max-model-len", str(MAX_LEN), "--kv-cache-memory-bytes", str(kv_bytes),
+                                      "--max-num-batched-tokens", "128", "--max-num-seqs", "64",
+                                      "--enable-prefix-caching", "--served-model-name", "tiny"], log)
     yield base, proc, log, request.param
     if proc.poll() is None:
         proc.kill()

@@ -1,38 +1,14 @@
 """The OpenAI-compatible server with compression on, started the way the README says."""
 
 import concurrent.futures
-import os
-import shutil
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
-
 from engine_utils import engine, greedy
+from server_utils import free_port, kvcompress, server_env, start_server
 from tiny_models import build_llama
 
 pytestmark = pytest.mark.engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kvcompress() -> list[str]:
-    exe = shutil.which("kvcompress", path=str(Path(sys.executable).parent))
-    return [exe] if exe else [sys.executable, "-m", "vllm_kvcompress.cli"]
-
-
-def _server_env() -> dict:
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine in its own process
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -42,25 +18,12 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [*_kvcompress(), "serve", str(model), "--kv-compression", "quant-k4v4", "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-           "--kv-cache-memory-bytes", str(32 << 20), "--served-model-name", "tiny"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_server_env())
+    proc, base = start_server(model, ["--kv-compression", "quant-k4v4", "--dtype", "float32", "--enforce-eager",
+                                      "--max-model-len", "1024", "--kv-cache-memory-bytes", str(32 << 20),
+                                      "--served-model-name", "tiny"], log)
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("server did not come up:\n" + log.read_text()[-3000:])
-        yield f"http://127.0.0.1:{port}/v1", log
+        yield f"{base}/v1", log
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -104,9 +67,9 @@ def test_completions_and_chat_concurrently(server, model):
 def test_bad_config_stops_server_at_startup(model, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("default: {k_bits: 5, v_bits: 4}\n")
-    cmd = [*_kvcompress(), "serve", str(model), "--kv-compression", str(bad), "--port", str(_free_port()),
+    cmd = [*kvcompress(), "serve", str(model), "--kv-compression", str(bad), "--port", str(free_port()),
            "--host", "127.0.0.1"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_server_env())
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=server_env())
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last == f"error: kv-compression config {bad}: field 'default.k_bits' = 5 is not allowed; allowed: 2, 3, 4, 8, 16"

@@ -16,14 +16,6 @@ import math
 import torch
 
 
-def hadamard(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    assert h.shape[0] == n, f"head size {n} is not a power of two"
-    return h / math.sqrt(n)
-
-
 def fake_quant(x: torch.Tensor, bits: int, axis: str, block: int) -> torch.Tensor:
     """x: [batch, heads, seq, d]. axis 'token': min-max over d per token; 'channel': per channel
     over each block of ``block`` tokens (float16 scale and zero, as the pages store them)."""
@@ -49,6 +41,7 @@ def fake_quant(x: torch.Tensor, bits: int, axis: str, block: int) -> torch.Tenso
 def run(model_dir: str, tokens: int, settings: list[str]) -> None:
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from vllm.v1.attention.ops.ultraquant.reference import hadamard_matrix
 
     from vllm_kvcompress.tools.datasets import dataset_texts
 
@@ -60,7 +53,7 @@ def run(model_dir: str, tokens: int, settings: list[str]) -> None:
     def attention(module, query, key, value, attention_mask, **kw):
         spec = current.get("spec")
         if spec:
-            rot = hadamard(key.shape[-1])
+            rot = hadamard_matrix(key.shape[-1], key.device)
             k = key @ rot if spec["rotate"] in ("kv", "k") else key
             v = value @ rot if spec["rotate"] in ("kv", "v") else value
             k = fake_quant(k, spec["bits"], spec["k_axis"], spec["block"])
