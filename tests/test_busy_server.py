@@ -16,6 +16,7 @@ import signal
 import time
 
 import pytest
+import torch
 from engine_utils import engine, greedy, prose
 from server_utils import start_server
 from tiny_models import build_llama
@@ -28,6 +29,8 @@ PROMPTS = ([prose(5 + (37 * i) % 230, seed=i) for i in range(48)]
            + [f"{SHARED} {prose(4 + i, seed=200 + i)}" for i in range(16)])
 MAX_TOKENS = [8 + (11 * i) % 40 for i in range(len(PROMPTS))]
 PAGES_16_BIT = "default: {k_bits: 16, v_bits: 16}\n"
+# the plugin takes 16-bit models on CUDA; the CPU engine runs the test model in float32
+DTYPE = "float16" if torch.cuda.is_available() else "float32"
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def busy_server(model, tmp_path_factory, request):
         (folder / "pages-16-bit.yaml").write_text(PAGES_16_BIT)
     else:
         setting, kv_bytes = request.param, 9 << 17
-    proc, base = start_server(model, ["--kv-compression", setting, "--dtype", "float32", "--enforce-eager",
+    proc, base = start_server(model, ["--kv-compression", setting, "--dtype", DTYPE, "--enforce-eager",
                                       "--max-model-len", str(MAX_LEN), "--kv-cache-memory-bytes", str(kv_bytes),
                                       "--max-num-batched-tokens", "128", "--max-num-seqs", "64",
                                       "--enable-prefix-caching", "--served-model-name", "tiny"], log)
@@ -111,7 +114,7 @@ def test_sixty_four_clients_on_a_small_cache(busy_server, model):
     _cache_drains(base)
     assert [len(ids) for ids in served] == MAX_TOKENS
     if setting == "16-bit":
-        with engine(model, max_model_len=MAX_LEN) as llm:  # stock vLLM, compression off
+        with engine(model, dtype=DTYPE, max_model_len=MAX_LEN) as llm:  # stock vLLM, compression off
             alone = [greedy(llm, [p], n)[0] for p, n in zip(PROMPTS, MAX_TOKENS)]
         assert served == alone, [i for i, (a, b) in enumerate(zip(served, alone)) if a != b]
 
