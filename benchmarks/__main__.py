@@ -49,7 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy-prompts", type=int, default=None, help="prompts of the greedy comparison (quality)")
     p.add_argument("--chunk", type=int, default=None,
                    help="prompt chunks of at most N tokens, so that earlier context is read from the pages (quality, kvmix)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens a KV block, vLLM's --block-size (quality, kvmix); default: 128 for our configs")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="perplexity at these contexts (quality)")
+    p.add_argument("--ppl-windows", type=int, default=None,
+                   help="essay windows of the longest context that perplexity and KL are taken over (quality)")
     p.add_argument("--gsm8k-questions", type=int, default=None, help="questions of the 16-bit GSM8K check (quality)")
     p.add_argument("--config", type=Path, default=Path("configs/kvmix-smollm2.yaml"), help="profiled config (kvmix)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="random baselines (kvmix)")
@@ -117,18 +121,23 @@ def _quality_sizes(args):
 
     if args.chunk is not None and args.chunk < 16:
         raise SystemExit(f"error: --chunk {args.chunk} is not allowed; allowed: 16 tokens or more")
+    if args.block_size is not None and (args.block_size <= 0 or args.block_size % 16):
+        raise SystemExit(f"error: --block-size {args.block_size} is not allowed; allowed: a multiple of 16")
     if args.bench == "kvmix":  # perplexity only: windows of 2048 tokens (256 with --small)
         return quality.Sizes(contexts=(256,) if args.small else (2048,), ppl_windows=1 if args.small else 2,
-                             needle=(), chunk=args.chunk)
-    sizes = dataclasses.replace(quality.SMALL if args.small else quality.FULL, chunk=args.chunk)
+                             needle=(), chunk=args.chunk, block_size=args.block_size)
+    sizes = dataclasses.replace(quality.SMALL if args.small else quality.FULL, chunk=args.chunk,
+                                block_size=args.block_size)
     if args.contexts:
         sizes = dataclasses.replace(sizes, contexts=tuple(sorted(args.contexts)))
-    for flag, value, least in (("--greedy-prompts", args.greedy_prompts, 1),
+    for flag, value, least in (("--greedy-prompts", args.greedy_prompts, 1), ("--ppl-windows", args.ppl_windows, 1),
                                ("--gsm8k-questions", args.gsm8k_questions, 0)):
         if value is not None and value < least:
             raise SystemExit(f"error: {flag} {value} is not allowed; allowed: {least} or more")
     if args.needles:
         sizes = dataclasses.replace(sizes, needle=tuple(_needle_arg(a) for a in args.needles))
+    if args.ppl_windows is not None:
+        sizes = dataclasses.replace(sizes, ppl_windows=args.ppl_windows)
     if args.greedy_prompts is not None:
         sizes = dataclasses.replace(sizes, greedy_prompts=args.greedy_prompts)
     if args.gsm8k_questions is not None:

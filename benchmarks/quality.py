@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from tqdm import tqdm
 
 from . import metrics, needle, report, settings
+from .kivi import KiviModel, KiviSpec
 from .models import Model
 
 GSM8K_MIN = 0.1  # GSM8K runs on the compressed settings only above this 16-bit accuracy
@@ -45,6 +46,7 @@ class Sizes:
     top_k: int = 20  # the reference's most likely tokens per position that KL is taken over
     test_top_k: int = 100  # prompt logprobs per position asked of the other settings (so few are missing)
     chunk: int | None = None  # prompt chunks of at most this many tokens (None: vLLM's default)
+    block_size: int | None = None  # tokens a KV block, vLLM's --block-size (None: the backend's choice)
 
     @property
     def max_len(self) -> int:
@@ -111,6 +113,8 @@ def engine(model: Model, setting, sizes: Sizes, dtype: str, kv_bytes: int):
         settings.llm_kwargs(setting)
     if sizes.chunk is not None:  # context beyond the current chunk is read from the pages
         kwargs |= {"enable_chunked_prefill": True, "max_num_batched_tokens": sizes.chunk}
+    if sizes.block_size is not None:  # K's per-channel statistics cover a block
+        kwargs["block_size"] = sizes.block_size
     llm = LLM(str(model.path), dtype=dtype, enforce_eager=True, seed=0, max_model_len=sizes.max_len,
               kv_cache_memory_bytes=kv_bytes, max_logprobs=sizes.test_top_k, **kwargs)
     try:
@@ -125,6 +129,26 @@ def kv_tokens(llm) -> int:
     """The KV capacity in tokens that the engine allocated."""
     cc = llm.llm_engine.vllm_config.cache_config
     return cc.num_gpu_blocks * cc.block_size
+
+
+def kv_vs_16bit(llm, setting) -> float | None:
+    """KV tokens against vLLM's bfloat16 cache in the same memory (the page arithmetic the plugin
+    logs, whatever dtype this engine runs in); None where not known (vLLM's int4 cache)."""
+    import dataclasses
+
+    import torch
+
+    from vllm_kvcompress.engine_config import ModelKVShape, active_config, capacity_report
+
+    if setting == settings.BASELINE:
+        return 1.0
+    if isinstance(setting, str) and setting.startswith("fp8"):
+        return 2.0
+    vllm_config = llm.llm_engine.vllm_config
+    cfg = active_config(vllm_config)
+    if cfg is None:
+        return None
+    return capacity_report(cfg, dataclasses.replace(ModelKVShape.of(vllm_config), dtype=torch.bfloat16))[0]
 
 
 def _generate(llm, prompts: list[list[int]], **params):
@@ -146,27 +170,49 @@ def perplexity_at(logprobs: list[list[float]], context: int) -> float:
     return metrics.perplexity([lp for window in logprobs for lp in window[:context - 1]])
 
 
-def evaluate(llm, data: Data, sizes: Sizes, ref: dict | None, needle_lengths, run_gsm8k: bool,
-             bar: tqdm) -> tuple[dict, dict]:
-    """One setting's row, and what a later setting compares against (this one's top-k and greedy tokens)."""
-    row: dict = {"kv_tokens": kv_tokens(llm)}
-    bar.set_postfix_str("perplexity")
-    windows = window_logprobs(llm, data.windows, sizes.top_k if ref is None else sizes.test_top_k)
+def _distribution_columns(windows, sizes: Sizes, ref: dict | None) -> dict:
+    """Perplexity at each context and, against the reference, mean KL over the windows' positions."""
     logprobs = [lp for lp, _ in windows]
-    for ctx in sizes.contexts:
-        row[f"ppl_{ctx}"] = perplexity_at(logprobs, ctx)
-    tops = [top for _, top in windows]
+    row = {f"ppl_{ctx}": perplexity_at(logprobs, ctx) for ctx in sizes.contexts}
     if ref is not None:
-        kls = [metrics.kl_top_k(r, t, sizes.top_k) for rw, tw in zip(ref["top"], tops) for r, t in zip(rw, tw)]
+        kls = [metrics.kl_top_k(r, t, sizes.top_k) for rw, (_, tw) in zip(ref["top"], windows)
+               for r, t in zip(rw, tw)]
         row["kl"] = sum(k for k, _ in kls) / len(kls)
         row["kl_missing"] = sum(m for _, m in kls) / len(kls)
+    return row
+
+
+def _greedy_columns(greedy: list[list[int]], ref: dict | None) -> dict:
+    if ref is None:
+        return {}
+    agree = [metrics.greedy_agreement(r, g) for r, g in zip(ref["greedy"], greedy)]
+    return {"greedy_match": sum(a for a, _ in agree) / len(agree),
+            "greedy_first_diff": sum(f for _, f in agree) / len(agree)}
+
+
+def evaluate_kivi(model: KiviModel, spec: KiviSpec, data: Data, sizes: Sizes, ref: dict, bar: tqdm) -> dict:
+    """A KIVI reference row (``kivi.py``): perplexity, KL and greedy agreement on the same windows and
+    prompts as the engine's rows; needles and GSM8K are not run."""
+    with model.using(spec):
+        bar.set_postfix_str("perplexity")
+        windows = [model.window_logprobs(w, sizes.test_top_k) for w in data.windows]
+        bar.set_postfix_str("greedy")
+        greedy = [model.greedy(p, sizes.greedy_tokens) for p in data.greedy]
+    return {"kv_vs_16bit": spec.kv_vs_16bit(model.head_size, max(sizes.contexts)),
+            **_distribution_columns(windows, sizes, ref), **_greedy_columns(greedy, ref)}
+
+
+def evaluate(llm, setting, data: Data, sizes: Sizes, ref: dict | None, needle_lengths, run_gsm8k: bool,
+             bar: tqdm) -> tuple[dict, dict]:
+    """One setting's row, and what a later setting compares against (this one's top-k and greedy tokens)."""
+    row: dict = {"kv_tokens": kv_tokens(llm), "kv_vs_16bit": kv_vs_16bit(llm, setting)}
+    bar.set_postfix_str("perplexity")
+    windows = window_logprobs(llm, data.windows, sizes.top_k if ref is None else sizes.test_top_k)
+    row |= _distribution_columns(windows, sizes, ref)
     bar.set_postfix_str("greedy")
     outs = _generate(llm, data.greedy, max_tokens=sizes.greedy_tokens, temperature=0.0, ignore_eos=True)
     greedy = [list(o.outputs[0].token_ids) for o in outs]
-    if ref is not None:
-        agree = [metrics.greedy_agreement(r, g) for r, g in zip(ref["greedy"], greedy)]
-        row["greedy_match"] = sum(a for a, _ in agree) / len(agree)
-        row["greedy_first_diff"] = sum(f for _, f in agree) / len(agree)
+    row |= _greedy_columns(greedy, ref)
     for length in needle_lengths:
         bar.set_postfix_str(f"needle {length}")
         samples = data.needles[length]
@@ -178,7 +224,7 @@ def evaluate(llm, data: Data, sizes: Sizes, ref: dict | None, needle_lengths, ru
         outs = _generate(llm, [p for p, _ in data.gsm8k], max_tokens=sizes.gsm8k_tokens, temperature=0.0)
         row["gsm8k"] = sum(metrics.last_number(o.outputs[0].text) == gold
                            for o, (_, gold) in zip(outs, data.gsm8k)) / len(data.gsm8k)
-    return row, {"top": tops, "greedy": greedy}
+    return row, {"top": [top for _, top in windows], "greedy": greedy}
 
 
 def error_text(err: BaseException) -> str:
@@ -203,13 +249,21 @@ def run(model: Model, kv_settings: list, sizes: Sizes, out_dir, dtype: str, kv_b
     result = {"bench": "quality", "model": model.name, "dtype": dtype, "kv_cache_memory_bytes": kv_bytes,
               "sizes": asdict(sizes), "device": report.device(), "rows": []}
     ref, needle_lengths, run_gsm8k = None, [n for n, _ in sizes.needle], True
+    kivi_model = None  # loaded at the first KIVI row
     bar = tqdm(todo, desc=f"quality {model.name}", unit="setting")
     for name, setting in bar:
         bar.set_description(f"quality {model.name}: {name}")
         start = time.time()
+        spec = KiviSpec.parse(setting) if isinstance(setting, str) else None
         try:
-            with engine(model, setting, sizes, dtype, kv_bytes) as llm:
-                row, raw = evaluate(llm, data, sizes, ref, needle_lengths, run_gsm8k, bar)
+            if spec is not None:
+                if ref is None:
+                    raise RuntimeError("the KIVI reference compares with the 16-bit engine row, which failed")
+                kivi_model = kivi_model or KiviModel(model.path, sizes.chunk)
+                row, raw = evaluate_kivi(kivi_model, spec, data, sizes, ref, bar), None
+            else:
+                with engine(model, setting, sizes, dtype, kv_bytes) as llm:
+                    row, raw = evaluate(llm, setting, data, sizes, ref, needle_lengths, run_gsm8k, bar)
         except Exception as err:  # a setting vLLM or the plugin refuses: recorded, the others go on
             row, raw = {"error": error_text(err)}, None
         row = {"setting": name, **row, "seconds": round(time.time() - start, 1)}
@@ -223,6 +277,7 @@ def run(model: Model, kv_settings: list, sizes: Sizes, out_dir, dtype: str, kv_b
                                            for k, v in row.items() if k != "setting"))
         report.write(out_dir, result, table(result))
     plot(result, out_dir / "quality.png")
+    frontier(result, out_dir / "frontier.png")
     return result
 
 
@@ -237,7 +292,7 @@ def gsm8k_note(acc: float | None, n: int, ran: bool) -> str:
 
 def columns(result: dict) -> list[tuple[str, str]]:
     sizes = result["sizes"]
-    cols = [("setting", "setting"), ("kv_tokens", "KV tokens")]
+    cols = [("setting", "setting"), ("kv_vs_16bit", "KV vs 16-bit"), ("kv_tokens", "KV tokens")]
     cols += [(f"ppl_{c}", f"ppl @{c // 1024}k" if c >= 1024 else f"ppl @{c}") for c in sizes["contexts"]]
     cols += [("kl", "KL vs auto"), ("greedy_match", "greedy agree"), ("greedy_first_diff", "first diff")]
     cols += [(f"needle_{n}", f"needle @{n // 1024}k" if n >= 1024 else f"needle @{n}") for n, _ in sizes["needle"]]
@@ -273,3 +328,24 @@ def plot(result: dict, path) -> None:
     ax3.minorticks_off()
     ax1.legend(fontsize=7)
     report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result['device']}")
+
+
+def frontier(result: dict, path) -> None:
+    """KV tokens against 16 bits (x) and perplexity increase at the longest context (y), a point per
+    setting: the engine's rows and the references alike."""
+    ctx = max(result["sizes"]["contexts"])
+    rows = [r for r in result["rows"] if "error" not in r and r.get("kv_vs_16bit") and f"ppl_{ctx}" in r]
+    if not rows:
+        return
+    base = rows[0][f"ppl_{ctx}"]
+    fig, ax = report.figure(1, (6.5, 4.5))
+    for i, r in enumerate(rows):
+        y = 100 * (r[f"ppl_{ctx}"] / base - 1)
+        ax.scatter(r["kv_vs_16bit"], y, marker="s" if KiviSpec.parse(r["setting"]) else "o")
+        ax.annotate(r["setting"], (r["kv_vs_16bit"], y), fontsize=7, xytext=(4, 3 if i % 2 else -9),
+                    textcoords="offset points")  # alternate sides: settings of one capacity lie close
+    ax.set(xlabel="KV tokens vs 16-bit (same memory)", ylabel=f"perplexity increase @{ctx} (%)",
+           yscale="symlog", title="quality per byte (squares: KIVI reference)")
+    ax.axhline(0, color="gray", lw=0.5)
+    report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result.get('text', 'essays')}, "
+                                  f"{result['device']}")

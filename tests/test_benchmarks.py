@@ -140,6 +140,8 @@ def test_kernels_needs_a_gpu_and_bad_input_is_named(tmp_path):
     assert run.returncode != 0 and "nowhere" in run.stderr and "smollm2" in run.stderr
     run = bench("quality", "--kv-bytes", "-5")
     assert run.returncode != 0 and "--kv-bytes -5" in run.stderr
+    run = bench("quality", "--block-size", "40")
+    assert run.returncode != 0 and "--block-size 40 is not allowed; allowed: a multiple of 16" in run.stderr
 
 
 @pytest.mark.engine
@@ -152,11 +154,11 @@ def test_quality_small(gqa, tmp_path):
     lossless = tmp_path / "k16v16.yaml"
     lossless.write_text("name: k16v16\ndefault: {k_bits: 16, v_bits: 16}\n")
     run = bench("quality", "--small", "--model", gqa, "--settings", "auto", lossless, "quant-k2v2", "no-such-preset",
-                "--out", tmp_path / "res")
+                "kivi-2-g32-r0", "--chunk", "64", "--out", tmp_path / "res")
     assert run.returncode == 0, run.stderr[-3000:]
     folder, result = result_of(tmp_path / "res")
     rows = {r["setting"]: r for r in result["rows"]}
-    assert list(rows) == ["16-bit (auto)", "k16v16", "quant-k2v2", "no-such-preset"]
+    assert list(rows) == ["16-bit (auto)", "k16v16", "quant-k2v2", "no-such-preset", "kivi-2-g32-r0"]
 
     tok = AutoTokenizer.from_pretrained(gqa)
     windows = quality.prepare_data(tok, quality.SMALL).windows
@@ -176,9 +178,20 @@ def test_quality_small(gqa, tmp_path):
     assert exact["kl"] < 1e-5 and exact["greedy_match"] == 1.0
     assert exact["ppl_256"] == pytest.approx(rows["16-bit (auto)"]["ppl_256"], rel=1e-4)
     assert low["kl"] > 100 * max(exact["kl"], 1e-6) and low["kv_tokens"] > 6 * exact["kv_tokens"]
+    assert exact["kv_vs_16bit"] == 1.0 and low["kv_vs_16bit"] == pytest.approx(low["kv_tokens"] / exact["kv_tokens"] / 2,
+                                                                              rel=0.02)  # float32 engine: half of bfloat16's
     assert "no-such-preset" in rows["no-such-preset"]["error"]
+    # the KIVI reference (a transformers model, benchmarks/kivi.py) scores the same windows: 2 bits
+    # lose, and its KL and greedy agreement come from the same comparison as the engine's rows
+    kivi = rows["kivi-2-g32-r0"]
+    assert kivi["ppl_256"] != rows["16-bit (auto)"]["ppl_256"] and kivi["kl"] > 100 * max(exact["kl"], 1e-6)
+    d = json.loads((gqa / "config.json").read_text())
+    d = d["hidden_size"] // d["num_attention_heads"]
+    codes, k_stats, v_stats = 2 * 2 * d / 8, 4 * d / 32, 4 * d / min(32, d)  # bytes a token and KV head
+    assert 0 <= kivi["greedy_match"] <= 1 and kivi["kv_vs_16bit"] == pytest.approx(4 * d / (codes + k_stats + v_stats))
     assert "| quant-k2v2 |" in (folder / "table.md").read_text()
     assert 0 < (folder / "quality.png").stat().st_size < 150_000
+    assert 0 < (folder / "frontier.png").stat().st_size < 150_000
 
 
 @pytest.mark.engine
