@@ -25,7 +25,7 @@ import contextlib
 import gc
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tqdm import tqdm
 
@@ -143,8 +143,6 @@ def kv_tokens(llm) -> int:
 def kv_vs_16bit(llm, setting) -> float | None:
     """KV tokens against vLLM's bfloat16 cache in the same memory (the page arithmetic the plugin
     logs, whatever dtype this engine runs in); None where not known (vLLM's int4 cache)."""
-    import dataclasses
-
     import torch
 
     from vllm_kvcompress.engine_config import ModelKVShape, active_config, capacity_report
@@ -157,7 +155,7 @@ def kv_vs_16bit(llm, setting) -> float | None:
     cfg = active_config(vllm_config)
     if cfg is None:
         return None
-    return capacity_report(cfg, dataclasses.replace(ModelKVShape.of(vllm_config), dtype=torch.bfloat16))[0]
+    return capacity_report(cfg, replace(ModelKVShape.of(vllm_config), dtype=torch.bfloat16))[0]
 
 
 def _generate(llm, prompts: list[list[int]], **params):
@@ -255,6 +253,8 @@ def run(model: Model, kv_settings: list, sizes: Sizes, out_dir, dtype: str, kv_b
     if settings.BASELINE not in kv_settings:
         todo.insert(0, (settings.label(settings.BASELINE), settings.BASELINE))
     todo.sort(key=lambda ns: ns[1] != settings.BASELINE)
+    # KIVI reference rows by setting, parsed before any engine starts (a bad name stops the run here)
+    kivi_specs = {s: KiviSpec.parse(s) for _, s in todo if isinstance(s, str)}
     result = {"bench": "quality", "model": model.name, "dtype": dtype, "kv_cache_memory_bytes": kv_bytes,
               "text": text, "text_source": TEXTS[text][1], "sizes": asdict(sizes), "device": report.device(),
               "rows": []}
@@ -264,7 +264,7 @@ def run(model: Model, kv_settings: list, sizes: Sizes, out_dir, dtype: str, kv_b
     for name, setting in bar:
         bar.set_description(f"quality {model.name}: {name}")
         start = time.time()
-        spec = KiviSpec.parse(setting) if isinstance(setting, str) else None
+        spec = kivi_specs.get(setting) if isinstance(setting, str) else None
         try:
             if spec is not None:
                 if ref is None:
@@ -360,5 +360,5 @@ def frontier(result: dict, path) -> None:
     ax.set(xlabel="KV tokens vs 16-bit (same memory)", ylabel=f"perplexity increase @{ctx} (%)",
            yscale="symlog", title="quality per byte (squares: KIVI reference)")
     ax.axhline(0, color="gray", lw=0.5)
-    report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result.get('text', 'essays')}, "
+    report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result['text']}, "
                                   f"{result['device']}")

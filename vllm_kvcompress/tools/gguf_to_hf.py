@@ -50,11 +50,12 @@ class SplitGGUF:
 
     def part_files(self) -> list[Path]:
         """Each package's chunk; a missing package stops with the one install line for all of them."""
-        missing = [requirement for module, _, requirement in self.parts if importlib.util.find_spec(module) is None]
+        specs = {module: importlib.util.find_spec(module) for module, _, _ in self.parts}
+        missing = [requirement for module, _, requirement in self.parts if specs[module] is None]
         if missing:
             raise SystemExit(f"error: {self.file_name} comes in {len(self.parts)} packages, {', '.join(missing)} "
                              f"not installed: {self.install}")
-        return [Path(importlib.util.find_spec(module).origin).parent / chunk for module, chunk, _ in self.parts]
+        return [Path(specs[module].origin).parent / chunk for module, chunk, _ in self.parts]
 
 
 QWEN_CODER = SplitGGUF(
