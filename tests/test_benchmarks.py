@@ -230,6 +230,31 @@ def test_quality_small(gqa, tmp_path):
 
 
 @pytest.mark.engine
+def test_quality_block_size_and_windows_reach_the_engine(gqa, tmp_path):
+    """--ppl-windows: perplexity over that many windows (a transformers forward's over the same
+    windows); --block-size: the engine's blocks, so 4/4 pages keep K's statistics per 64 tokens."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    run = bench("quality", "--small", "--model", gqa, "--settings", "auto", "quant-k4v4", "--block-size", 64,
+                "--ppl-windows", 2, "--greedy-prompts", 1, "--gsm8k-questions", 0, "--out", tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    _, result = result_of(tmp_path)
+    auto, k4v4 = result["rows"]
+    windows = quality.prepare_data(AutoTokenizer.from_pretrained(gqa),
+                                   dataclasses.replace(quality.SMALL, ppl_windows=2)).windows
+    assert len(windows) == 2
+    for ctx, want in _forward_perplexities(gqa, windows, quality.SMALL.contexts).items():
+        assert auto[f"ppl_{ctx}"] == pytest.approx(want, rel=1e-3)
+    d = json.loads((gqa / "config.json").read_text())
+    d = d["hidden_size"] // d["num_attention_heads"]
+    # a token of a KV head: K and V codes (d/2 bytes each), K's float16 scale and zero per channel
+    # over 64 tokens, V's per token; against 2 x d bfloat16 values
+    assert k4v4["kv_vs_16bit"] == pytest.approx(4 * d / (d + 4 * d / 64 + 4), rel=1e-3)
+
+
+@pytest.mark.engine
 def test_quality_small_on_code(gqa, tmp_path):
     """--text code: perplexity (a transformers forward's on the same tokens) and greedy prompts on
     HumanEval's code, and the results say so."""
