@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="needle prompts per length (quality), e.g. 1024:4 2048:2")
     p.add_argument("--greedy-prompts", type=int, default=None, help="prompts of the greedy comparison (quality)")
     p.add_argument("--chunk", type=int, default=None,
-                   help="prompt chunks of at most N tokens, so that earlier context is read from the pages (quality, kvmix)")
+                   help="prompt chunks of at most N tokens; earlier context is read from the pages "
+                        "(quality, kvmix; default 256, 64 with --small)"),
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens a KV block, vLLM's --block-size (quality, kvmix); default: 128 for our configs")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="perplexity at these contexts (quality)")
@@ -128,11 +129,12 @@ def _quality_sizes(args):
         raise SystemExit(f"error: --chunk {args.chunk} is not allowed; allowed: 16 tokens or more")
     if args.block_size is not None and (args.block_size <= 0 or args.block_size % 16):
         raise SystemExit(f"error: --block-size {args.block_size} is not allowed; allowed: a multiple of 16")
+    base = quality.SMALL if args.small else quality.FULL
+    chunk = base.chunk if args.chunk is None else args.chunk
     if args.bench == "kvmix":  # perplexity only: windows of 2048 tokens (256 with --small)
         return quality.Sizes(contexts=(256,) if args.small else (2048,), ppl_windows=1 if args.small else 2,
-                             needle=(), chunk=args.chunk, block_size=args.block_size)
-    sizes = dataclasses.replace(quality.SMALL if args.small else quality.FULL, chunk=args.chunk,
-                                block_size=args.block_size)
+                             needle=(), chunk=chunk, block_size=args.block_size)
+    sizes = dataclasses.replace(base, chunk=chunk, block_size=args.block_size)
     if args.contexts:
         sizes = dataclasses.replace(sizes, contexts=tuple(sorted(args.contexts)))
     for flag, value, least in (("--greedy-prompts", args.greedy_prompts, 1), ("--ppl-windows", args.ppl_windows, 1),

@@ -11,10 +11,8 @@ The model runs chunk by chunk with the same prompt chunks as the engine (``--chu
 tokens attend to earlier chunks through the quantized cache and to their own chunk exactly, as
 KIVI's prefill does; later layers see the hidden states that quantized attention produced.
 
-Setting names: ``kivi-BITS[-gGROUP][-rRESIDUAL][-readback]``; ``kivi-4`` is the paper's 4 bits,
-groups of 32, a residual of 128 tokens. ``-readback`` is not KIVI: the chunk's own tokens are read
-back quantized too (the residual rule over all tokens, the chunk's included), as this plugin's
-pages serve prompt tokens today; the pair of rows measures what that costs.
+Setting names: ``kivi-BITS[-gGROUP][-rRESIDUAL]``; ``kivi-4`` is the paper's 4 bits, groups of
+32, a residual of 128 tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-_NAME = re.compile(r"kivi-(?P<bits>[248])(?:-g(?P<group>\d+))?(?:-r(?P<residual>\d+))?(?P<readback>-readback)?")
+_NAME = re.compile(r"kivi-(?P<bits>[248])(?:-g(?P<group>\d+))?(?:-r(?P<residual>\d+))?")
 
 
 @dataclass(frozen=True)
@@ -33,7 +31,6 @@ class KiviSpec:
     bits: int
     group: int = 32
     residual: int = 128
-    readback: bool = False  # the chunk's own tokens quantized too
 
     @classmethod
     def parse(cls, name: str) -> "KiviSpec | None":
@@ -41,7 +38,7 @@ class KiviSpec:
         m = _NAME.fullmatch(name)
         if m is None:
             return None
-        spec = cls(int(m["bits"]), int(m["group"] or 32), int(m["residual"] or 128), bool(m["readback"]))
+        spec = cls(int(m["bits"]), int(m["group"] or 32), int(m["residual"] or 128))
         if spec.residual % spec.group:
             raise SystemExit(f"setting {name!r}: the residual ({spec.residual}) must be a multiple of the group "
                              f"({spec.group} tokens)")
@@ -89,7 +86,7 @@ class KiviModel:
 
     ATTENTION = "kivi_reference"
 
-    def __init__(self, model_path, chunk: int | None):
+    def __init__(self, model_path, chunk: int | None):  # None: a window in one chunk
         from transformers import AttentionInterface, AutoModelForCausalLM
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -100,8 +97,7 @@ class KiviModel:
         def attention(module, query, key, value, attention_mask, **kwargs):
             if self.spec is not None:
                 # key/value hold every cached token and then the chunk's own (no token leaves the cache)
-                cached = key.shape[2] if self.spec.readback else key.shape[2] - query.shape[2]
-                n = self.spec.quantized_tokens(cached)
+                n = self.spec.quantized_tokens(key.shape[2] - query.shape[2])
                 if n:
                     key = torch.cat([fake_quant_k(key[:, :, :n], self.spec.bits, self.spec.group), key[:, :, n:]], 2)
                     value = torch.cat([fake_quant_v(value[:, :, :n], self.spec.bits, self.spec.group),

@@ -51,7 +51,10 @@ class Sizes:
     gsm8k_tokens: int = 256
     top_k: int = 20  # the reference's most likely tokens per position that KL is taken over
     test_top_k: int = 100  # prompt logprobs per position asked of the other settings (so few are missing)
-    chunk: int | None = None  # prompt chunks of at most this many tokens (None: vLLM's default)
+    # prompt chunks of at most this many tokens: a chunk attends to its own tokens exactly and to
+    # earlier context through the pages, so small chunks make prompt logprobs show what a generated
+    # token sees (docs/quality.md)
+    chunk: int = 256
     block_size: int | None = None  # tokens a KV block, vLLM's --block-size (None: the backend's choice)
 
     @property
@@ -62,7 +65,7 @@ class Sizes:
 
 FULL = Sizes()
 SMALL = Sizes(contexts=(128, 256), greedy_prompts=2, greedy_context=64, greedy_tokens=16, needle=((512, 2),),
-              gsm8k=2, gsm8k_tokens=16)
+              gsm8k=2, gsm8k_tokens=16, chunk=64)
 
 
 @dataclass
@@ -120,8 +123,10 @@ def engine(model: Model, setting, sizes: Sizes, dtype: str, kv_bytes: int):
 
     kwargs = {"additional_config": {"kv_compression": setting}} if isinstance(setting, dict) else \
         settings.llm_kwargs(setting)
-    if sizes.chunk is not None:  # context beyond the current chunk is read from the pages
-        kwargs |= {"enable_chunked_prefill": True, "max_num_batched_tokens": sizes.chunk}
+    # context before the current chunk is read from the pages (vLLM wants a step's token budget to
+    # hold one token of each request it runs)
+    kwargs |= {"enable_chunked_prefill": True, "max_num_batched_tokens": sizes.chunk,
+               "max_num_seqs": min(256, sizes.chunk)}
     if sizes.block_size is not None:  # K's per-channel statistics cover a block
         kwargs["block_size"] = sizes.block_size
     llm = LLM(str(model.path), dtype=dtype, enforce_eager=True, seed=0, max_model_len=sizes.max_len,

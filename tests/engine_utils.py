@@ -68,18 +68,29 @@ def prompt_logprobs(llm, prompts) -> list[torch.Tensor]:
     return result
 
 
-def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, block: int) -> list[torch.Tensor]:
-    """Hugging Face Llama whose attention sees K and V through the format's arithmetic."""
+def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, block: int,
+                              chunk: int) -> list[torch.Tensor]:
+    """Hugging Face Llama run as the engine runs a prompt in chunks of ``chunk`` tokens (a multiple
+    of ``block``): each chunk attends to its own K/V exactly and to earlier chunks' K/V through the
+    format's arithmetic."""
+    import torch.nn.functional as F
     from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def quantized_attention(module, query, key, value, attention_mask, **kwargs):
-        # key/value: [batch, kv_heads, seq, head] after RoPE, as vLLM stores them
-        k = torch.stack([fake_quant(kb.transpose(0, 1), k_bits, "channel", block).transpose(0, 1) for kb in key])
-        v = torch.stack([fake_quant(vb.transpose(0, 1), v_bits, "token", block).transpose(0, 1) for vb in value])
-        return sdpa_attention_forward(module, query, k.to(query.dtype), v.to(query.dtype), attention_mask, **kwargs)
+    def chunked_quantized_attention(module, query, key, value, attention_mask, **kwargs):
+        # query [batch, heads, seq, head]; key/value [batch, kv_heads, seq, head] after RoPE, as vLLM stores them
+        kq = torch.stack([fake_quant(kb.transpose(0, 1), k_bits, "channel", block).transpose(0, 1) for kb in key])
+        vq = torch.stack([fake_quant(vb.transpose(0, 1), v_bits, "token", block).transpose(0, 1) for vb in value])
+        outs = []
+        for a in range(0, key.shape[2], chunk):
+            b = min(a + chunk, key.shape[2])
+            k = torch.cat([kq[:, :, :a], key[:, :, a:b]], 2).to(query.dtype)
+            v = torch.cat([vq[:, :, :a], value[:, :, a:b]], 2).to(query.dtype)
+            mask = torch.ones(b - a, b, dtype=torch.bool).tril(a)
+            outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=mask, scale=module.scaling,
+                                                       enable_gqa=True))
+        return torch.cat(outs, 2).transpose(1, 2).contiguous(), None
 
-    AttentionInterface.register("kvq_reference", quantized_attention)
+    AttentionInterface.register("kvq_reference", chunked_quantized_attention)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="kvq_reference", dtype=torch.float32)
     result = []
@@ -114,3 +125,33 @@ def record_attention(monkeypatch) -> list:
 
     monkeypatch.setattr(KVCompressImpl, "forward", recording_forward)
     return calls
+
+
+def check_chunked_attention(calls, history_k, history_v) -> int:
+    """Recorded attention calls of prompts run one at a time in chunks, each against causal attention
+    over the chunk's own K/V exactly and over the request's earlier tokens (from the layer's earlier
+    calls) put through ``history_k``/``history_v`` ([T, H, D] -> the values the pages give back).
+    Returns how many calls had earlier tokens."""
+    before = {}  # by layer: the request's K and V so far
+    with_history = 0
+    for c in calls:
+        assert len(c.qsl) == 2, "one request a step"
+        d = c.q.shape[-1] // c.heads if c.q.dim() == 2 else c.q.shape[-1]
+        q, k, v, out = (t.reshape(t.shape[0], -1, d).float() for t in (c.q, c.k, c.v, c.out))
+        m, length = q.shape[0], c.seq_lens[0]
+        if length == m:
+            before[c.layer] = (k[:0], v[:0])
+        old_k, old_v = before[c.layer]
+        assert old_k.shape[0] == length - m
+        with_history += length > m
+        group = c.heads // c.kv_heads
+        if length > m:
+            old_k, old_v = history_k(old_k), history_v(old_v)
+        keys = torch.cat([old_k, k]).repeat_interleave(group, 1)
+        values = torch.cat([old_v, v]).repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * c.scale
+        scores = scores.masked_fill(~torch.ones(m, length, dtype=torch.bool).tril(length - m), float("-inf"))
+        torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", scores.softmax(-1), values),
+                                   rtol=1e-4, atol=1e-4)
+        before[c.layer] = (torch.cat([before[c.layer][0], k]), torch.cat([before[c.layer][1], v]))
+    return with_history

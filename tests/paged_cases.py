@@ -20,11 +20,11 @@ def request_slots(table_row, block_size, positions):
     return table_row[positions // block_size].long() * block_size + positions % block_size
 
 
-def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False):
+def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False, tokens=None):
     """Each request's tokens in scattered pages, behind a block table; ``spare_blocks`` pages more.
     With ``garbage``, spare pages and the unwritten rest of a last page hold random bytes (float16
     infinities and NaNs among them), to which a kernel must give no weight; else zeros, as in
-    vLLM's cache."""
+    vLLM's cache. ``tokens``, a list, receives each request's K and V [L, H, D]."""
     gen = torch.Generator().manual_seed(seed)
     B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
     max_blocks = max(-(-L // B) for L in seq_lens)
@@ -42,4 +42,6 @@ def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False):
         v = torch.randn(L, H, D, generator=gen) - 0.2
         slots = request_slots(table[i], B, torch.arange(L))
         paged_torch.write_tokens(cache, fmt, k, v, slots)
+        if tokens is not None:
+            tokens.append((k, v))
     return cache, table

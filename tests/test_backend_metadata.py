@@ -46,31 +46,37 @@ def test_cuda_graph_padding_is_decode_rows_not_prompts():
 
 def test_mixed_step_rows():
     """Two decodes, then a 5-token chunk after 7 tokens and a 2-token prompt, grouped 4 tokens a
-    program: each prompt token a row whose context ends at itself."""
+    program: each prompt token a row over its chunk's history (the tokens before the chunk)."""
     md, order_buffer = _build([1, 1, 5, 2], [5, 9, 12, 2], rows_per_group=4)
     assert md.num_decodes == 2
     assert md.decode_row_order.tolist() == [1, 0] and order_buffer[2:].tolist() == [-1] * 6
     rows = md.token_rows
-    assert rows.seq_lens.tolist() == [8, 9, 10, 11, 12, 1, 2]
+    assert rows.seq_lens.tolist() == [7] * 5 + [0] * 2
     assert rows.block_table.tolist() == [[8, 9, 10, 11]] * 5 + [[12, 13, 14, 15]] * 2
-    assert rows.max_seq_len == 12
+    assert rows.max_seq_len == 7
+    assert rows.query_start.tolist() == [0, 5, 7] and rows.max_query_len == 5
     assert rows.groups.rows.tolist() == [4, 0, 0, 0, 1, 2, 0]
     assert rows.groups.starts.tolist() == [0, 4, 5]
     # the Triton kernel is compiled for 16-byte aligned pointers (warm-up included): another
     # alignment would compile a new variant in the middle of serving
-    assert all(t.data_ptr() % 16 == 0 for t in (rows.seq_lens, rows.groups.rows, rows.groups.starts))
+    assert all(t.data_ptr() % 16 == 0 for t in (rows.seq_lens, rows.groups.rows, rows.groups.starts,
+                                                 rows.query_start))
 
 
 def test_backend_step_equals_reference(monkeypatch):
     """The backend's forward over a step of two decodes, a chunk with history and two prompts: the
-    decodes through the decode kernel, every prompt token as a grouped row of it, each row equal to
-    the torch reference's causal attention over the pages (Triton's interpreter on the CPU)."""
+    decodes through the decode kernel, the prompts through the prompt path (their own tokens
+    exactly, their history as grouped rows of the decode kernel), each row equal to the torch
+    reference over the pages and the step's new K/V (Triton's interpreter on the CPU, where a torch
+    attention stands in for FlashAttention)."""
     from paged_cases import fill_pages, request_slots
+    from test_triton_prompt import torch_own_chunk_attention
 
     from vllm_kvcompress import paged_torch
     from vllm_kvcompress.backend import KVCompressImpl
     from vllm_kvcompress.config import LayerFormat
     from vllm_kvcompress.formats import KVPageFormat
+    from vllm_kvcompress.triton_kernels import prompt
     from vllm_kvcompress.triton_kernels.decode import paged_decode, rows_per_program
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,10 +88,13 @@ def test_backend_step_equals_reference(monkeypatch):
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     cache, table = fill_pages(fmt, seq_lens, 2, seed=21)
-    query = torch.randn(qsl[-1], HQ * D, generator=torch.Generator().manual_seed(22)).to(dtype)
-    ref = paged_torch.attend(query.view(-1, HQ, D).float(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
+    gen = torch.Generator().manual_seed(22)
+    query, key, value = (torch.randn(qsl[-1], n * D, generator=gen).to(dtype) for n in (HQ, H, H))
+    ref = paged_torch.attend(query.view(-1, HQ, D).float(), cache, fmt, qsl, seq_lens, table, D ** -0.5,
+                             key=key.view(-1, H, D), value=value.view(-1, H, D))
     if device == "cpu":
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build of torch has none
+        monkeypatch.setattr(prompt, "own_chunk_attention", torch_own_chunk_attention)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     qsl_t = torch.tensor(qsl, dtype=torch.int32)
     slots = torch.cat([request_slots(table[i], B, torch.arange(L - m, L)) for i, (L, m) in enumerate(zip(seq_lens,
@@ -102,9 +111,8 @@ def test_backend_step_equals_reference(monkeypatch):
     impl = object.__new__(KVCompressImpl)
     cache = cache.to(device)
     impl.__dict__.update(num_heads=HQ, head_size=D, num_kv_heads=H, scale=D ** -0.5, sliding_window=None,
-                         _format=fmt, _decode_kernel=paged_decode, _prompt_kernel=paged_decode, _warm_ups=[],
+                         _format=fmt, _decode_kernel=paged_decode, _prompt_kernel=prompt.paged_prompt, _warm_ups=[],
                          _max_model_len=1024, _kv_cache=cache, _cache_pages=cache)
     output = torch.full((qsl[-1], HQ * D), float("nan"), dtype=dtype, device=device)
-    q = query.to(device)
-    impl.forward(SimpleNamespace(), q, q, q, cache, md, output)
+    impl.forward(SimpleNamespace(), query.to(device), key.to(device), value.to(device), cache, md, output)
     torch.testing.assert_close(output.view(-1, HQ, D).float().cpu(), ref, rtol=2e-2, atol=2e-2)

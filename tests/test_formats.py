@@ -221,7 +221,9 @@ def test_uncompressed_write_is_exact():
 
 
 def test_paged_attention_equals_dense_attention():
-    """Mixed batch (a prefill chunk and decodes) over scattered blocks == causal softmax attention."""
+    """Mixed batch (a prefill chunk and decodes) over scattered blocks == causal softmax attention
+    over the fake-quantized K/V, but for the chunk's own tokens, which it sees exactly (a decode
+    reads its own token back from the pages)."""
     torch.manual_seed(1)
     B, Hkv, Hq, D = 16, 2, 4, 64
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.float32, B, Hkv, D)
@@ -236,10 +238,14 @@ def test_paged_attention_equals_dense_attention():
         keys.append(k), values.append(v)
     q = torch.randn(sum(q_lens), Hq, D)
     qsl = [0, 7, 8, 9]
-    out = paged_torch.attend(q, cache, fmt, qsl, seq_lens, tables, scale=D ** -0.5)
+    new_k = torch.cat([k[L - m:] for k, L, m in zip(keys, seq_lens, q_lens)])
+    new_v = torch.cat([v[L - m:] for v, L, m in zip(values, seq_lens, q_lens)])
+    out = paged_torch.attend(q, cache, fmt, qsl, seq_lens, tables, scale=D ** -0.5, key=new_k, value=new_v)
     for i, L in enumerate(seq_lens):
         kq = fake_quant(keys[i], 4, "channel", B)
         vq = fake_quant(values[i], 4, "token", B)
+        if q_lens[i] > 1:
+            kq[L - q_lens[i]:], vq[L - q_lens[i]:] = keys[i][L - q_lens[i]:], values[i][L - q_lens[i]:]
         for j in range(q_lens[i]):
             pos = L - q_lens[i] + j
             for h in range(Hq):

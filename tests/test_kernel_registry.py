@@ -16,8 +16,8 @@ from vllm_kvcompress.kernels import registry
 from vllm_kvcompress.policy import KernelPolicy, PolicyError
 
 CPU = registry.Device("cpu")
-H100 = registry.Device("cuda", (9, 0), nvcc=True)
-H100_NO_NVCC = registry.Device("cuda", (9, 0), nvcc=False)
+H100 = registry.Device("cuda", (9, 0), nvcc=True, flash_attention=True)
+H100_NO_NVCC = registry.Device("cuda", (9, 0), nvcc=False, flash_attention=True)
 AUTO = KernelPolicy()
 FOUR = LayerFormat(k_bits=4, v_bits=4)
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,15 +49,15 @@ def test_every_preset_runs_the_torch_reference_on_the_cpu(preset):
 
 
 @pytest.mark.parametrize("layer_format,device,pol,expected", [
-    (FOUR, H100, AUTO, ("cuda", "triton-rows", "cuda")),
-    (LayerFormat(k_bits=2, v_bits=2), H100, AUTO, ("cuda", "triton-rows", "cuda")),
-    (FOUR, H100_NO_NVCC, AUTO, ("triton", "triton-rows", "triton")),
-    (FOUR, H100, KernelPolicy(decode="triton"), ("triton", "triton-rows", "cuda")),
-    (FOUR, H100, KernelPolicy(write="triton"), ("cuda", "triton-rows", "triton")),
+    (FOUR, H100, AUTO, ("cuda", "flash-attention+triton", "cuda")),
+    (LayerFormat(k_bits=2, v_bits=2), H100, AUTO, ("cuda", "flash-attention+triton", "cuda")),
+    (FOUR, H100_NO_NVCC, AUTO, ("triton", "flash-attention+triton", "triton")),
+    (FOUR, H100, KernelPolicy(decode="triton"), ("triton", "flash-attention+triton", "cuda")),
+    (FOUR, H100, KernelPolicy(write="triton"), ("cuda", "flash-attention+triton", "triton")),
     (FOUR, H100, KernelPolicy(reference_only=True), ("torch", "torch", "torch")),
-    (LayerFormat(k_bits=8, v_bits=8), H100, AUTO, ("triton", "triton-rows", "cuda")),
-    (LayerFormat(k_bits=3, v_bits=3), H100, AUTO, ("triton", "triton-rows", "triton")),
-    (LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True), H100, AUTO, ("triton", "triton-rows", "triton")),
+    (LayerFormat(k_bits=8, v_bits=8), H100, AUTO, ("triton", "flash-attention+triton", "cuda")),
+    (LayerFormat(k_bits=3, v_bits=3), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
+    (LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
     (LayerFormat(k_bits=4, v_bits=4, rpc_fraction=0.1, rpc_tokens=16), H100, AUTO, ("torch", "torch", "torch")),
     (LayerFormat(k_bits=4, v_bits=4, k_axis="token"), H100, AUTO, ("torch", "torch", "cuda")),
     (LayerFormat(k_only=True), H100, AUTO, ("triton-slim", "torch", "triton")),
@@ -171,7 +171,7 @@ def test_startup_block_groups_layers_and_refuses_what_no_kernel_serves(monkeypat
                          num_query_heads=4)
     lines = kernel_report(cfg, shape, H100)
     assert lines[0] == "kv-compression kernels on cuda:"
-    assert lines[1] == "  layers 0-1: K4/channel V4/token: decode cuda, prompt triton-rows, write cuda"
+    assert lines[1] == "  layers 0-1: K4/channel V4/token: decode cuda, prompt flash-attention+triton, write cuda"
     assert lines[2].startswith("  layer 2: K4/channel V4/token +10% recent (<= 16) at 16-bit: decode torch (not cuda, "
                                "triton: recent 16-bit window (KVmix RPC)")
     assert lines[3].startswith("  layer 3: K4/token V4/token: decode torch") and lines[3].endswith("write cuda")
@@ -206,9 +206,9 @@ def test_the_backend_loads_what_the_registry_planned(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_plan_on_this_gpu():
     """The plan the backend makes for quant-k4v4 on the Llama-2-7B shape on this GPU: the CUDA
-    kernels where nvcc exists, else Triton; prompt tokens as Triton rows."""
+    kernels where nvcc exists, else Triton; prompt chunks through FlashAttention and Triton rows."""
     from vllm_kvcompress.cuda_jit import nvcc_available
     device = registry.Device.of("cuda", torch.cuda.get_device_capability())
     kernel = "cuda" if nvcc_available() and device.capability >= (8, 0) else "triton"
     plan = registry.plan(_fmt(heads=32), registry.LayerContext(device, torch.bfloat16, 32), AUTO)
-    assert _names(plan) == (kernel, "triton-rows", "cuda" if nvcc_available() else "triton")
+    assert _names(plan) == (kernel, "flash-attention+triton", "cuda" if nvcc_available() else "triton")

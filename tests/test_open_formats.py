@@ -134,25 +134,19 @@ def test_overrides_follow_the_format_model(refined_codec):
 
 @pytest.mark.engine
 def test_engine_attends_through_a_registered_codec(refined_codec, mha, monkeypatch):
-    """Inside a real CPU engine, each layer's attention over a batch of prompts equals causal
-    attention over K/V put through the codec block by block."""
-    from engine_utils import engine, greedy, prose, record_attention
+    """Inside a real CPU engine, each layer's attention over prompts run in chunks of 128 tokens
+    equals causal attention over the chunk's own K/V and earlier chunks' K/V put through the codec
+    block by block."""
+    from engine_utils import check_chunked_attention, engine, greedy, prose, record_attention
 
     recorded = record_attention(monkeypatch)
-    with engine(mha, SETTING) as llm:
-        tokens = greedy(llm, [prose(200, 41), prose(60, 42)], max_tokens=1)
-    calls = [(c.heads, c.kv_heads, c.scale, c.qsl, c.q, c.k, c.v, c.out) for c in recorded if max(c.seq_lens) > 1]
-    assert calls and all(len(t) == 1 for t in tokens)
-    for hq, hkv, scale, qsl, q, k, v, out in calls:
-        d = q.shape[-1] // hq if q.dim() == 2 else q.shape[-1]
-        q, k, v, out = (t.reshape(t.shape[0], -1, d).float() for t in (q, k, v, out))
-        codec = RefinedTokensCodec(128, hkv, d)
-        for s, e in zip(qsl, qsl[1:]):
-            kq, vq = (_through_codec(codec, x[s:e]).repeat_interleave(hq // hkv, 1) for x in (k, v))
-            scores = torch.einsum("qhd,khd->hqk", q[s:e], kq) * scale
-            scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
-            torch.testing.assert_close(out[s:e], torch.einsum("hqk,khd->qhd", scores.softmax(-1), vq),
-                                       rtol=1e-4, atol=1e-4)
+    with engine(mha, SETTING, enable_chunked_prefill=True, max_num_batched_tokens=128, max_num_seqs=4) as llm:
+        tokens = [greedy(llm, [p], max_tokens=1)[0] for p in (prose(200, 41), prose(60, 42))]
+    assert all(len(t) == 1 for t in tokens)
+    first = recorded[0]
+    d = first.q.shape[-1] // first.heads if first.q.dim() == 2 else first.q.shape[-1]
+    codec = RefinedTokensCodec(128, first.kv_heads, d)
+    assert check_chunked_attention(recorded, lambda k: _through_codec(codec, k), lambda v: _through_codec(codec, v)) > 0
 
 
 def _through_codec(codec, x):

@@ -2,7 +2,8 @@
 
 References here are written from the method's statement: for a query at position p
 (a context of p + 1 tokens), keys p + 1 - w .. p with w = min(ceil(fraction * (p + 1)), cap)
-use the model's own K/V, older keys their quantized values (``fake_quant``).
+use the model's own K/V, older keys their quantized values (``fake_quant``). A prompt chunk's
+queries also see the chunk's own tokens exactly, whatever their window.
 """
 
 import math
@@ -25,14 +26,15 @@ def window_format(fraction=0.2, cap=8, bits=2, dtype=torch.float16):
 
 
 def reference(q, k, v, fraction, cap, bits, scale, block=BLOCK):
-    """Causal attention of q [m, Hq, D] (the last m positions) over k, v [L, H, D]."""
+    """Causal attention of q [m, Hq, D] (the last m positions) over k, v [L, H, D]; with m > 1 (a
+    prompt chunk) the last m keys are exact."""
     L, m = k.shape[0], q.shape[0]
     kq, vq = fake_quant(k, bits, "channel", block), fake_quant(v, bits, "token", block)
     group = q.shape[1] // k.shape[1]
     out = []
     for row, p in enumerate(range(L - m, L)):
         w = min(math.ceil(fraction * (p + 1)), cap)
-        exact = torch.arange(p + 1) >= p + 1 - w
+        exact = torch.arange(p + 1) >= (p + 1 - w if m == 1 else min(p + 1 - w, L - m))
         kk = torch.where(exact[:, None, None], k[:p + 1].float(), kq[:p + 1]).repeat_interleave(group, 1)
         vv = torch.where(exact[:, None, None], v[:p + 1].float(), vq[:p + 1]).repeat_interleave(group, 1)
         probs = (torch.einsum("hd,khd->hk", q[row].float(), kk) * scale).softmax(-1)
@@ -83,7 +85,8 @@ def test_decode_reads_the_window_at_16_bits(length, fraction, cap):
 
 def test_prefill_chunk_each_query_has_its_own_window():
     """A 30-token chunk after 64 tokens of cached history (a prefix-cache hit ends on a page
-    boundary): query p's window is min(ceil(0.2 (p+1)), 8), reaching back into the history."""
+    boundary): query p's window is min(ceil(0.2 (p+1)), 8), reaching back into the history; the
+    chunk's own tokens are exact beyond the window too."""
     fmt = window_format(0.2, 8)
     torch.manual_seed(1)
     k, v = torch.randn(94, HEADS, DIM).half(), torch.randn(94, HEADS, DIM).half()

@@ -4,7 +4,6 @@ Runs on the CPU in Triton's interpreter (small shapes) and, where a GPU is
 present, on the GPU with the same and larger shapes.
 """
 
-import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
@@ -170,57 +169,9 @@ def test_decode_equals_reference_gpu(head_size, block_size, bits):
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("prompt_rows", [None, 16, 64], ids=["row-per-program", "8-rows-grouped", "32-rows-grouped"])
-@pytest.mark.parametrize("num_splits", [None, 4])
-def test_mixed_batch_as_token_rows_equals_reference(bits, prompt_rows, num_splits):
-    """Decodes and prefill chunks (one with history) in one kernel call, one row per query token,
-    against the reference's causal attention per request; grouped, one program takes up to 8 (16
-    rows of products) or 32 tokens of a chunk (64 rows; 2 query heads per KV head) with their own
-    context lengths, programs are launched for groups only, and with 4 splits a group's shorter
-    rows have no position in its later splits. The queries are a view into a fused QKV output, as
-    the engine hands them over in eager mode."""
-    from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels.decode import rows_per_program
-    B, H, HQ, D = 16, 2, 4, 64
-    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
-    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), dtype, B, H, D)
-    seq_lens = [21, 1, 40, 9]   # a decode, a 1-token prefill, a 25-token chunk after 15 tokens, a 9-token prompt
-    q_lens = [1, 1, 25, 9]
-    cache, table = fill_pages(fmt, seq_lens, 3, seed=bits)
-    qsl = [0]
-    for n in q_lens:
-        qsl.append(qsl[-1] + n)
-    qkv = torch.randn(qsl[-1], (HQ + 2 * H) * D, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEVICE)
-    q = qkv[:, :HQ * D].view(qsl[-1], HQ, D)
-    ref = paged_torch.attend(q.float().cpu(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
-    per_group = rows_per_program(HQ // H, prompt_rows) if prompt_rows else 1
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), max(seq_lens), per_group)
-    assert rows.seq_lens.tolist() == [21, 1] + list(range(16, 41)) + list(range(1, 10))
-    if prompt_rows == 16:
-        assert per_group == 8
-        assert rows.groups.rows.tolist() == [1, 1] + [8, *[0] * 7] * 3 + [1] + [8, *[0] * 7, 1]
-        assert rows.groups.starts.tolist() == [0, 1, 2, 10, 18, 26, 27, 35]
-    elif prompt_rows == 64:
-        assert per_group == 32
-        assert rows.groups.rows.tolist() == [1, 1, 25] + [0] * 24 + [9] + [0] * 8
-        assert rows.groups.starts.tolist() == [0, 1, 2, 27]
-    got = paged_decode(q, cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len,
-                       num_splits=num_splits, groups=rows.groups)
-    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
-    if prompt_rows == 16 and num_splits is None:  # a row marked as taken is left to its group's program:
-        short = rows.groups.rows.clone()            # shrink one group (unsplit: the merge writes split rows)
-        short[2] = 7
-        out = torch.full_like(q, float("nan")).contiguous()
-        paged_decode(q, cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len,
-                     num_splits=1, out=out, groups=dataclasses.replace(rows.groups, rows=short))
-        computed = ~out.float().isnan().any(-1).any(-1).cpu()
-        assert computed.tolist() == [i != 2 + 7 for i in range(qsl[-1])]
-
-
 def test_warm_up_compiles_every_variant_a_step_launches():
-    """After ``warm_up``, decode steps of any shape (split or not, grouped prompt rows or not, block
-    tables of another width) compile nothing: vLLM's JIT monitor would log each compile as a
+    """After ``warm_up``, decode steps of any shape (split or not, ordered decode rows or grouped
+    prompt rows continuing a prior attention, block tables of another width) compile nothing: vLLM's JIT monitor would log each compile as a
     latency spike in the middle of serving. The format (5 KV heads, K8/V2, 32-token pages) is used
     by no other test, so no earlier test compiled its variants. On the CPU (interpreter, nothing is
     compiled) this checks that warm_up runs and leaves the pages as they were."""
@@ -230,7 +181,7 @@ def test_warm_up_compiles_every_variant_a_step_launches():
     from vllm_kvcompress.triton_kernels.decode import longest_first, rows_per_program, warm_up
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=8, v_bits=2), dtype, 32, 5, 64)
-    seq_lens = [30, 31, 300]  # rows 0 and 1: one request's prompt tokens
+    seq_lens = [30, 30, 300]  # rows 0 and 1: one request's prompt tokens
     cache, table = fill_pages(fmt, seq_lens, 2, seed=11)
     table[0] = table[1]
     cache, table = cache.to(DEVICE), torch.nn.functional.pad(table, (0, 16 - table.shape[1])).to(DEVICE)
@@ -238,6 +189,7 @@ def test_warm_up_compiles_every_variant_a_step_launches():
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     two_groups = TokenGroups(torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE),
                              torch.tensor([0, 2], dtype=torch.int32, device=DEVICE), rows_per_program(10 // 5))
+    prior = torch.zeros(10, 3, dtype=torch.float32, device=DEVICE)
     compiled = []
     previous = triton.knobs.runtime.jit_post_compile_hook
     triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
@@ -249,9 +201,10 @@ def test_warm_up_compiles_every_variant_a_step_launches():
             assert compiled.count("_decode_kernel") == 4 and "_merge_splits_kernel" in compiled, compiled
         compiled.clear()
         for num_splits in (None, 1, 4):  # decode rows come longest first (the backend's row_order)
-            for groups, order in ((None, longest_first(lens)), (two_groups, None)):
-                paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=num_splits, groups=groups,
-                             row_order=order)
+            paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=num_splits,
+                         row_order=longest_first(lens))
+            paged_decode(q, cache, fmt, table, lens, 0.125, max(seq_lens), num_splits=num_splits, groups=two_groups,
+                         prior_lse=prior)
         assert compiled == []
     finally:
         triton.knobs.runtime.jit_post_compile_hook = previous
@@ -307,12 +260,14 @@ def test_ptx_unpacking_equals_masked_fields(bits):
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("q_lens", [[1, 1, 37], [37], [5, 9]], ids=["decodes-and-a-prompt", "one-prompt", "two-prompts"])
 def test_a_mixed_step_never_waits_for_the_gpu(q_lens):
-    """token_rows, the decode rows' order from the host's lengths, the decode kernel and the cache
-    write queue their work without synchronizing with the GPU (torch raises on a synchronizing call
-    in this mode): the host must stay ahead, launching the step's layers while the GPU works. One
-    prompt alone once made token_rows read a repeat count back to the host."""
+    """token_rows, the decode rows' order from the host's lengths, the decode kernel, the prompt
+    chunks' attention and the cache write queue their work without synchronizing with the GPU
+    (torch raises on a synchronizing call in this mode): the host must stay ahead, launching the
+    step's layers while the GPU works. One prompt alone once made token_rows read a repeat count
+    back to the host."""
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels.decode import longest_first, rows_per_program
+    from vllm_kvcompress.triton_kernels.prompt import paged_prompt
     from vllm_kvcompress.triton_kernels.write import write_tokens
     B, H, HQ, D = 16, 2, 4, 64
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.bfloat16, B, H, D)
@@ -321,12 +276,13 @@ def test_a_mixed_step_never_waits_for_the_gpu(q_lens):
     positions = [torch.arange(L - n, L) for L, n in zip(seq_lens, q_lens)]  # the new tokens'
     slots = torch.cat([table[r, p // B].long() * B + p % B for r, p in enumerate(positions)]).cuda()
     cache, table = cache.cuda(), table.cuda()
+    nd = q_lens.count(1)
     qsl = [0]
-    for n in q_lens:
+    for n in q_lens[nd:]:
         qsl.append(qsl[-1] + n)
     lens = torch.tensor(seq_lens, dtype=torch.int32).cuda()
-    q = torch.randn(qsl[-1], HQ, D, dtype=torch.bfloat16).cuda()
-    kv = torch.randn(qsl[-1], H, D, dtype=torch.bfloat16).cuda()
+    q = torch.randn(nd + qsl[-1], HQ, D, dtype=torch.bfloat16).cuda()
+    kv = torch.randn(nd + qsl[-1], H, D, dtype=torch.bfloat16).cuda()
     order = torch.full((len(q_lens),), -1, dtype=torch.int32, device="cuda")
     for _ in range(2):  # the second time through the kept compiled kernels
         torch.cuda.synchronize()
@@ -334,8 +290,11 @@ def test_a_mixed_step_never_waits_for_the_gpu(q_lens):
         try:
             longest_first(torch.tensor(seq_lens, dtype=torch.int32), out=order)
             write_tokens(cache, fmt, kv, kv, slots)
-            rows = token_rows(qsl, lens, table, max(seq_lens), rows_per_program(HQ // H))
-            paged_decode(q, cache, fmt, rows.block_table, rows.seq_lens, D ** -0.5, rows.max_seq_len, groups=rows.groups)
+            if nd:  # the decodes are of equal length: any order of them
+                paged_decode(q[:nd], cache, fmt, table[:nd], lens[:nd], D ** -0.5, max(seq_lens[:nd]),
+                             row_order=torch.arange(nd, dtype=torch.int32, device="cuda"))
+            rows = token_rows(qsl, lens[nd:], table[nd:], 20, rows_per_program(HQ // H))
+            paged_prompt(q[nd:], kv[nd:], kv[nd:], cache, fmt, rows, D ** -0.5, out=torch.empty_like(q[nd:]))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert sorted(order.tolist()) == list(range(len(q_lens)))
@@ -394,34 +353,3 @@ def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch):
     shifted = torch.empty(3 * 4 * 64 + 1)[1:].view(3, 4, 64)
     decode.paged_decode(q, cache, fmt, table, lens, 0.125, 60, num_splits=2, out=shifted)
     assert len(launched) == 6 and len(ran) == 4
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_planned_layers_equal_reference(num_splits):
-    """A step's prompt rows in three layers, each with its own pages and queries: the later layers
-    launch through the first one's plan, and every layer's output equals the reference."""
-    from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels import decode
-    B, H, HQ, D = 16, 2, 4, 64
-    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), torch.bfloat16, B, H, D)
-    seq_lens, qsl = [40, 9], [0, 25, 34]
-    cache, table = fill_pages(fmt, seq_lens, 3, seed=30)
-    caches = [cache]
-    for seed in (31, 32):  # other tokens, moved to the first layer's pages (a step's layers share the table)
-        other, other_table = fill_pages(fmt, seq_lens, 3, seed=seed)
-        moved = torch.zeros_like(other)
-        for r, length in enumerate(seq_lens):
-            used = -(-length // B)
-            moved[table[r, :used].long()] = other[other_table[r, :used].long()]
-        caches.append(moved)
-    rows = token_rows(qsl, torch.tensor(seq_lens, device="cuda"), table.cuda(), max(seq_lens),
-                      decode.rows_per_program(HQ // H))
-    plans = len(decode._plans._plans)
-    for layer, cache in enumerate(caches):
-        q = torch.randn(qsl[-1], HQ, D, generator=torch.Generator().manual_seed(layer)).to(torch.bfloat16)
-        ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5)
-        got = decode.paged_decode(q.cuda(), cache.cuda(), fmt, rows.block_table, rows.seq_lens, D ** -0.5,
-                                  rows.max_seq_len, num_splits=num_splits, groups=rows.groups)
-        torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
-    assert len(decode._plans._plans) == plans + 1

@@ -140,30 +140,34 @@ def _f32(ptr):
 
 # Values that change from step to step, or that ``warm_up`` cannot know, are not specialized on
 # (divisibility by 16, equality to 1): each specialization would be compiled in the middle of serving.
-@triton.jit(do_not_specialize=["bt_stride", "blocks_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["bt_stride", "blocks_per_split", "num_splits", "lse_head_stride"])
 def _decode_kernel(
     q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, group_start_ptr, out_ptr, part_ptr,
-    sm_scale, q_stride, out_stride, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
+    lse_ptr, sm_scale, q_stride, out_stride, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
+    lse_head_stride,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr,
     K_BITS: tl.constexpr, KP: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr,
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
     V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_GROUP: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr,
-    ONE_ROW: tl.constexpr, ROW_QUERY: tl.constexpr,
+    ONE_ROW: tl.constexpr, ROW_QUERY: tl.constexpr, PRIOR: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one
     token of a prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group
     starting at row ``group_start[i]``: ``group_rows[row]`` rows of the same request from there on
     (at most GP // G), as more rows of the tensor-core products, so a chunk of prompt tokens reads
-    each page once per group. ORDERED (one token a program), program ``(i * H + h, split)`` takes
+    each page once per group (the rows share their context length: a chunk's history). ORDERED (one token a program), program ``(i * H + h, split)`` takes
     row ``group_start[i]``: the backend lists rows longest first, so that the last programs to
     start are short ones and the launch ends with fewer SMs idle. Rows are ``(token r, query
     head g)`` pairs, ``m = r * G + g``; each row has its own context length. ONE_ROW (MHA, one
     token a program): the products' other GP - 1 rows have zero queries, so the softmax runs on
     one row of logits, not GP. ROW_QUERY (with ONE_ROW, quantized K): the query is scaled by K's
     channel scales each tile as one [1, D] row, broadcast to the products' rows, instead of as
-    GP rows of which GP - 1 are zero.
+    GP rows of which GP - 1 are zero. PRIOR: ``out`` already holds each row's attention over other
+    keys (a prompt chunk's own tokens), with its natural log-sum-exp at ``lse_ptr`` ([query head,
+    row], heads ``lse_head_stride`` apart); the result is the attention over both (split: the
+    merge kernel combines them). A row with no context leaves ``out`` as it was.
 
     KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
     V_GROUP: V's tokens a group (``TensorLayout.token_group``; K's codes are rows per channel).
@@ -194,11 +198,9 @@ def _decode_kernel(
     r = mi // G
     if not GROUPED:
         rows_used = r < 1
-        L = tl.load(seq_lens_ptr + row0)
     else:
         rows_used = r < tl.load(group_rows_ptr + row0)
-        L_row = tl.load(seq_lens_ptr + row0 + r, mask=rows_used, other=0)
-        L = tl.max(L_row, 0)
+    L = tl.load(seq_lens_ptr + row0)
     t_start = split * blocks_per_split * TPP
     t_end = tl.minimum(t_start + blocks_per_split * TPP, tl.cdiv(L, TILE))
 
@@ -236,10 +238,7 @@ def _decode_kernel(
         page = cache_ptr + block_id * page_bytes
         half = half_ptr + block_id * page_halves
         tok = (t % TPP) * TILE + tl.arange(0, TILE)
-        if not GROUPED:
-            valid = ((t // TPP) * BLOCK + tok)[None, :] < L
-        else:
-            valid = ((t // TPP) * BLOCK + tok)[None, :] < L_row[:, None]
+        valid = ((t // TPP) * BLOCK + tok)[None, :] < L
         if K_BITS == 16:
             k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
             s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d))) * q_scale
@@ -285,11 +284,8 @@ def _decode_kernel(
         else:
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
-            m_ref = m_new
-            if GROUPED:  # a row with no valid position yet (a shorter row of a chunk, in a later split)
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_ref)[:, None]
-            p = tl.exp2(s - m_ref[:, None])
+            alpha = tl.exp2(m - m_new)[:, None]
+            p = tl.exp2(s - m_new[:, None])
             l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
             m = m_new
         if V_BITS == 16:
@@ -333,6 +329,18 @@ def _decode_kernel(
 
     if not SPLIT:
         dst = out_ptr + ((row0 + r) * out_stride + head * D)[:, None] + dv * VP
+        if PRIOR:  # both parts' sums, each relative to the larger of their maxima (base 2)
+            prior = tl.load(lse_ptr + head * lse_head_stride + row0 + r, mask=rows_used, other=0.0) * 1.4426950408889634
+            top = tl.maximum(m, prior)
+            alpha = tl.exp2(m - top)[:, None]
+            beta = tl.exp2(prior - top)[:, None]
+            l = l * tl.reshape(alpha, (GP,)) + tl.reshape(beta, (GP,))
+            acc0 = acc0 * alpha + tl.load(dst, mask=gmask, other=0.0).to(tl.float32) * beta
+            if VP > 1:
+                acc1 = acc1 * alpha + tl.load(dst + 1, mask=gmask, other=0.0).to(tl.float32) * beta
+            if VP > 2:
+                acc2 = acc2 * alpha + tl.load(dst + 2, mask=gmask, other=0.0).to(tl.float32) * beta
+                acc3 = acc3 * alpha + tl.load(dst + 3, mask=gmask, other=0.0).to(tl.float32) * beta
         tl.store(dst, (acc0 / l[:, None]).to(dtype), mask=gmask)
         if VP > 1:
             tl.store(dst + 1, (acc1 / l[:, None]).to(dtype), mask=gmask)
@@ -357,12 +365,13 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 2
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_ptr, seq_lens_ptr, out_ptr, out_stride, num_splits, HQ: tl.constexpr,
-                         D: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """Row ``program_id(0)``'s output for query head ``program_id(1)`` from its splits' partials. A
-    row of context 0 is left as it is: no program wrote its partials (a prompt token of a chunk
-    that ``token_rows`` did not select, a CUDA graph's padding)."""
+@triton.jit(do_not_specialize=["num_splits", "lse_head_stride"])
+def _merge_splits_kernel(part_ptr, seq_lens_ptr, out_ptr, lse_ptr, out_stride, num_splits, lse_head_stride,
+                         HQ: tl.constexpr, D: tl.constexpr, MAX_SPLITS: tl.constexpr, PRIOR: tl.constexpr):
+    """Row ``program_id(0)``'s output for query head ``program_id(1)`` from its splits' partials
+    (PRIOR: and the attention ``out`` holds, as in the decode kernel). A row of context 0 is left
+    as it is: no program wrote its partials (a CUDA graph's padding, a prompt chunk with no
+    history)."""
     row = tl.program_id(0) * HQ + tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS)
     d = tl.arange(0, D)
@@ -371,11 +380,20 @@ def _merge_splits_kernel(part_ptr, seq_lens_ptr, out_ptr, out_stride, num_splits
     m = tl.load(base + D, mask=used, other=float("-inf"))
     l = tl.load(base + D + 1, mask=used, other=0.0)
     acc = tl.load(base[:, None] + d[None, :], mask=used[:, None], other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))  # maxima in base-2 units
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    dst = out_ptr + tl.program_id(0) * out_stride + tl.program_id(1) * D + d
     written = d * 0 + tl.load(seq_lens_ptr + tl.program_id(0)) > 0
-    tl.store(out_ptr + tl.program_id(0) * out_stride + tl.program_id(1) * D + d, out.to(out_ptr.dtype.element_ty),
-             mask=written)
+    top = tl.max(m, 0)  # maxima in base-2 units
+    if PRIOR:
+        prior = tl.load(lse_ptr + tl.program_id(1) * lse_head_stride + tl.program_id(0)) * 1.4426950408889634
+        top = tl.maximum(top, prior)
+    w = tl.exp2(m - top)
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(l * w, 0)
+    if PRIOR:
+        beta = tl.exp2(prior - top)
+        num += tl.load(dst, mask=written, other=0.0).to(tl.float32) * beta
+        den += beta
+    tl.store(dst, (num / den).to(out_ptr.dtype.element_ty), mask=written)
 
 
 def _planes(bits: int) -> int:
@@ -416,11 +434,12 @@ def rows_per_program(group: int, prompt_rows: int = PROMPT_ROWS) -> int:
 
 
 def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, group_size: int | None,
-                     asm_unpack: bool, ordered: bool) -> dict:
+                     asm_unpack: bool, ordered: bool, prior: bool = False) -> dict:
     """The decode kernel's compile-time constants for a page format, query heads per KV head,
     whether the context is split over programs, the tokens a program takes together (None: one
     token a program, ungrouped), whether codes are unpacked with PTX (on an NVIDIA GPU;
-    Triton's interpreter runs no PTX), and whether ungrouped rows come in a given order."""
+    Triton's interpreter runs no PTX), whether ungrouped rows come in a given order, and whether
+    the output continues a prior attention (``paged_decode``'s ``prior_lse``)."""
     lay = page_layout(fmt)
     one_row = group == 1 and group_size is None
     return dict(
@@ -436,6 +455,7 @@ def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, grou
         # tokens 382.8 -> 369.4 us, a serving step's rows 122.4 -> 113.6); at 4 and 8 bits the
         # compiled loop came out no faster (4/4 402.0 against 399.1, serving 131.2 against 128.1)
         ROW_QUERY=one_row and lay.k.bits == 2,
+        PRIOR=prior,
     )
 
 
@@ -467,18 +487,20 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
 
 @functools.cache
 def _variant(fmt: KVPageFormat, group: int, split: bool, group_size: int | None, asm_unpack: bool,
-             tile: int | None, num_warps: int | None, num_stages: int | None, ordered: bool) -> Variant:
+             tile: int | None, num_warps: int | None, num_stages: int | None, ordered: bool, prior: bool) -> Variant:
     """The decode kernel's variant: constants, and the default tuning where ``tile``, ``num_warps``
     or ``num_stages`` is None."""
     tuning = default_tuning(fmt, group_size is not None)
     return Variant(_decode_kernel,
-                   kernel_constants(fmt, group, split, tile or tuning["tile"], group_size, asm_unpack, ordered),
+                   kernel_constants(fmt, group, split, tile or tuning["tile"], group_size, asm_unpack, ordered,
+                                    prior),
                    {"num_warps": num_warps or tuning["num_warps"], "num_stages": num_stages or tuning["num_stages"]})
 
 
 @functools.cache
-def _merge_variant(num_query_heads: int, head_size: int) -> Variant:
-    return Variant(_merge_splits_kernel, {"HQ": num_query_heads, "D": head_size, "MAX_SPLITS": MAX_SPLITS}, {})
+def _merge_variant(num_query_heads: int, head_size: int, prior: bool) -> Variant:
+    return Variant(_merge_splits_kernel,
+                   {"HQ": num_query_heads, "D": head_size, "MAX_SPLITS": MAX_SPLITS, "PRIOR": prior}, {})
 
 
 def _row_strided(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -549,13 +571,15 @@ def _partials(numel: int, device: torch.device, per_program: int) -> torch.Tenso
     return buffers[-1][:numel]
 
 
-def merge_splits(run: SplitLaunch, seq_lens: torch.Tensor) -> Compiled | None:
+def merge_splits(run: SplitLaunch, seq_lens: torch.Tensor, prior_lse: torch.Tensor | None = None) -> Compiled | None:
     """The output from a split launch's partials (nothing to do with one split) for the rows of
-    nonzero ``seq_lens``; the compiled merge kernel, as ``launch`` returns it."""
+    nonzero ``seq_lens``, combined with the attention ``out`` holds where ``prior_lse`` is given
+    (``paged_decode``); the compiled merge kernel, as ``launch`` returns it."""
     if run.num_splits > 1:
         n, hq, d = run.query.shape
-        return launch(_merge_variant(hq, d), (n, hq),
-                      (run.part, seq_lens, run.out, run.out.stride(0), run.num_splits))
+        lse = seq_lens if prior_lse is None else prior_lse
+        return launch(_merge_variant(hq, d, prior_lse is not None), (n, hq),
+                      (run.part, seq_lens, run.out, lse, run.out.stride(0), run.num_splits, lse.stride(0)))
     return None
 
 
@@ -566,16 +590,16 @@ class _DecodePlan(NamedTuple):
     grid: tuple[int, int, int]
     tables: tuple        # block table, context lengths, group rows, group starts: pointers
     part: int | None     # the partials' pointer; None: one split, the output takes them
-    scalars: tuple       # the decode kernel's scalar arguments
+    scalars: tuple       # the decode kernel's scalar arguments after the pointers
     merge: Compiled | None
     merge_grid: tuple[int, int, int]
-    merge_scalars: tuple  # the output's row stride, the split count
+    merge_scalars: tuple  # the output's row stride, the split count, the prior's head stride
 
-    def __call__(self, stream: int, query: int, cache: int, out: int) -> None:
+    def __call__(self, stream: int, query: int, cache: int, out: int, lse: int) -> None:
         self.decode.run(self.grid, stream, (query, cache, cache, *self.tables, out,
-                                            out if self.part is None else self.part, *self.scalars))
+                                            out if self.part is None else self.part, lse, *self.scalars))
         if self.merge is not None:
-            self.merge.run(self.merge_grid, stream, (self.part, self.tables[1], out, *self.merge_scalars))
+            self.merge.run(self.merge_grid, stream, (self.part, self.tables[1], out, lse, *self.merge_scalars))
 
 
 _plans = LaunchPlans()  # by step: rows, lengths, format and the pointers' alignments
@@ -590,14 +614,18 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
                  seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
                  out: torch.Tensor | None = None, tile: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM,
-                 groups: TokenGroups | None = None, row_order: torch.Tensor | None = None) -> torch.Tensor:
+                 groups: TokenGroups | None = None, row_order: torch.Tensor | None = None,
+                 prior_lse: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
     ``block_table`` [N, max_blocks] and ``seq_lens`` [N] (context length,
     the new token included) are int32 on the same device. ``groups`` (from ``token_rows`` with
-    ``rows_per_program``): rows that one program takes together. ``query`` and ``out`` may be
-    row-strided views (heads and channels contiguous within a row).
+    ``rows_per_program``): rows that one program takes together, of one context length. ``query``
+    and ``out`` may be row-strided views (heads and channels contiguous within a row).
+    ``prior_lse`` [Hq, N] (float32, rows contiguous): ``out`` already holds each row's attention
+    over other keys, with this natural log-sum-exp, and ends up holding the attention over both
+    (rows of context 0 keep it as it is).
 
     On CUDA, the launch is planned (``_DecodePlan``): a later call with the same arguments but its
     query, cache and output (a step's next layer) launches the compiled kernels directly.
@@ -605,15 +633,18 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     if groups is not None and row_order is not None:
         raise ValueError("row_order: grouped rows are taken in their groups' order")
     query, q_stride, out = query_and_output(query, out)
+    if prior_lse is not None and prior_lse.stride(1) != 1:
+        raise ValueError(f"prior_lse: strides {prior_lse.stride()}; a head's rows must be contiguous")
+    lse = seq_lens if prior_lse is None else prior_lse  # a pointer the kernel never reads without a prior
     key = None
     if _plannable(query.device):
-        pointers = query.data_ptr(), cache.data_ptr(), out.data_ptr()
+        pointers = query.data_ptr(), cache.data_ptr(), out.data_ptr(), lse.data_ptr()
         stream = stream_handle(query.device)
         key = (fmt, query.shape, query.dtype, q_stride, out.dtype, out.stride(0), block_table.data_ptr(),
                block_table.stride(0), seq_lens.data_ptr(), None if groups is None else groups.rows.data_ptr(),
                None if groups is None else groups.starts.data_ptr(), None if groups is None else groups.size,
                None if groups is None else groups.starts.shape[0], None if row_order is None else row_order.data_ptr(),
-               sm_scale, max_seq_len, num_splits, tile, num_warps, num_stages, programs_per_sm, stream,
+               None if prior_lse is None else prior_lse.stride(0), sm_scale, max_seq_len, num_splits, tile, num_warps, num_stages, programs_per_sm, stream,
                tuple([p & 15 == 0 for p in pointers]))  # the compiled kernel's specialization
         plan = _plans.find(key)
         if plan is not None:
@@ -625,18 +656,19 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     programs = n if groups is None else groups.starts.shape[0]
     variant = _variant(fmt, hq // h, run.num_splits > 1, None if groups is None else groups.size,
                        query.is_cuda and torch.version.hip is None, tile, num_warps, num_stages,
-                       row_order is not None)
+                       row_order is not None, prior_lse is not None)
     starts = groups.starts if groups is not None else row_order if row_order is not None else seq_lens
     tables = (block_table, seq_lens, seq_lens if groups is None else groups.rows, starts)
     scalars = (sm_scale, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2,
-               run.blocks_per_split, run.num_splits)
+               run.blocks_per_split, run.num_splits, lse.stride(0))
     grid = (programs * h, run.num_splits, 1)
-    decode = launch(variant, grid, (run.query, cache, cache.view(torch.float16), *tables, run.out, run.part, *scalars))
-    merge = merge_splits(run, seq_lens)
+    decode = launch(variant, grid, (run.query, cache, cache.view(torch.float16), *tables, run.out, run.part, lse,
+                                    *scalars))
+    merge = merge_splits(run, seq_lens, prior_lse)
     if key is not None and decode is not None and (merge is not None or run.num_splits == 1):
         _plans.keep(key, _DecodePlan(decode, grid, tuple([t.data_ptr() for t in tables]),
                                      None if run.num_splits == 1 else run.part.data_ptr(), scalars, merge, (n, hq, 1),
-                                     (run.out.stride(0), run.num_splits)))
+                                     (run.out.stride(0), run.num_splits, lse.stride(0))))
     return run.out
 
 
@@ -655,10 +687,11 @@ def longest_first(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> to
 
 
 def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype) -> None:
-    """Compile every decode-kernel variant a serving step may launch for this page format: split
-    or not, grouped prompt rows or rows in a given order. vLLM's own warm-up (a large prefill, then
-    decode-only CUDA graphs) reaches only some of them, and each compile in the middle of serving (about half a
-    second) stalls every request of that step. Launches one row over page 0; outputs are discarded."""
+    """Compile every decode-kernel variant a serving step may launch for this page format, split
+    or not: decode rows in a given order, and prompt rows in groups continuing a prior attention
+    (``prompt.paged_prompt``). vLLM's own warm-up (a large prefill, then decode-only CUDA graphs)
+    reaches only some of them, and each compile in the middle of serving (about half a second)
+    stalls every request of that step. Launches one row over page 0; outputs are discarded."""
     dev = cache.device
     query = torch.zeros(1, num_query_heads, fmt.k.head_size, dtype=query_dtype, device=dev)
     block_table = torch.zeros(1, 2, dtype=torch.int32, device=dev)
@@ -666,7 +699,9 @@ def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_
     one_group = TokenGroups(seq_lens, torch.zeros(1, dtype=torch.int32, device=dev),
                             rows_per_program(num_query_heads // fmt.k.num_heads))
     first = torch.zeros(1, dtype=torch.int32, device=dev)
+    prior = torch.zeros(num_query_heads, 1, dtype=torch.float32, device=dev)
     for num_splits in (1, 2):
-        for groups, order in ((None, first), (one_group, None)):
-            paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
-                         groups=groups, row_order=order)
+        paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
+                     row_order=first)
+        paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
+                     groups=one_group, prior_lse=prior)

@@ -95,7 +95,7 @@ class KVCompressMetadata:
     decode_seq_lens: torch.Tensor     # [num_decodes] on the device
     decode_max_seq_len: int           # at least the longest decode's context (0: no decodes)
     decode_row_order: torch.Tensor | None  # on CUDA, the decodes longest first (the kernel's row_order)
-    token_rows: TokenRows | None  # on CUDA, the prefill chunks' tokens (after the decodes') as decode rows
+    token_rows: TokenRows | None  # on CUDA, the prefill chunks (after the decodes): their tokens as rows over their history
 
 
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
@@ -149,8 +149,9 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             order = longest_first(seq_lens_host[:ordered], out=self._row_order[:ordered])[:num_decodes]
         if self.device.type == "cuda" and has_prompts:  # the prefill chunks' tokens, after the decodes
             d, first = num_decodes, query_start_loc[num_decodes]
+            longest_history = max(seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i]) for i in range(d, n))
             rows = token_rows([x - first for x in query_start_loc[d: n + 1]], cam.seq_lens[d:n],
-                              cam.block_table_tensor[d:n], max(seq_lens[d:n]), self._rows_per_group)
+                              cam.block_table_tensor[d:n], longest_history, self._rows_per_group)
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,
@@ -293,14 +294,11 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         start = md.query_start_loc[nd]
         if start < t:  # prompt tokens (a full CUDA graph's padding has none)
             rows = md.token_rows
+            k_new = key[start:t].view(t - start, self.num_kv_heads, self.head_size)
+            v_new = value[start:t].view(t - start, self.num_kv_heads, self.head_size)
             if self._prompt_kernel is not None and rows is not None:
-                # prompt tokens as decode rows, in groups of a chunk's consecutive tokens (a launch
-                # of their own: groups take more rows of products than a decode row needs)
-                self._prompt_kernel(q[start:], pages, fmt, rows.block_table, rows.seq_lens, self.scale,
-                                    rows.max_seq_len, out=out[start:], groups=rows.groups)
+                self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:])
                 return output
-            k_new = key[start:t].reshape(t - start, self.num_kv_heads, self.head_size)
-            v_new = value[start:t].reshape(t - start, self.num_kv_heads, self.head_size)
             rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if slim is not None:
                 out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new, v_new)

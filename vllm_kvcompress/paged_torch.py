@@ -2,8 +2,11 @@
 
 This is the CPU path of the backend and the reference that GPU kernels are
 tested against. ``cache`` is one layer's pages as ``[num_blocks, page_bytes]``
-uint8. Attention always reads K/V back from the pages, prompt tokens included,
-so what the model sees is exactly what the format stores.
+uint8. A request's context before its query rows is read back from the pages,
+so what the model sees is exactly what the format stores. A prompt chunk (more
+than one query row) attends to its own tokens with their exact new K/V, as
+FlashAttention does on the GPU; a decode (one row) reads its token back from
+the pages, as the decode kernels do.
 """
 
 from __future__ import annotations
@@ -63,9 +66,9 @@ def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_st
 
     Request i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, the
     last tokens of its ``seq_lens[i]``-token context. ``key``/``value`` are
-    those rows' own new K/V; with a recent window they are the 16-bit values
-    of the newest tokens (the pages' ring may have moved past them already
-    within a long prefill).
+    those rows' own new K/V (needed where a request has more than one row):
+    a prompt chunk attends to its own tokens through them; with a recent
+    window they are also the 16-bit values of a decode's token.
     """
     out = torch.empty_like(query)
     B = fmt.block_size
@@ -88,9 +91,13 @@ def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_st
         v = v_all[start:start + n].flatten(0, 1)[:L - first]
         request_pages = pages[start:start + n]
         start += n
-        if qe == qs:
+        m = qe - qs
+        if m == 0:
             continue
-        q_pos = torch.arange(L - (qe - qs), L, device=query.device)
+        own = L - m if m > 1 else L  # a prompt chunk's own tokens are exact; a decode's is read back
+        if m > 1:
+            k[-m:], v[-m:] = key[qs:qe].float(), value[qs:qe].float()
+        q_pos = torch.arange(L - m, L, device=query.device)
         k_pos = torch.arange(first, L, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
@@ -102,7 +109,8 @@ def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_st
         else:
             exact_k, exact_v, held = _recent_values(fmt, request_pages, first, L, key[qs:qe], value[qs:qe])
             windows = torch.tensor([fmt.window(int(p) + 1) for p in q_pos], device=query.device)
-            exact = mask & held[None, :] & (k_pos[None, :] > q_pos[:, None] - windows[:, None])
+            exact = mask & held[None, :] & ((k_pos[None, :] > q_pos[:, None] - windows[:, None])
+                                            | (k_pos[None, :] >= own))
             o = _attention_two_sources(q, (k, v), (exact_k, exact_v), exact, mask, scale)
         out[qs:qe] = o.transpose(0, 1).to(query.dtype)
     return out

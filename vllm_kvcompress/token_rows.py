@@ -1,12 +1,13 @@
-"""Every prompt token of a batch as its own decode row.
+"""Every prompt token of a batch as a decode row over its request's history.
 
-A prefill chunk's token at position p attends causally to positions 0..p of its
-request, which is a decode of a (p + 1)-token context over the same pages. So a
-batch's prefill chunks run as one call of the decode kernel, one row per token,
-with no per-request loop. ``TokenGroups`` lets one kernel program take several
-consecutive tokens of a chunk, so the chunk reads each page once per group
-instead of once per token, and lists the groups, so that programs are launched
-only for them.
+A prefill chunk's tokens attend to their own chunk exactly (FlashAttention over
+the new K/V) and to the request's tokens before the chunk from the pages: that
+second part is, for every token of the chunk, a decode of the same history. So a
+batch's prefill chunks read their history in one call of the decode kernel, one
+row per token, with no per-request loop. ``TokenGroups`` lets one kernel program
+take several consecutive tokens of a chunk, so the chunk reads each page once
+per group instead of once per token, and lists the groups, so that programs are
+launched only for them.
 
 Built once per step without synchronizing with the host. Which request each token
 belongs to, its place in its chunk and the groups depend only on the query offsets,
@@ -35,24 +36,27 @@ class TokenGroups:
 
 @dataclass
 class TokenRows:
-    seq_lens: torch.Tensor     # [T] int32: context length each token sees, itself included
+    seq_lens: torch.Tensor     # [T] int32: the history each token reads from the pages (its chunk's)
     block_table: torch.Tensor  # [T, max_blocks] int32: its request's row of the block table
-    max_seq_len: int
+    max_seq_len: int           # at least the longest history (0: no chunk has one)
     groups: TokenGroups | None  # None: one token per program
+    query_start: torch.Tensor  # [R+1] int32: the chunks' token offsets, from 0 (FlashAttention's cu_seqlens)
+    max_query_len: int         # the longest chunk
 
 
 def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table: torch.Tensor,
                max_seq_len: int, rows_per_group: int = 1) -> TokenRows:
     """``query_start_host``: the R chunks' token offsets on the host, from 0 ([R+1]); ``seq_lens``
-    [R] and ``block_table`` [R, max_blocks] on the device. A request's tokens are grouped
-    ``rows_per_group`` at a time from its first (1: not grouped)."""
+    [R] and ``block_table`` [R, max_blocks] on the device; ``max_seq_len``: at least the longest
+    history. A request's tokens are grouped ``rows_per_group`` at a time from its first (1: not
+    grouped)."""
     starts = np.asarray(query_start_host, dtype=np.int32)
     q_lens = np.diff(starts)
     num_tokens = int(starts[-1])
     request = np.repeat(np.arange(len(q_lens), dtype=np.int32), q_lens)
     offset = np.arange(num_tokens, dtype=np.int32) - starts[request]
     q_len = q_lens[request]  # of each token's chunk
-    parts = [request, offset + 1 - q_len]  # a token's context: its request's, less the chunk's later tokens
+    parts = [starts, request, -q_len]  # a token's history: its request's context, less its chunk
     if rows_per_group > 1:
         per_request = -(-q_lens // rows_per_group)
         first_group = np.repeat(np.cumsum(per_request) - per_request, per_request)
@@ -60,10 +64,11 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
                         + (np.arange(len(first_group), dtype=np.int32) - first_group) * rows_per_group)
         parts += [np.where(offset % rows_per_group == 0, np.minimum(q_len - offset, rows_per_group), 0),
                   group_starts]
-    request_dev, shift, *grouping = _to_device(parts, seq_lens.device)
-    token_lens = seq_lens[request_dev] + shift
+    query_start, request_dev, shift, *grouping = _to_device(parts, seq_lens.device)
+    history = seq_lens[request_dev] + shift
     groups = TokenGroups(grouping[0], grouping[1], rows_per_group) if grouping else None
-    return TokenRows(token_lens.to(torch.int32), block_table[request_dev], max_seq_len, groups)
+    return TokenRows(history.to(torch.int32), block_table[request_dev], max_seq_len, groups, query_start,
+                     int(q_lens.max(initial=0)))
 
 
 def _to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

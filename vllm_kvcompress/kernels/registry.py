@@ -37,13 +37,17 @@ class Device:
     capability: tuple[int, int] | None = None  # NVIDIA compute capability
     hip: bool = False                        # a ROCm build of torch
     nvcc: bool = False                       # a CUDA compiler for the CUDA kernels' build
+    flash_attention: bool = False            # vLLM's FlashAttention (a prompt chunk's own tokens)
 
     @classmethod
     def of(cls, device_type: str, capability: tuple[int, int] | None = None) -> "Device":
         if device_type != "cuda":
             return cls(device_type)
         from ..cuda_jit import nvcc_available
-        return cls("cuda", capability, torch.version.hip is not None, nvcc_available())
+        from ..triton_kernels.prompt import flash_attention_available
+        hip = torch.version.hip is not None
+        return cls("cuda", capability, hip, nvcc_available(),
+                   not hip and capability is not None and capability >= (8, 0) and flash_attention_available())
 
 
 @dataclass(frozen=True)
@@ -235,6 +239,17 @@ def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     return None
 
 
+def _flash_prompt(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    why = _triton_decode(fmt, ctx)
+    if why is not None:
+        return why
+    if ctx.dtype not in KERNEL_DTYPES:
+        return f"queries in {ctx.dtype} (bfloat16 or float16 only)"
+    if not ctx.device.flash_attention:
+        return "no vLLM FlashAttention on this GPU (an NVIDIA GPU of compute capability 8.0 or later)"
+    return None
+
+
 def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     if fmt.v is not None:
         return "pages hold V (K-only pages only)"
@@ -285,9 +300,10 @@ for _impl in (
     Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode"),
     Implementation("decode", "cuda", "torch", _always),
     Implementation("decode", "cpu", "torch", _always),
-    # prompt tokens as grouped rows of the Triton decode: served exactly where that decode is, so a
-    # layer whose decodes take the torch path sends its prompts there too (it attends a step together)
-    Implementation("prompt", "cuda", "triton-rows", _triton_decode, f"{_TRITON}.decode:paged_decode",
+    # a chunk's own tokens through FlashAttention, its history as grouped rows of the Triton decode:
+    # served only where that decode is, so a layer whose decodes take the torch path sends its
+    # prompts there too (it attends a step together)
+    Implementation("prompt", "cuda", "flash-attention+triton", _flash_prompt, f"{_TRITON}.prompt:paged_prompt",
                    warm_up=f"{_TRITON}.decode:warm_up"),
     Implementation("prompt", "cuda", "torch", _always),
     Implementation("prompt", "cpu", "torch", _always),

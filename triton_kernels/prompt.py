@@ -1,0 +1,55 @@
+"""Attention of prompt chunks: each chunk's own tokens exactly, its request's history from the pages.
+
+A chunk's tokens attend causally to their own fresh K/V through vLLM's FlashAttention, which also
+gives each row's log-sum-exp. The decode kernel then reads the history (the request's tokens before
+the chunk) from the pages, every token of a chunk a row over the same history, and continues from
+FlashAttention's output and log-sum-exp (``paged_decode``'s ``prior_lse``): the two parts are merged
+where the history's pass ends, with no kernel of their own and no read-back of the chunk from the
+pages. A chunk with no history keeps FlashAttention's output as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.token_rows import TokenRows
+
+from .decode import paged_decode
+
+
+def paged_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                 fmt: KVPageFormat, rows: TokenRows, sm_scale: float, out: torch.Tensor) -> torch.Tensor:
+    """``query`` [T, Hq, D] and the chunks' new ``key``/``value`` [T, H, D], the chunks laid out by
+    ``rows`` (``token_rows``); the attention goes to ``out`` [T, Hq, D]."""
+    lse = own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out)
+    if rows.max_seq_len:  # some chunk has history
+        paged_decode(query, cache, fmt, rows.block_table, rows.seq_lens, sm_scale, rows.max_seq_len, out=out,
+                     groups=rows.groups, prior_lse=lse)
+    return out
+
+
+def own_chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_start: torch.Tensor,
+                        max_query_len: int, sm_scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Each chunk's causal attention over its own tokens into ``out``; the rows' natural log-sum-exp
+    [Hq, T]."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+    _, lse = flash_attn_varlen_func(q=query, k=key, v=value, out=out, cu_seqlens_q=query_start,
+                                    max_seqlen_q=max_query_len, cu_seqlens_k=query_start,
+                                    max_seqlen_k=max_query_len, softmax_scale=sm_scale, causal=True,
+                                    return_softmax_lse=True, fa_version=_flash_attention_version(query.shape[-1]))
+    return lse
+
+
+@functools.cache
+def _flash_attention_version(head_size: int) -> int | None:
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    return get_flash_attn_version(head_size=head_size)
+
+
+def flash_attention_available() -> bool:
+    """Whether this vLLM build has its FlashAttention (on CUDA: ``vllm.vllm_flash_attn``)."""
+    from vllm.v1.attention.backends.fa_utils import is_flash_attn_varlen_func_available
+    return is_flash_attn_varlen_func_available()
