@@ -8,7 +8,7 @@ now that a token which fits its grids writes one row).
 
     python benchmarks/kernels.py --out results/kernels.json [--sweep] [--scaling] [--write-chunks 8 32]
     python benchmarks/kernels.py --host   # host time of a mixed step's attention calls, a layer
-    python benchmarks/kernels.py --prompts   # prompt chunks: FlashAttention bf16 against our rows
+    python benchmarks/kernels.py --prompts   # prompt chunks after history: FlashAttention bf16 against ours
     ncu ... python benchmarks/kernels.py --profile 4 32 32     # one decode launch per repeat, for a profiler
     ncu ... python benchmarks/kernels.py --profile-write 4 32  # the decode step's cache write only
 """
@@ -143,58 +143,49 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
     return {"kernel": "vLLM FlashAttention bf16", "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
-def _prompt_case(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, block: int):
-    """``num_prompts`` prompts of ``prompt`` tokens each in their pages: the format, pages, block
-    table, the tokens' bf16 queries, the prompts' token offsets (on the device) and the bytes the
-    attention must read (pages and queries, output written)."""
-    fmt, cache, table, _, _, _ = _decode_case(bits, num_prompts, hq, hkv, d, prompt, block)
+def bench_prompt_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, history: int,
+                        block: int = 128) -> dict:
+    """``num_prompts`` prefill chunks of ``prompt`` tokens, each after ``history`` tokens in its pages,
+    as the backend runs them (``triton_kernels.prompt``): FlashAttention over the chunk's own K/V,
+    then the decode kernel's rows over the history, continuing from FlashAttention's state."""
+    from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels.decode import rows_per_program
+    from vllm_kvcompress.triton_kernels.prompt import paged_prompt
+
+    fmt, cache, table, _, _, _ = _decode_case(bits, num_prompts, hq, hkv, d, history + prompt, block)
     n = num_prompts * prompt
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
-    starts = torch.arange(0, n + 1, prompt, dtype=torch.int32, device="cuda")
-    nbytes = num_prompts * table.shape[1] * fmt.page_bytes + 2 * q.numel() * 2
-    return fmt, cache, table, q, starts, nbytes
-
-
-def bench_prompt_rows(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, block: int = 128,
-                      **tuning) -> dict:
-    """A prefill chunk's attention: ``num_prompts`` new prompts of ``prompt`` tokens each, every token
-    a causal decode row over its request's pages, consecutive tokens taken together by one program
-    (``token_rows`` with ``rows_per_program``), as the backend runs a mixed step's prompt tokens."""
-    from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels.decode import PROMPT_ROWS, paged_decode, rows_per_program
-
-    fmt, cache, table, q, starts, nbytes = _prompt_case(bits, num_prompts, hq, hkv, d, prompt, block)
-    seq_lens = torch.full((num_prompts,), prompt, dtype=torch.int32, device="cuda")
-    prompt_rows = tuning.pop("prompt_rows", PROMPT_ROWS)
-    rows = token_rows(starts.tolist(), seq_lens, table, prompt, rows_per_program(hq // hkv, prompt_rows))
+    k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seq_lens = torch.full((num_prompts,), history + prompt, dtype=torch.int32, device="cuda")
+    rows = token_rows(list(range(0, n + 1, prompt)), seq_lens, table, history, rows_per_program(hq // hkv))
     out = torch.empty_like(q)
-    ms = _time_ms(lambda: paged_decode(q, cache, fmt, rows.block_table, rows.seq_lens, d ** -0.5, prompt, out=out,
-                                       groups=rows.groups, **tuning))
-    name = (f"ours k{bits}v{bits} prompt rows" + (f" prompt_rows={prompt_rows}" if prompt_rows != PROMPT_ROWS else "")
-            + "".join(f" {k}={v}" for k, v in tuning.items()))
-    return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes,
+    ms = _time_ms(lambda: paged_prompt(q, k, v, cache, fmt, rows, d ** -0.5, out))
+    nbytes = num_prompts * -(-history // block) * fmt.page_bytes + (2 * q.numel() + 2 * k.numel()) * 2
+    return {"kernel": f"ours k{bits}v{bits} prompt chunks", "block": block, "ms": ms, "bytes": nbytes,
             "GB/s": nbytes / ms / 1e6}
 
 
-def bench_flash_prefill_bf16(num_prompts: int, hq: int, hkv: int, d: int, prompt: int, block: int = 16) -> dict:
-    """vLLM's FlashAttention on the same prefill chunk, bf16 pages."""
+def bench_flash_prefill_bf16(num_prompts: int, hq: int, hkv: int, d: int, prompt: int, history: int,
+                             block: int = 16) -> dict:
+    """vLLM's FlashAttention on the same prefill chunks, bf16 pages holding history and chunk."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    blocks_per_seq = math.ceil(prompt / block)
+    context = history + prompt
+    blocks_per_seq = math.ceil(context / block)
     k = torch.randn(num_prompts * blocks_per_seq, block, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     table = torch.arange(num_prompts * blocks_per_seq, device="cuda", dtype=torch.int32).view(num_prompts, -1)
     n = num_prompts * prompt
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     cu_q = torch.arange(0, n + 1, prompt, dtype=torch.int32, device="cuda")
-    seqused = torch.full((num_prompts,), prompt, dtype=torch.int32, device="cuda")
+    seqused = torch.full((num_prompts,), context, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
 
     def run():
-        flash_attn_varlen_func(q, k, v, max_seqlen_q=prompt, cu_seqlens_q=cu_q, max_seqlen_k=prompt, seqused_k=seqused,
+        flash_attn_varlen_func(q, k, v, max_seqlen_q=prompt, cu_seqlens_q=cu_q, max_seqlen_k=context, seqused_k=seqused,
                                softmax_scale=d ** -0.5, causal=True, block_table=table, out=out, fa_version=3)
     ms = _time_ms(run)
-    nbytes = 2 * n * hkv * d * 2 + 2 * q.numel() * 2
+    nbytes = 2 * num_prompts * context * hkv * d * 2 + 2 * q.numel() * 2
     return {"kernel": "vLLM FlashAttention bf16 prefill", "block": block, "ms": ms, "bytes": nbytes,
             "GB/s": nbytes / ms / 1e6}
 
@@ -466,10 +457,10 @@ def main() -> None:
                          "installed) vLLM's")
     ap.add_argument("--serving", action="store_true",
                     help="also a serving step's decode rows (144 requests, contexts uniform in 16..900, see "
-                         "serving_lens) with kernel variants, and a prefill chunk's prompt rows")
+                         "serving_lens) with kernel variants, and prefill chunks after history")
     ap.add_argument("--prompts", action="store_true",
-                    help="only prompt chunks with no history: vLLM's FlashAttention prefill on bf16, our decode "
-                         "kernel's rows, and FlashAttention over the K and V read back from our pages")
+                    help="only prompt chunks (with and without history): vLLM's FlashAttention prefill on bf16 "
+                         "pages against ours")
     ap.add_argument("--step-parts", action="store_true",
                     help="with --step: also the step without the write, the decode alone and the write alone")
     ap.add_argument("--step", action="store_true",
@@ -509,12 +500,12 @@ def main() -> None:
         return
     if args.prompts:
         for name, hq, hkv, d in SHAPES:
-            for num_prompts, prompt in ((8, 512), (4, 1024), (32, 128)):
-                base = bench_flash_prefill_bf16(num_prompts, hq, hkv, d, prompt)
-                shape = f"{name} {num_prompts}x{prompt}"
+            for num_prompts, prompt, history in ((8, 512, 1536), (4, 1024, 3072), (32, 128, 0)):
+                base = bench_flash_prefill_bf16(num_prompts, hq, hkv, d, prompt, history)
+                shape = f"{name} {num_prompts}x{prompt} after {history}"
                 print(f"{shape:34s} {base['kernel']:42s} {base['ms'] * 1e3:7.1f} us")
                 for bits in (4, 2):
-                    r = bench_prompt_rows(bits, num_prompts, hq, hkv, d, prompt)
+                    r = bench_prompt_chunks(bits, num_prompts, hq, hkv, d, prompt, history)
                     print(f"{shape:34s} {r['kernel']:42s} {r['ms'] * 1e3:7.1f} us, {base['ms'] / r['ms']:5.2f}x "
                           "FlashAttention bf16")
         return
@@ -587,12 +578,11 @@ def main() -> None:
                 ours = bench_ours(bits, len(lens), hq, hkv, d, max(lens), lens=lens, **variant) | {"shape": shape}
                 ours["speedup_vs_bf16"] = base["ms"] / ours["ms"]
                 rows.append(ours)
-            shape = f"{name} prompts 8x512"
-            base = bench_flash_prefill_bf16(8, hq, hkv, d, 512) | {"shape": shape}
+            shape = f"{name} prompts 8x512 after 1536"
+            base = bench_flash_prefill_bf16(8, hq, hkv, d, 512, 1536) | {"shape": shape}
             rows.append(base)
-            for variant in ({}, {"prompt_rows": 16}, {"prompt_rows": 32}, {"num_warps": 8},
-                            {"prompt_rows": 128, "num_warps": 8}):
-                ours = bench_prompt_rows(4, 8, hq, hkv, d, 512, **variant) | {"shape": shape}
+            for bits in (4, 2):
+                ours = bench_prompt_chunks(bits, 8, hq, hkv, d, 512, 1536) | {"shape": shape}
                 ours["speedup_vs_bf16"] = base["ms"] / ours["ms"]
                 rows.append(ours)
     for r in rows:
