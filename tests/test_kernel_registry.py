@@ -62,6 +62,8 @@ def test_every_preset_runs_the_torch_reference_on_the_cpu(preset):
     (LayerFormat(k_bits=4, v_bits=4, k_axis="token"), H100, AUTO, ("torch", "torch", "cuda")),
     (LayerFormat(k_only=True), H100, AUTO, ("triton-slim", "torch", "triton")),
     (LayerFormat(k_bits=8, k_only=True), H100, AUTO, ("torch", "torch", "cuda")),
+    # no vLLM FlashAttention for a chunk's own tokens: prompt chunks take the torch path
+    (FOUR, registry.Device("cuda", (9, 0), nvcc=True), AUTO, ("cuda", "torch", "cuda")),
 ])
 def test_cuda_plans(layer_format, device, pol, expected):
     assert _names(_plan(layer_format, device, pol=pol)) == expected

@@ -205,12 +205,17 @@ def _triton_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     return None
 
 
-def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+def _triton_decode_16_bit_queries(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     why = _triton_decode(fmt, ctx)
+    if why is None and ctx.dtype not in KERNEL_DTYPES:
+        return f"queries in {ctx.dtype} (bfloat16 or float16 only)"
+    return why
+
+
+def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    why = _triton_decode_16_bit_queries(fmt, ctx)
     if why is not None:
         return why
-    if ctx.dtype not in KERNEL_DTYPES:
-        return f"queries in {ctx.dtype} (bfloat16 or float16 only)"
     for name, codec, axis in (("K", fmt.k, "channel"), ("V", fmt.v, "token")):
         if not isinstance(codec, MinMaxCodec) or codec.bits not in CUDA_DECODE_GROUPS:
             return f"{name} not at 2 or 4 bits"
@@ -240,14 +245,10 @@ def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
 
 
 def _flash_prompt(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    why = _triton_decode(fmt, ctx)
-    if why is not None:
-        return why
-    if ctx.dtype not in KERNEL_DTYPES:
-        return f"queries in {ctx.dtype} (bfloat16 or float16 only)"
-    if not ctx.device.flash_attention:
+    why = _triton_decode_16_bit_queries(fmt, ctx)
+    if why is None and not ctx.device.flash_attention:
         return "no vLLM FlashAttention on this GPU (an NVIDIA GPU of compute capability 8.0 or later)"
-    return None
+    return why
 
 
 def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
