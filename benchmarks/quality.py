@@ -171,8 +171,11 @@ def _generate(llm, prompts: list[list[int]], **params):
 
 
 def window_logprobs(llm, windows: list[list[int]], top_k: int) -> list[tuple[list[float], list[metrics.TopK]]]:
-    """Per window: each token's logprob given its prefix, and the top-k per position."""
-    outs = _generate(llm, windows, max_tokens=1, temperature=0.0, prompt_logprobs=top_k)
+    """Per window: each token's logprob given its prefix, and the top-k per position. Windows go one
+    at a time, so that each is split into chunks at multiples of the chunk size (together, a window
+    would start in the step budget another left over, and its chunks would end inside blocks), as
+    the KIVI reference splits them."""
+    outs = [o for w in windows for o in _generate(llm, [w], max_tokens=1, temperature=0.0, prompt_logprobs=top_k)]
     return [(metrics.prompt_token_logprobs(o.prompt_token_ids, o.prompt_logprobs), metrics.top_k(o.prompt_logprobs))
             for o in outs]
 
