@@ -72,6 +72,8 @@ def _unpack_asm(bits: int) -> str:
 _UNPACK_2 = tl.constexpr(_unpack_asm(2))
 _UNPACK_4 = tl.constexpr(_unpack_asm(4))
 _UNPACK_8 = tl.constexpr(_unpack_asm(8))
+# log2(e): the kernels keep maxima and sums in base 2 (exp2), natural log-sum-exps are converted
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -153,21 +155,21 @@ def _decode_kernel(
     V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_GROUP: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr,
     ONE_ROW: tl.constexpr, ROW_QUERY: tl.constexpr, PRIOR: tl.constexpr,
 ):
-    """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one
-    token of a prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group
-    starting at row ``group_start[i]``: ``group_rows[row]`` rows of the same request from there on
-    (at most GP // G), as more rows of the tensor-core products, so a chunk of prompt tokens reads
-    each page once per group (the rows share their context length: a chunk's history). ORDERED (one token a program), program ``(i * H + h, split)`` takes
-    row ``group_start[i]``: the backend lists rows longest first, so that the last programs to
-    start are short ones and the launch ends with fewer SMs idle. Rows are ``(token r, query
-    head g)`` pairs, ``m = r * G + g``; each row has its own context length. ONE_ROW (MHA, one
-    token a program): the products' other GP - 1 rows have zero queries, so the softmax runs on
-    one row of logits, not GP. ROW_QUERY (with ONE_ROW, quantized K): the query is scaled by K's
-    channel scales each tile as one [1, D] row, broadcast to the products' rows, instead of as
-    GP rows of which GP - 1 are zero. PRIOR: ``out`` already holds each row's attention over other
-    keys (a prompt chunk's own tokens), with its natural log-sum-exp at ``lse_ptr`` ([query head,
-    row], heads ``lse_head_stride`` apart); the result is the attention over both (split: the
-    merge kernel combines them). A row with no context leaves ``out`` as it was.
+    """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one token of a
+    prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group starting at
+    row ``group_start[i]``: ``group_rows[row]`` rows of the same request from there on (at most GP //
+    G), as more rows of the tensor-core products, so a chunk of prompt tokens reads each page once per
+    group (the rows share their context length: a chunk's history). ORDERED (one token a program),
+    program ``(i * H + h, split)`` takes row ``group_start[i]``: the backend lists rows longest first,
+    so that the last programs to start are short ones and the launch ends with fewer SMs idle. Rows are
+    ``(token r, query head g)`` pairs, ``m = r * G + g``; each row has its own context length. ONE_ROW
+    (MHA, one token a program): the products' other GP - 1 rows have zero queries, so the softmax runs
+    on one row of logits, not GP. ROW_QUERY (with ONE_ROW, quantized K): the query is scaled by K's
+    channel scales each tile as one [1, D] row, broadcast to the products' rows, instead of as GP rows
+    of which GP - 1 are zero. PRIOR: ``out`` already holds each row's attention over other keys (a
+    prompt chunk's own tokens), with its natural log-sum-exp at ``lse_ptr`` ([query head, row], heads
+    ``lse_head_stride`` apart); the result is the attention over both (split: the merge kernel combines
+    them). A row with no context leaves ``out`` as it was.
 
     KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
     V_GROUP: V's tokens a group (``TensorLayout.token_group``; K's codes are rows per channel).
@@ -213,7 +215,7 @@ def _decode_kernel(
     d = tl.arange(0, D)[None, :]
     # logits in base-2 units: the softmax scale and log2(e) are folded into the query, so that
     # neither costs a multiply per position
-    q_scale = sm_scale * 1.4426950408889634
+    q_scale = sm_scale * _LOG2E
     if ROW_QUERY:  # the one query row alone, [1, D]
         q = tl.load(q_ptr + row0 * q_stride + h * D + d)
     else:
@@ -330,7 +332,7 @@ def _decode_kernel(
     if not SPLIT:
         dst = out_ptr + ((row0 + r) * out_stride + head * D)[:, None] + dv * VP
         if PRIOR:  # both parts' sums, each relative to the larger of their maxima (base 2)
-            prior = tl.load(lse_ptr + head * lse_head_stride + row0 + r, mask=rows_used, other=0.0) * 1.4426950408889634
+            prior = tl.load(lse_ptr + head * lse_head_stride + row0 + r, mask=rows_used, other=0.0) * _LOG2E
             top = tl.maximum(m, prior)
             alpha = tl.exp2(m - top)[:, None]
             beta = tl.exp2(prior - top)[:, None]
@@ -384,7 +386,7 @@ def _merge_splits_kernel(part_ptr, seq_lens_ptr, out_ptr, lse_ptr, out_stride, n
     written = d * 0 + tl.load(seq_lens_ptr + tl.program_id(0)) > 0
     top = tl.max(m, 0)  # maxima in base-2 units
     if PRIOR:
-        prior = tl.load(lse_ptr + tl.program_id(1) * lse_head_stride + tl.program_id(0)) * 1.4426950408889634
+        prior = tl.load(lse_ptr + tl.program_id(1) * lse_head_stride + tl.program_id(0)) * _LOG2E
         top = tl.maximum(top, prior)
     w = tl.exp2(m - top)
     num = tl.sum(acc * w[:, None], 0)
@@ -644,7 +646,8 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
                block_table.stride(0), seq_lens.data_ptr(), None if groups is None else groups.rows.data_ptr(),
                None if groups is None else groups.starts.data_ptr(), None if groups is None else groups.size,
                None if groups is None else groups.starts.shape[0], None if row_order is None else row_order.data_ptr(),
-               None if prior_lse is None else prior_lse.stride(0), sm_scale, max_seq_len, num_splits, tile, num_warps, num_stages, programs_per_sm, stream,
+               None if prior_lse is None else prior_lse.stride(0), sm_scale, max_seq_len, num_splits, tile,
+               num_warps, num_stages, programs_per_sm, stream,
                tuple([p & 15 == 0 for p in pointers]))  # the compiled kernel's specialization
         plan = _plans.find(key)
         if plan is not None:

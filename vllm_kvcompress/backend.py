@@ -95,7 +95,7 @@ class KVCompressMetadata:
     decode_seq_lens: torch.Tensor     # [num_decodes] on the device
     decode_max_seq_len: int           # at least the longest decode's context (0: no decodes)
     decode_row_order: torch.Tensor | None  # on CUDA, the decodes longest first (the kernel's row_order)
-    token_rows: TokenRows | None  # on CUDA, the prefill chunks (after the decodes): their tokens as rows over their history
+    token_rows: TokenRows | None  # on CUDA, the prefill chunks (after the decodes): rows over their history
 
 
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
