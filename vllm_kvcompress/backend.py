@@ -27,10 +27,11 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from . import paged_torch, policy
+from . import paged_torch, policy, salient_torch
 from .engine_config import ModelKVShape, active_config, layer_page_format, layer_plans, platform_device
 from .formats import KVPageFormat
 from .formats.merged import MergedPairFormat
+from .formats.salient import SalientTokensFormat
 from .kernels import registry
 from .slim_loader import ATTRIBUTE
 from .token_rows import TokenRows, token_rows
@@ -253,6 +254,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         if kv_cache.numel() == 0:
             return
         fmt = self._page_format(layer, kv_cache)
+        if isinstance(fmt, SalientTokensFormat):  # written after attention, which picks the salient tokens
+            return
         n = slot_mapping.shape[0]
         if isinstance(fmt, MergedPairFormat):  # the pair's second layer writes both layers' tokens
             _pair_tokens[layer.layer_name] = (key[:n].view(n, self.num_kv_heads, -1).clone(),
@@ -279,6 +282,11 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         pages = self._pages(kv_cache, fmt)
         if isinstance(fmt, MergedPairFormat):
             self._forward_merged(layer, q, key, value, pages, fmt, md, out)
+            return output
+        if isinstance(fmt, SalientTokensFormat):
+            k, v = (x[:t].view(t, self.num_kv_heads, self.head_size) for x in (key, value))
+            out[:] = salient_torch.attend_and_write(q, k, v, pages, fmt, self._config.salient, md.query_start_loc,
+                                                    md.seq_lens, md.block_table, self.scale, self.sliding_window)
             return output
         self._warm_up(pages, q.dtype)
         slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load

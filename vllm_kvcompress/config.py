@@ -114,6 +114,23 @@ class MergeSpec(BaseModel):
     gamma: float = Field(0.05, ge=0.0, le=0.5, description="share of a block's tokens kept unmerged, most distinct first")
 
 
+class SalientSpec(BaseModel):
+    """ZipCache: per block, the tokens the probe queries attend to most keep ``high_bits``, the rest ``low_bits``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ratio: float = Field(0.6, gt=0.0, le=1.0, description="share of each block's tokens kept at high_bits")
+    high_bits: Literal[4] = 4
+    low_bits: Literal[2] = 2
+    score: Literal["normalized", "accumulated", "random"] = Field(
+        "normalized", description="normalized attention (ZipCache), accumulated attention (H2O, MiKV), or random")
+    probe_recent: float = Field(0.05, ge=0.0, le=1.0, description="share of a chunk's newest queries used as probes")
+    probe_random: float = Field(0.05, ge=0.0, le=1.0, description="share of a chunk's other queries drawn as probes")
+    recompress_interval: int = Field(
+        100, ge=1, description="a decoding request's blocks are re-compressed every this many tokens")
+    seed: int = Field(0, ge=0, description="seed of the random probes (and of score: random)")
+
+
 class KVCompressionConfig(BaseModel):
     """A whole-model setting: a default format, per-layer overrides, and
     layers kept at 16 bits."""
@@ -127,6 +144,8 @@ class KVCompressionConfig(BaseModel):
     layers: dict[int, LayerOverride] = Field(default_factory=dict)
     full_precision_layers: list[int] = Field(default_factory=list)
     merge: MergeSpec | None = Field(None, description="MiniCache cross-layer merging (none: every layer its own pages)")
+    salient: SalientSpec | None = Field(
+        None, description="ZipCache mixed precision by token saliency (compressed layers: K and V at high_bits)")
     slim_weights: str | None = Field(
         None, description="file of precomputed W_KV (kvcompress slim-weights) for k_only layers")
     slim_max_amplification: float | None = Field(
@@ -153,6 +172,25 @@ class KVCompressionConfig(BaseModel):
             return []
         start = num_layers // 2 if self.merge.start_layer is None else self.merge.start_layer
         return [(layer, layer + 1) for layer in range(start, num_layers - 1, 2)]
+
+    def check_salient_layers(self, num_layers: int) -> None:
+        """ZipCache pages hold K per channel and V per token on one ``high_bits`` grid; nothing else."""
+        if self.salient is None:
+            return
+        if self.merge is not None:
+            raise KVCompressionConfigError(
+                f"kv-compression config {self.source}: fields 'salient' and 'merge' cannot be combined (allowed: one)")
+        bits = self.salient.high_bits
+        for i in range(num_layers):
+            fmt = self.layer_format(i)
+            if fmt.is_uncompressed:
+                continue
+            plain = LayerFormat(k_bits=bits, v_bits=bits)
+            if fmt != plain:
+                raise KVCompressionConfigError(
+                    f"kv-compression config {self.source}: field 'salient' needs every compressed layer at "
+                    f"{plain.describe()} (the high precision), but layer {i} is {fmt.describe()} "
+                    "(allowed: that format, or 16 bits)")
 
     def uses_k_only(self, num_layers: int) -> bool:
         return any(self.layer_format(i).k_only for i in range(num_layers))
@@ -191,6 +229,8 @@ def _allowed_keys_at(loc: tuple) -> list[str]:
             model = ModelIdentity
         elif part == "merge":
             model = MergeSpec
+        elif part == "salient":
+            model = SalientSpec
     return sorted(k for k in model.model_fields if k != "source")
 
 

@@ -15,9 +15,11 @@ from . import policy
 from .config import KVCompressionConfig, KVCompressionConfigError, load_config
 from .formats import KVPageFormat
 from .formats.merged import MergedPairFormat
+from .formats.salient import SalientTokensFormat
 from .kernels import registry
 
 ADDITIONAL_CONFIG_KEY = "kv_compression"
+PageFormat = KVPageFormat | MergedPairFormat | SalientTokensFormat
 
 
 def requested_setting(vllm_config) -> object | None:
@@ -62,7 +64,7 @@ class ModelKVShape:
     def sliding_window(self, layer_index: int) -> int | None:
         return self.sliding_windows[layer_index] if self.sliding_windows else None
 
-    def page_format(self, cfg: KVCompressionConfig, layer_index: int) -> KVPageFormat | MergedPairFormat:
+    def page_format(self, cfg: KVCompressionConfig, layer_index: int) -> "PageFormat":
         return layer_page_format(cfg, layer_index, self.num_layers, self.dtype, self.block_size, self.num_kv_heads,
                                  self.head_size)
 
@@ -76,9 +78,11 @@ class ModelKVShape:
 
 
 def layer_page_format(cfg: KVCompressionConfig, layer_index: int, num_layers: int, dtype: torch.dtype,
-                      block_size: int, num_kv_heads: int, head_size: int) -> KVPageFormat | MergedPairFormat:
+                      block_size: int, num_kv_heads: int, head_size: int) -> PageFormat:
     """The page one layer uses under ``cfg``: its own, or its merged pair's (both layers the same)."""
     try:
+        if cfg.salient is not None and not cfg.layer_format(layer_index).is_uncompressed:
+            return SalientTokensFormat.create(cfg.salient.ratio, dtype, block_size, num_kv_heads, head_size)
         for pair in cfg.merged_pairs(num_layers):
             if layer_index in pair:
                 return MergedPairFormat.from_layer_format(cfg.layer_format(pair[0]), cfg.merge.t, cfg.merge.gamma,
@@ -137,8 +141,13 @@ def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[floa
 
 def layer_description(cfg: KVCompressionConfig, layer_index: int, num_layers: int) -> str:
     merged = any(layer_index in pair for pair in cfg.merged_pairs(num_layers))
+    fmt = cfg.layer_format(layer_index)
+    if cfg.salient is not None and not fmt.is_uncompressed:
+        s = cfg.salient
+        return (f"K/channel V/token, {s.ratio:.0%} of each block's tokens at {s.high_bits} bits by {s.score} "
+                f"attention, the rest at {s.low_bits}")
     suffix = f" merged in pairs (t={cfg.merge.t}, gamma={cfg.merge.gamma})" if merged else ""
-    return cfg.layer_format(layer_index).describe() + suffix
+    return fmt.describe() + suffix
 
 
 def check_merge_fits(cfg: KVCompressionConfig, shape: ModelKVShape) -> None:
@@ -232,6 +241,7 @@ def validate_against_model(cfg: KVCompressionConfig, vllm_config) -> None:
     mc = vllm_config.model_config
     check_model_identity(cfg, vllm_config)
     cfg.check_layers(mc.get_total_num_hidden_layers())
+    cfg.check_salient_layers(mc.get_total_num_hidden_layers())
     if mc.use_mla:
         raise KVCompressionConfigError(
             f"kv-compression config {cfg.source}: model {mc.model} uses MLA attention, which is not supported "

@@ -19,6 +19,7 @@ import torch
 
 from ..formats import TOKEN_GROUP, KVPageFormat, MinMaxCodec, UncompressedCodec, page_layout
 from ..formats.merged import MergedPairFormat
+from ..formats.salient import SalientTokensFormat
 from ..policy import KernelPolicy, PolicyError
 
 OPERATIONS = ("decode", "prompt", "write")
@@ -179,9 +180,11 @@ def model_refusal(dtype: torch.dtype, head_size: int, device: Device, policy: Ke
 KERNEL_CODECS = (UncompressedCodec.name, MinMaxCodec.name)  # the codecs the Triton and CUDA kernels read
 
 
-def _unread_by_kernels(fmt: KVPageFormat | MergedPairFormat) -> str | None:
+def _unread_by_kernels(fmt: KVPageFormat | MergedPairFormat | SalientTokensFormat) -> str | None:
     if isinstance(fmt, MergedPairFormat):
         return "layers merged in pairs (MiniCache)"
+    if isinstance(fmt, SalientTokensFormat):
+        return "salient tokens at mixed precision (ZipCache)"
     for name, codec in (("K", fmt.k), ("V", fmt.v)):
         if codec is not None and codec.name not in KERNEL_CODECS:
             return f"{name} in codec {codec.name!r} (the kernels read {', '.join(KERNEL_CODECS)})"

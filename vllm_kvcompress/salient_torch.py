@@ -1,0 +1,133 @@
+"""ZipCache's torch path: attention over salient-token pages, saliency from probe queries, and the
+write that chooses each block's 4-bit tokens (``formats.salient``).
+
+A step's new tokens are written after its attention, which reads them exact (a decode too): the
+choice needs the attention they receive. Saliency comes from a few probe rows of the step, never
+the full attention matrix: a chunk's newest ``probe_recent`` share and a seeded random
+``probe_random`` share of the others (a decode's one row is its probe). A token's normalized
+attention (ZipCache) is the attention the probes give it, summed over the query heads of its KV
+head, divided by the number of probes that see it; ``accumulated`` leaves out the division (H2O,
+MiKV) and ``random`` draws scores at random (the two baselines of the paper).
+
+Every write re-compresses the blocks it touches, per KV head: of the block's tokens that still have
+4-bit codes and the new ones, the ``quota`` the probes score highest keep them. A token never gains
+precision back. Between re-compressions of a decoding request (every ``recompress_interval`` tokens
+of its context), a new token is held at 4 bits while its block has a free slot, and takes the slot
+of the lowest-scored one when not (docs/formats.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .config import SalientSpec
+from .formats.salient import SalientTokensFormat
+
+
+def probe_rows(num_rows: int, end: int, spec: SalientSpec) -> torch.Tensor:
+    """Which of a step's ``num_rows`` query rows of one request (context positions ``end - num_rows ..
+    end - 1``) are probes: the newest ``ceil(probe_recent * n)`` (the newest one at least) and
+    ``ceil(probe_random * n)`` of the others at random, drawn with ``spec.seed`` and ``end``."""
+    recent = max(1, math.ceil(spec.probe_recent * num_rows - 1e-9))
+    rest = num_rows - recent
+    drawn = min(rest, math.ceil(spec.probe_random * num_rows - 1e-9))
+    generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + end)
+    chosen = torch.randperm(rest, generator=generator)[:drawn]
+    return torch.cat([chosen.sort().values, torch.arange(rest, num_rows)])
+
+
+def token_scores(probes: torch.Tensor, probe_pos: torch.Tensor, k: torch.Tensor, first: int, scale: float,
+                 spec: SalientSpec, sliding_window: int | None = None) -> torch.Tensor:
+    """[L, H] saliency of the keys ``k`` [L, H, D] at positions ``first..`` from ``probes`` [Hq, P, D]
+    at context positions ``probe_pos`` [P]."""
+    L, H, _ = k.shape
+    if spec.score == "random":
+        generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + first + L)
+        return torch.rand(L, H, generator=generator).to(k.device)
+    group = probes.shape[0] // H
+    k_pos = torch.arange(first, first + L, device=k.device)
+    sees = k_pos[None, :] <= probe_pos[:, None]  # [P, L]
+    if sliding_window is not None:
+        sees &= k_pos[None, :] > probe_pos[:, None] - sliding_window
+    logits = probes @ k.repeat_interleave(group, 1).permute(1, 2, 0) * scale  # [Hq, P, L]
+    probs = logits.masked_fill(~sees, float("-inf")).softmax(-1)
+    total = probs.unflatten(0, (H, group)).sum(dim=(1, 2))  # [H, L]
+    if spec.score == "normalized":
+        total = total / sees.sum(0).clamp_min(1)
+    return total.transpose(0, 1)
+
+
+def keep_top(scores: torch.Tensor, candidates: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
+    """[N, B, H] bool: per block and head, the ``quota`` [N] best-scored of the ``candidates``."""
+    ranked = torch.where(candidates, scores, float("-inf")).argsort(dim=1, descending=True, stable=True)
+    order = torch.arange(scores.shape[1], device=scores.device).view(1, -1, 1).expand_as(ranked)
+    rank = torch.empty_like(ranked).scatter_(1, ranked, order)
+    return candidates & (rank < quota[:, None, None])
+
+
+def attend_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                     fmt: SalientTokensFormat, spec: SalientSpec, query_start_loc: list[int],
+                     seq_lens: list[int], block_table: torch.Tensor, scale: float,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of ``query`` [T, Hq, D] over each request's earlier tokens from the pages and
+    its step's own ``key``/``value`` [T, H, D] exact; then the step's tokens go into the pages."""
+    out = torch.empty_like(query)
+    B = fmt.block_size
+    for i, L in enumerate(seq_lens):
+        qs, qe = query_start_loc[i], query_start_loc[i + 1]
+        m = qe - qs
+        if m == 0:
+            continue
+        history = L - m
+        first_block = 0 if sliding_window is None else max(0, history - sliding_window + 1) // B
+        first = first_block * B
+        old_pages = cache[block_table[i, first_block:-(-L // B)].long()]
+        k, v = (t.flatten(0, 1)[:L - first] for t in fmt.decode(old_pages))
+        k[history - first:], v[history - first:] = key[qs:qe].float(), value[qs:qe].float()
+        q = query[qs:qe].float().transpose(0, 1)  # [Hq, m, D]
+        q_pos = torch.arange(history, L, device=query.device)
+        k_pos = torch.arange(first, L, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        out[qs:qe] = o.transpose(0, 1).to(query.dtype)
+        rows = probe_rows(m, L, spec).to(query.device)
+        scores = token_scores(q[:, rows], q_pos[rows], k, first, scale, spec, sliding_window)
+        _write(cache, fmt, spec, block_table[i], history, L, k, v, scores, first, old_pages)
+    return out
+
+
+def _write(cache: torch.Tensor, fmt: SalientTokensFormat, spec: SalientSpec, blocks: torch.Tensor, history: int,
+           L: int, k: torch.Tensor, v: torch.Tensor, scores: torch.Tensor, first: int,
+           old_pages: torch.Tensor) -> None:
+    """Re-compress the blocks holding positions ``history..L-1`` with those tokens added. ``k``, ``v``,
+    ``scores``: the request's tokens from position ``first`` (a block start) on."""
+    B, H = fmt.block_size, fmt.k.num_heads
+    a, b = history // B, -(-L // B)  # the touched blocks
+    skip = (a * B - first) // B  # of old_pages, those before the touched blocks
+    n = b - a
+    span = slice(a * B - first, b * B - first)
+
+    def blockwise(t: torch.Tensor, fill: float) -> torch.Tensor:
+        padded = torch.full((n * B, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+        part = t[span]
+        padded[:part.shape[0]] = part
+        return padded.unflatten(0, (n, B))
+
+    stored = old_pages[skip:skip + n]  # a block the step opens holds bytes of no token yet
+    pos = torch.arange(a * B, b * B, device=k.device).view(n, B)
+    num_stored = (history - pos[:, 0]).clamp(0, B)
+    filled = (L - pos[:, 0]).clamp(max=B)
+    is_new = (pos >= history) & (pos < L)
+    candidates = (fmt.salient(stored) & (pos < history)[..., None]) | is_new[..., None].expand(-1, -1, H)
+    m = L - history
+    holding = m == 1 and L % spec.recompress_interval != 0
+    quota = torch.full_like(filled, fmt.slots) if holding else fmt.quota(filled)
+    salient = keep_top(blockwise(scores, float("-inf")), candidates, quota)
+    pages = fmt.encode(blockwise(k, 0.0), blockwise(v, 0.0), filled, salient, stored, num_stored)
+    cache[blocks[a:b].long()] = pages
