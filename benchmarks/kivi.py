@@ -48,6 +48,14 @@ class KiviSpec:
         """How many of ``num_cached`` tokens are held quantized (the oldest ones)."""
         return num_cached - num_cached % (self.residual or self.group)
 
+    def cached(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
+        """The keys and values a chunk's attention reads: the oldest cached tokens quantized."""
+        n = self.quantized_tokens(key.shape[2] - query.shape[2])
+        if n:
+            key = torch.cat([fake_quant_k(key[:, :, :n], self.bits, self.group), key[:, :, n:]], 2)
+            value = torch.cat([fake_quant_v(value[:, :, :n], self.bits, self.group), value[:, :, n:]], 2)
+        return key, value
+
     def kv_vs_16bit(self, head_size: int, context: int) -> float:
         """KV tokens against a 16-bit cache in the same memory, for requests of ``context`` tokens:
         codes with float16 scale and zero per group, and room for a full 16-bit residual a request."""
@@ -97,11 +105,8 @@ class KiviModel:
         def attention(module, query, key, value, attention_mask, **kwargs):
             if self.spec is not None:
                 # key/value hold every cached token and then the chunk's own (no token leaves the cache)
-                n = self.spec.quantized_tokens(key.shape[2] - query.shape[2])
-                if n:
-                    key = torch.cat([fake_quant_k(key[:, :, :n], self.spec.bits, self.spec.group), key[:, :, n:]], 2)
-                    value = torch.cat([fake_quant_v(value[:, :, :n], self.spec.bits, self.spec.group),
-                                       value[:, :, n:]], 2)
+                scale = kwargs.get("scaling") or module.scaling
+                key, value = self.spec.cached(module, query, key, value, scale)
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
         AttentionInterface.register(self.ATTENTION, attention)
@@ -112,7 +117,8 @@ class KiviModel:
             self.model.config.hidden_size // self.model.config.num_attention_heads
 
     @contextlib.contextmanager
-    def using(self, spec: KiviSpec | None):
+    def using(self, spec):
+        """Attention reads the cache as ``spec`` (a ``KiviSpec`` or ``zipcache_sim.ZipSimSpec``) holds it."""
         self.spec = spec
         try:
             yield self

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from . import metrics, needle, report, settings
 from .kivi import KiviModel, KiviSpec
+from .zipcache_sim import ZipSimSpec
 from .models import Model
 
 GSM8K_MIN = 0.1  # GSM8K runs on the compressed settings only above this 16-bit accuracy
@@ -205,8 +206,21 @@ def _greedy_columns(greedy: list[list[int]], ref: dict | None) -> dict:
             "greedy_first_diff": sum(f for _, f in agree) / len(agree)}
 
 
-def evaluate_kivi(model: KiviModel, spec: KiviSpec, data: Data, sizes: Sizes, ref: dict, bar: tqdm) -> dict:
-    """A KIVI reference row (``kivi.py``): perplexity, KL and greedy agreement on the same windows and
+def reference_spec(setting, block_size: int | None = None) -> KiviSpec | ZipSimSpec | None:
+    """The Hugging Face reference a setting names (``kivi-...``, ``zipsim-...``, the latter on the
+    engine's blocks), or None (an engine row)."""
+    if not isinstance(setting, str):
+        return None
+    zipsim = ZipSimSpec.parse(setting)
+    if zipsim is not None and block_size is not None:
+        zipsim.block = block_size
+    return KiviSpec.parse(setting) or zipsim
+
+
+def evaluate_reference(model: KiviModel, spec: KiviSpec | ZipSimSpec, data: Data, sizes: Sizes, ref: dict,
+                       bar: tqdm) -> dict:
+    """A reference row on the Hugging Face model (KIVI as published, ``kivi.py``; ZipCache's choice
+    simulated, ``zipcache_sim.py``): perplexity, KL and greedy agreement on the same windows and
     prompts as the engine's rows; needles and GSM8K are not run."""
     with model.using(spec):
         bar.set_postfix_str("perplexity")
@@ -261,24 +275,24 @@ def run(model: Model, kv_settings: list, sizes: Sizes, out_dir, dtype: str, kv_b
     if settings.BASELINE not in kv_settings:
         todo.insert(0, (settings.label(settings.BASELINE), settings.BASELINE))
     todo.sort(key=lambda ns: ns[1] != settings.BASELINE)
-    # KIVI reference rows by setting, parsed before any engine starts (a bad name stops the run here)
-    kivi_specs = {s: KiviSpec.parse(s) for _, s in todo if isinstance(s, str)}
+    # reference rows by setting, parsed before any engine starts (a bad name stops the run here)
+    reference_specs = {s: reference_spec(s, sizes.block_size) for _, s in todo if isinstance(s, str)}
     result = {"bench": "quality", "model": model.name, "dtype": dtype, "kv_cache_memory_bytes": kv_bytes,
               "text": text, "text_source": TEXTS[text][1], "sizes": asdict(sizes), "device": report.device(),
               "rows": []}
     ref, needle_lengths, run_gsm8k = None, [n for n, _ in sizes.needle], True
-    kivi_model = None  # loaded at the first KIVI row
+    kivi_model = None  # the Hugging Face model, loaded at the first reference row
     bar = tqdm(todo, desc=f"quality {model.name}", unit="setting")
     for name, setting in bar:
         bar.set_description(f"quality {model.name}: {name}")
         start = time.time()
-        spec = kivi_specs.get(setting) if isinstance(setting, str) else None
+        spec = reference_specs.get(setting) if isinstance(setting, str) else None
         try:
             if spec is not None:
                 if ref is None:
-                    raise RuntimeError("the KIVI reference compares with the 16-bit engine row, which failed")
+                    raise RuntimeError("the reference rows compare with the 16-bit engine row, which failed")
                 kivi_model = kivi_model or KiviModel(model.path, sizes.chunk)
-                row, raw = evaluate_kivi(kivi_model, spec, data, sizes, ref, bar), None
+                row, raw = evaluate_reference(kivi_model, spec, data, sizes, ref, bar), None
             else:
                 with engine(model, setting, sizes, dtype, kv_bytes) as llm:
                     row, raw = evaluate(llm, setting, data, sizes, ref, needle_lengths, run_gsm8k, bar)
@@ -362,7 +376,7 @@ def frontier(result: dict, path) -> None:
     fig, ax = report.figure(1, (6.5, 4.5))
     for i, r in enumerate(rows):
         y = 100 * (r[f"ppl_{ctx}"] / base - 1)
-        ax.scatter(r["kv_vs_16bit"], y, marker="s" if KiviSpec.parse(r["setting"]) else "o")
+        ax.scatter(r["kv_vs_16bit"], y, marker="s" if reference_spec(r["setting"]) else "o")
         ax.annotate(r["setting"], (r["kv_vs_16bit"], y), fontsize=7, xytext=(4, 3 if i % 2 else -9),
                     textcoords="offset points")  # alternate sides: settings of one capacity lie close
     ax.set(xlabel="KV tokens vs 16-bit (same memory)", ylabel=f"perplexity increase @{ctx} (%)",

@@ -234,19 +234,24 @@ def test_quality_block_size_and_windows_reach_the_engine(gqa, tmp_path):
     """--ppl-windows: perplexity over that many windows (a transformers forward's over the same
     windows); --block-size: the engine's blocks, so 4/4 pages keep K's statistics per 64 tokens, and
     with chunks of 64 tokens (--small) each window's pages equal KIVI's rule on that grid (the
-    reference, benchmarks/kivi.py): every window is chunked from its start."""
+    reference, benchmarks/kivi.py): every window is chunked from its start. ZipCache's pages equal
+    its choice simulated on the transformers model per block (benchmarks/zipcache_sim.py), and with
+    every token salient the simulation is KIVI's 4 bits."""
     import dataclasses
 
     from transformers import AutoTokenizer
 
     run = bench("quality", "--small", "--model", gqa, "--settings", "auto", "quant-k4v4", "kivi-4-g64-r0",
-                "--block-size", 64, "--ppl-windows", 2, "--greedy-prompts", 1, "--gsm8k-questions", 0, "--out", tmp_path)
+                "zipcache-r60", "zipsim-r60-block", "zipsim-r100-block", "--block-size", 64, "--ppl-windows", 2, "--greedy-prompts", 1, "--gsm8k-questions", 0, "--out", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     _, result = result_of(tmp_path)
-    auto, k4v4, kivi = result["rows"]
+    auto, k4v4, kivi, zipcache, zipsim, zipsim_all = result["rows"]
     for key in ("ppl_128", "ppl_256", "kl"):
         assert k4v4[key] == pytest.approx(kivi[key], rel=1e-3), key
+        assert zipcache[key] == pytest.approx(zipsim[key], rel=1e-3), key
+        assert zipsim_all[key] == pytest.approx(kivi[key], rel=1e-3), key
     assert k4v4["kl"] > 1e-4  # the grid is visible
+    assert zipcache["kl"] > 1.5 * k4v4["kl"]  # and the 2-bit tokens
     windows = quality.prepare_data(AutoTokenizer.from_pretrained(gqa),
                                    dataclasses.replace(quality.SMALL, ppl_windows=2)).windows
     assert len(windows) == 2
