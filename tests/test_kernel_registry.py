@@ -81,7 +81,21 @@ def test_passed_over_implementations_say_why():
 def test_only_kernels_that_run_in_cuda_graphs_say_so():
     graphs = {(i.operation, i.name): i.cuda_graphs for i in registry.implementations("decode", "cuda")}
     assert graphs == {("decode", "cuda"): True, ("decode", "triton"): True, ("decode", "triton-slim"): False,
-                      ("decode", "torch"): False}
+                      ("decode", "triton-salient"): False, ("decode", "torch"): False}
+
+
+def test_zipcache_pages_decode_through_their_own_kernel_only():
+    """The salient kernel reads ZipCache's pages and no others; the other kernels pass them over."""
+    cfg = load_config("zipcache-r60")
+    shape = ModelKVShape(4, 4, 128, torch.bfloat16, 128, 8)
+    fmt = shape.page_format(cfg, 0)
+    plan = registry.plan(fmt, shape.layer_context(0, H100), AUTO)
+    assert _names(plan) == ("triton-salient", "torch", "torch")
+    assert "not cuda, triton, triton-slim: salient tokens at mixed precision (ZipCache)" in plan.decode.describe()
+    assert _names(_plan(FOUR))[0] == "cuda"
+    assert "triton-salient" not in _plan(FOUR, device=H100_NO_NVCC).decode.describe()
+    sliding = registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 8, 512), AUTO)
+    assert _names(sliding)[0] == "torch" and "triton-salient: sliding-window layer" in sliding.decode.describe()
 
 
 @pytest.mark.parametrize("layer_format,block,head_size,query_heads,dtype,reason", [

@@ -284,9 +284,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             self._forward_merged(layer, q, key, value, pages, fmt, md, out)
             return output
         if isinstance(fmt, SalientTokensFormat):
-            k, v = (x[:t].view(t, self.num_kv_heads, self.head_size) for x in (key, value))
-            out[:] = salient_torch.attend_and_write(q, k, v, pages, fmt, self._config.salient, md.query_start_loc,
-                                                    md.seq_lens, md.block_table, self.scale, self.sliding_window)
+            self._forward_salient(q, key, value, pages, fmt, md, out)
             return output
         self._warm_up(pages, q.dtype)
         slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load
@@ -314,6 +312,23 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 out[start:] = paged_torch.attend(q[start:], pages, fmt, *rest, self.sliding_window,
                                                  key=k_new, value=v_new)
         return output
+
+    def _forward_salient(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+                         fmt: SalientTokensFormat, md: KVCompressMetadata, out: torch.Tensor) -> None:
+        """ZipCache: attention, then the step's tokens written with each touched block's choice of
+        4-bit tokens; decodes through the planned kernel where there is one, all at once."""
+        t = q.shape[0]
+        k, v = (x[:t].view(t, self.num_kv_heads, self.head_size) for x in (key, value))
+        spec = self._config.salient
+        nd = md.num_decodes if self._decode_kernel is not None else 0
+        if nd:
+            salient_torch.decode_and_write(q[:nd], k[:nd], v[:nd], pages, fmt, spec, md.decode_block_table,
+                                           md.decode_seq_lens, self.scale, self._decode_kernel, out[:nd])
+        start = md.query_start_loc[nd]
+        if start < t:
+            out[start:] = salient_torch.attend_and_write(
+                q[start:], k[start:], v[start:], pages, fmt, spec, [x - start for x in md.query_start_loc[nd:]],
+                md.seq_lens[nd:], md.block_table[nd:], self.scale, self.sliding_window)
 
     def _forward_merged(self, layer, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
                         fmt: MergedPairFormat, md: KVCompressMetadata, out: torch.Tensor) -> None:

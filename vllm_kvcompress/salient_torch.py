@@ -45,8 +45,7 @@ def token_scores(probes: torch.Tensor, probe_pos: torch.Tensor, k: torch.Tensor,
     at context positions ``probe_pos`` [P]."""
     L, H, _ = k.shape
     if spec.score == "random":
-        generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + first + L)
-        return torch.rand(L, H, generator=generator).to(k.device)
+        return _random_scores(L, first, H, spec).to(k.device)
     group = probes.shape[0] // H
     k_pos = torch.arange(first, first + L, device=k.device)
     sees = k_pos[None, :] <= probe_pos[:, None]  # [P, L]
@@ -58,6 +57,12 @@ def token_scores(probes: torch.Tensor, probe_pos: torch.Tensor, k: torch.Tensor,
     if spec.score == "normalized":
         total = total / sees.sum(0).clamp_min(1)
     return total.transpose(0, 1)
+
+
+def _random_scores(num_tokens: int, first: int, heads: int, spec: SalientSpec) -> torch.Tensor:
+    """[num_tokens, heads] scores drawn for a request's tokens from position ``first`` on."""
+    generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + first + num_tokens)
+    return torch.rand(num_tokens, heads, generator=generator)
 
 
 def keep_top(scores: torch.Tensor, candidates: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
@@ -131,3 +136,50 @@ def _write(cache: torch.Tensor, fmt: SalientTokensFormat, spec: SalientSpec, blo
     salient = keep_top(blockwise(scores, float("-inf")), candidates, quota)
     pages = fmt.encode(blockwise(k, 0.0), blockwise(v, 0.0), filled, salient, stored, num_stored)
     cache[blocks[a:b].long()] = pages
+
+
+def decode_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                     fmt: SalientTokensFormat, spec: SalientSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float, kernel, out: torch.Tensor) -> None:
+    """Decode rows (one new token each, ``query`` [N, Hq, D], ``key``/``value`` [N, H, D]) the way
+    ``attend_and_write`` takes them, with ``kernel`` (``salient_decode``) reading the context before the
+    new token: its output and log-sum-exp are merged with the new token's own exact term, and that
+    log-sum-exp turns the query's logits over the last block into the probe's probabilities."""
+    group = query.shape[1] // key.shape[1]
+    k_new, v_new = key.float().repeat_interleave(group, 1), value.float().repeat_interleave(group, 1)
+    earlier, earlier_lse = kernel(query, cache, fmt, block_table, seq_lens - 1, scale)
+    own = (query.float() * k_new).sum(-1) * scale  # [N, Hq]
+    lse = torch.logaddexp(earlier_lse, own)
+    out[:] = (earlier.float() * (earlier_lse - lse).exp()[..., None] + v_new * (own - lse).exp()[..., None]).to(out.dtype)
+    write_decoded(query, key, value, cache, fmt, spec, block_table, seq_lens, lse, scale)
+
+
+def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                  fmt: SalientTokensFormat, spec: SalientSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  lse: torch.Tensor, scale: float) -> None:
+    """Each decode row's new token into its last block, all rows at once: the block re-compressed as
+    ``_write`` does, scored by the row's query (its probe) with ``lse`` [N, Hq], the log-sum-exp of
+    its attention over the whole context."""
+    n, B, H = query.shape[0], fmt.block_size, fmt.k.num_heads
+    rows = torch.arange(n, device=query.device)
+    length = seq_lens.long()
+    offset = (length - 1) % B
+    blocks = block_table[rows, (length - 1) // B].long()
+    stored = cache[blocks]
+    k, v = fmt.decode(stored)
+    k[rows, offset], v[rows, offset] = key.float(), value.float()
+    tokens = torch.arange(B, device=query.device)[None, :]
+    if spec.score == "random":  # the draw attend_and_write makes for the whole context: its last block
+        draws = [_random_scores(L, 0, H, spec) for L in length.tolist()]
+        scores = torch.stack([F.pad(d[(L - 1) // B * B:], (0, 0, 0, B - 1 - (L - 1) % B))
+                              for d, L in zip(draws, length.tolist())]).to(query.device)
+    else:
+        logits = torch.einsum("nqd,nbqd->nqb", query.float(), k.repeat_interleave(query.shape[1] // H, 2)) * scale
+        scores = (logits - lse[..., None]).exp().unflatten(1, (H, -1)).sum(2).transpose(1, 2)  # [N, B, H]
+    is_new = tokens == offset[:, None]
+    candidates = (fmt.salient(stored) & (tokens < offset[:, None])[..., None]) | is_new[..., None]
+    filled = offset + 1
+    holding = length % spec.recompress_interval != 0
+    quota = torch.where(holding, fmt.slots, fmt.quota(filled))
+    salient = keep_top(scores, candidates, quota)
+    cache[blocks] = fmt.encode(k, v, filled, salient, stored, offset)

@@ -73,6 +73,7 @@ class Implementation:
     prepare: str | None = None    # "module:function" run once at startup (a CUDA kernel's build)
     warm_up: str | None = None    # "module:function" that compiles the variants a step may launch
     cuda_graphs: bool = False     # runs inside a full CUDA graph of decode-only steps
+    reads: tuple[type, ...] = (KVPageFormat,)  # the page formats it reads (the torch path reads all)
 
     def load(self, what: str = "entry") -> Callable | None:
         path = getattr(self, what)
@@ -154,7 +155,7 @@ def _refuses(impl: Implementation, fmt: KVPageFormat, ctx: LayerContext, policy:
             return "not an NVIDIA GPU"
         if not ctx.device.nvcc:
             return "no nvcc (set CUDA_HOME to a CUDA toolkit)"
-    return _unread_by_kernels(fmt)
+    return _unread_by(impl, fmt)
 
 
 def plan(fmt: KVPageFormat, ctx: LayerContext, policy: KernelPolicy) -> LayerPlan:
@@ -180,11 +181,15 @@ def model_refusal(dtype: torch.dtype, head_size: int, device: Device, policy: Ke
 KERNEL_CODECS = (UncompressedCodec.name, MinMaxCodec.name)  # the codecs the Triton and CUDA kernels read
 
 
-def _unread_by_kernels(fmt: KVPageFormat | MergedPairFormat | SalientTokensFormat) -> str | None:
-    if isinstance(fmt, MergedPairFormat):
-        return "layers merged in pairs (MiniCache)"
-    if isinstance(fmt, SalientTokensFormat):
-        return "salient tokens at mixed precision (ZipCache)"
+_FORMAT_NAMES = {MergedPairFormat: "layers merged in pairs (MiniCache)",
+                 SalientTokensFormat: "salient tokens at mixed precision (ZipCache)"}
+
+
+def _unread_by(impl: Implementation, fmt: KVPageFormat | MergedPairFormat | SalientTokensFormat) -> str | None:
+    if not isinstance(fmt, impl.reads):
+        return _FORMAT_NAMES.get(type(fmt), type(fmt).__name__)
+    if not isinstance(fmt, KVPageFormat):
+        return None
     for name, codec in (("K", fmt.k), ("V", fmt.v)):
         if codec is not None and codec.name not in KERNEL_CODECS:
             return f"{name} in codec {codec.name!r} (the kernels read {', '.join(KERNEL_CODECS)})"
@@ -291,6 +296,15 @@ def _cuda_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     return None
 
 
+def _salient_decode(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
+    d = fmt.k.head_size
+    if d & (d - 1) or d < 16:
+        return f"head size {d} (powers of two from 16)"
+    if ctx.sliding_window is not None:
+        return "sliding-window layer (the kernel reads whole contexts)"
+    return None
+
+
 def _always(fmt: KVPageFormat, ctx: LayerContext) -> None:
     return None
 
@@ -302,6 +316,8 @@ for _impl in (
     Implementation("decode", "cuda", "triton", _triton_decode, f"{_TRITON}.decode:paged_decode",
                    warm_up=f"{_TRITON}.decode:warm_up", cuda_graphs=True),
     Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode"),
+    Implementation("decode", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_decode:salient_decode",
+                   reads=(SalientTokensFormat,)),
     Implementation("decode", "cuda", "torch", _always),
     Implementation("decode", "cpu", "torch", _always),
     # a chunk's own tokens through FlashAttention, its history as grouped rows of the Triton decode:

@@ -1,0 +1,102 @@
+"""Decode attention straight from ZipCache's pages (``formats.salient``): 2-bit codes for every
+token, the low 2 bits of the salient ones gathered through the block's slot map, on one 4-bit grid.
+
+One program per (request, KV head) reads its request's pages once for all the query heads of that
+KV head: per tile of tokens, the high plane, the slot map and, for salient tokens only, their
+refinement rows; a token's code is ``4 hi + lo`` (salient) or ``4 hi + 1.5``, dequantized with K's
+per-channel and V's per-token statistics in registers. Besides the output it writes each row's
+log-sum-exp per query head (base e), from which the write takes the probabilities the decode query
+gave the request's last block (its probe) without a second pass over the context.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _codes(page, HIGH: tl.constexpr, LOW: tl.constexpr, SLOT_OF: tl.constexpr, h, t, valid, d,
+           B: tl.constexpr, R: tl.constexpr, ROW: tl.constexpr, NONE: tl.constexpr):
+    """4-bit codes [T, D] as float32 of tokens ``t`` (offsets in the block) of head ``h``."""
+    shift = (d % 4) * 2
+    slot = tl.load(page + SLOT_OF + h * B + t, mask=valid, other=NONE).to(tl.int32)
+    salient = slot != NONE
+    high = tl.load(page + HIGH + (h * B + t)[:, None] * ROW + (d // 4)[None, :], mask=valid[:, None], other=0)
+    low = tl.load(page + LOW + (h * R + slot)[:, None] * ROW + (d // 4)[None, :], mask=(valid & salient)[:, None],
+                  other=0)
+    high = ((high.to(tl.int32) >> shift[None, :]) & 3).to(tl.float32)
+    low = ((low.to(tl.int32) >> shift[None, :]) & 3).to(tl.float32)
+    return high * 4.0 + tl.where(salient[:, None], low, 1.5)
+
+
+@triton.jit
+def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, scale,
+                           q_row_stride, q_head_stride, table_stride, out_row_stride, out_head_stride,
+                           PAGE: tl.constexpr, B: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                           G: tl.constexpr, GP: tl.constexpr, TILE: tl.constexpr,
+                           K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, V_SCALE: tl.constexpr,
+                           V_ZERO: tl.constexpr, K_HIGH: tl.constexpr, V_HIGH: tl.constexpr,
+                           K_LOW: tl.constexpr, V_LOW: tl.constexpr, SLOT_OF: tl.constexpr, NONE: tl.constexpr):
+    row, h = tl.program_id(0), tl.program_id(1)
+    length = tl.load(lens_ptr + row)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    heads = g < G
+    q = tl.load(q_ptr + row * q_row_stride + (h * G + g)[:, None] * q_head_stride + d[None, :],
+                mask=heads[:, None], other=0.0).to(tl.float32) * (scale * _LOG2E)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    ROW: tl.constexpr = D // 4
+    for start in range(0, length, TILE):
+        block = tl.load(table_ptr + row * table_stride + start // B).to(tl.int64)
+        page = pages_ptr + block * PAGE
+        t = start % B + tl.arange(0, TILE)
+        valid = start + tl.arange(0, TILE) < length
+        k_scale = tl.load((page + K_SCALE).to(tl.pointer_type(tl.float16)) + h * D + d).to(tl.float32)
+        k_zero = tl.load((page + K_ZERO).to(tl.pointer_type(tl.float16)) + h * D + d).to(tl.float32)
+        k = _codes(page, K_HIGH, K_LOW, SLOT_OF, h, t, valid, d, B, R, ROW, NONE) * k_scale[None, :] + k_zero[None, :]
+        s = tl.dot(q, tl.trans(k))  # [GP, TILE], base 2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_scale = tl.load((page + V_SCALE).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
+        v_zero = tl.load((page + V_ZERO).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
+        v = (_codes(page, V_HIGH, V_LOW, SLOT_OF, h, t, valid, d, B, R, ROW, NONE) * v_scale.to(tl.float32)[:, None]
+             + v_zero.to(tl.float32)[:, None])
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + row * out_row_stride + (h * G + g)[:, None] * out_head_stride + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=heads[:, None])
+    tl.store(lse_ptr + row * (G * tl.num_programs(1)) + h * G + g, (m_i + tl.log2(l_i)) / _LOG2E, mask=heads)
+
+
+def salient_decode(q: torch.Tensor, pages: torch.Tensor, fmt: SalientTokensFormat, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None):
+    """One query row per request, ``q`` [N, Hq, D], over its ``seq_lens`` tokens in ``pages``
+    [num_blocks, page_bytes]. Returns the output [N, Hq, D] and each row's log-sum-exp [N, Hq]."""
+    n, hq, d = q.shape
+    heads = fmt.k.num_heads
+    group = hq // heads
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
+    if n == 0:
+        return out, lse
+    at = fmt.regions.start
+    tile = min(64, fmt.block_size)
+    _salient_decode_kernel[(n, heads)](
+        q, pages, block_table, seq_lens, out, lse, scale, q.stride(0), q.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=d, G=group,
+        GP=max(16, triton.next_power_of_2(group)), TILE=tile, K_SCALE=at("k_scale"), K_ZERO=at("k_zero"),
+        V_SCALE=at("v_scale"), V_ZERO=at("v_zero"), K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"),
+        V_LOW=at("v_low"), SLOT_OF=at("slot_of"), NONE=NO_SLOT, num_warps=4)
+    return out, lse
