@@ -17,9 +17,9 @@ from . import report, settings
 
 BENCHES = ("throughput", "serve", "kernels", "quality", "kvmix")
 DEFAULT_SETTINGS = {
-    "throughput": ["auto", "fp8", "int4_per_token_head", "quant-k8v8", "quant-k4v4", "quant-k2v2", "zipcache-k4v2"],
+    "throughput": ["auto", "fp8", "int4_per_token_head", "quant-k8v8", "quant-k4v4", "quant-k2v2"],
     "serve": ["auto", "fp8", "quant-k8v8", "quant-k4v4", "quant-k2v2"],
-    "quality": ["auto", "fp8", "int4_per_token_head", "quant-k8v8", "quant-k4v4", "quant-k2v2", "zipcache-k4v2",
+    "quality": ["auto", "fp8", "int4_per_token_head", "quant-k8v8", "quant-k4v4", "quant-k2v2", "zipcache-r50",
                 "configs/kvmix-smollm2.yaml", "quant-k3v3"],
 }
 SMALL_SETTINGS = ["auto", "quant-k4v4"]

@@ -380,7 +380,7 @@ def frontier(result: dict, path) -> None:
         ax.annotate(r["setting"], (r["kv_vs_16bit"], y), fontsize=7, xytext=(4, 3 if i % 2 else -9),
                     textcoords="offset points")  # alternate sides: settings of one capacity lie close
     ax.set(xlabel="KV tokens vs 16-bit (same memory)", ylabel=f"perplexity increase @{ctx} (%)",
-           yscale="symlog", title="quality per byte (squares: KIVI reference)")
+           yscale="symlog", title="quality per byte (squares: reference rows on the transformers model)")
     ax.axhline(0, color="gray", lw=0.5)
     report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result['text']}, "
                                   f"{result['device']}")
