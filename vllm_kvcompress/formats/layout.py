@@ -56,6 +56,19 @@ def slot_bytes(nbytes: int, block_size: int, dtype: torch.dtype) -> int:
     return -(-per_slot // dtype.itemsize) * dtype.itemsize
 
 
+class SlottedPage:
+    """A page laid out by its ``regions`` (a ``Regions``), seen by vLLM as ``block_size`` equal slots
+    of ``dtype`` elements (formats over other layouts than ``KVPageFormat``'s)."""
+
+    @functools.cached_property
+    def slot_bytes(self) -> int:
+        return slot_bytes(self.regions.nbytes, self.block_size, self.dtype)
+
+    @functools.cached_property
+    def page_bytes(self) -> int:
+        return self.slot_bytes * self.block_size
+
+
 @dataclass(frozen=True)
 class TensorLayout:
     """One tensor's (K's or V's) regions, as offsets from the start of the page."""

@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 
 from .codecs import Codec, TensorSpec
-from .layout import Regions, slot_bytes
+from .layout import Regions, SlottedPage
 from .page import codec_for
 
 _EPS = 1e-6
@@ -41,7 +41,7 @@ def slerp(u: torch.Tensor, w: torch.Tensor, t: float) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class MergedPairFormat:
+class MergedPairFormat(SlottedPage):
     k: Codec  # the merged K directions
     v: Codec  # the merged V directions
     block_size: int
@@ -68,14 +68,6 @@ class MergedPairFormat:
         B, H, D, R = self.block_size, self.k.num_heads, self.k.head_size, self.retained
         return Regions([("k", self.k.nbytes), ("v", self.v.nbytes), ("norms", B * 2 * 2 * H * 2),
                         ("index", max(R, 1) * 2), ("kept", R * 2 * 2 * H * D * self.dtype.itemsize)])
-
-    @cached_property
-    def slot_bytes(self) -> int:
-        return slot_bytes(self.regions.nbytes, self.block_size, self.dtype)
-
-    @cached_property
-    def page_bytes(self) -> int:
-        return self.slot_bytes * self.block_size
 
     def dense_page_bytes(self) -> int:
         """What vLLM's own cache spends on the same block of both layers."""

@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 
 from .codecs import MinMaxCodec, TensorSpec
-from .layout import Regions, slot_bytes
+from .layout import Regions, SlottedPage
 from .packing import pack, packed_row_bytes, unpack
 
 HIGH_BITS, LOW_BITS = 4, 2
@@ -34,7 +34,7 @@ _F16 = torch.float16
 
 
 @dataclass(frozen=True)
-class SalientTokensFormat:
+class SalientTokensFormat(SlottedPage):
     k: MinMaxCodec  # 4 bits, statistics per channel: the grid and append rule both precisions share
     v: MinMaxCodec  # 4 bits, statistics per token
     block_size: int
@@ -65,14 +65,6 @@ class SalientTokensFormat:
         return Regions([("k_scale", H * D * 2), ("k_zero", H * D * 2), ("v_scale", H * B * 2), ("v_zero", H * B * 2),
                         ("k_high", H * B * row), ("v_high", H * B * row), ("k_low", H * R * row),
                         ("v_low", H * R * row), ("slot_of", H * B)])
-
-    @cached_property
-    def slot_bytes(self) -> int:
-        return slot_bytes(self.regions.nbytes, self.block_size, self.dtype)
-
-    @cached_property
-    def page_bytes(self) -> int:
-        return self.slot_bytes * self.block_size
 
     def dense_page_bytes(self) -> int:
         return 2 * self.block_size * self.k.num_heads * self.k.head_size * self.dtype.itemsize
