@@ -3,7 +3,7 @@ cache it documents) on the Hugging Face model, scored on the quality benchmark's
 
 Runs in its own environment (kvpress pins transformers<5.3; the project's has 5.x and vLLM):
 
-    .venv-kvpress/bin/python benchmarks/kvpress_rows.py --model smollm2 --text essays \\
+    .venv-kvpress/bin/python -m benchmarks.kvpress_rows --model smollm2 --text essays \\
         --out results/kvpress-smollm2-essays.json
 
 The windows are ``quality.prepare_data``'s: ``--ppl-windows`` stretches of ``max(--contexts) - 1``
@@ -40,14 +40,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a file: benchmarks.metrics without the project's environment
 
 from benchmarks import metrics
 
