@@ -17,7 +17,7 @@ import triton.language as tl
 
 from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
 
-_LOG2E = tl.constexpr(1.4426950408889634)
+from .decode import _LOG2E
 
 
 @triton.jit

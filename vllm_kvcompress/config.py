@@ -180,12 +180,11 @@ class KVCompressionConfig(BaseModel):
         if self.merge is not None:
             raise KVCompressionConfigError(
                 f"kv-compression config {self.source}: fields 'salient' and 'merge' cannot be combined (allowed: one)")
-        bits = self.salient.high_bits
+        plain = LayerFormat(k_bits=self.salient.high_bits, v_bits=self.salient.high_bits)
         for i in range(num_layers):
             fmt = self.layer_format(i)
             if fmt.is_uncompressed:
                 continue
-            plain = LayerFormat(k_bits=bits, v_bits=bits)
             if fmt != plain:
                 raise KVCompressionConfigError(
                     f"kv-compression config {self.source}: field 'salient' needs every compressed layer at "

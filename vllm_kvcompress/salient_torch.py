@@ -112,7 +112,7 @@ def _write(cache: torch.Tensor, fmt: SalientTokensFormat, spec: SalientSpec, blo
            old_pages: torch.Tensor) -> None:
     """Re-compress the blocks holding positions ``history..L-1`` with those tokens added. ``k``, ``v``,
     ``scores``: the request's tokens from position ``first`` (a block start) on."""
-    B, H = fmt.block_size, fmt.k.num_heads
+    B = fmt.block_size
     a, b = history // B, -(-L // B)  # the touched blocks
     skip = (a * B - first) // B  # of old_pages, those before the touched blocks
     n = b - a
@@ -125,17 +125,25 @@ def _write(cache: torch.Tensor, fmt: SalientTokensFormat, spec: SalientSpec, blo
         return padded.unflatten(0, (n, B))
 
     stored = old_pages[skip:skip + n]  # a block the step opens holds bytes of no token yet
-    pos = torch.arange(a * B, b * B, device=k.device).view(n, B)
-    num_stored = (history - pos[:, 0]).clamp(0, B)
-    filled = (L - pos[:, 0]).clamp(max=B)
-    is_new = (pos >= history) & (pos < L)
-    candidates = (fmt.salient(stored) & (pos < history)[..., None]) | is_new[..., None].expand(-1, -1, H)
-    m = L - history
-    holding = m == 1 and L % spec.recompress_interval != 0
-    quota = torch.full_like(filled, fmt.slots) if holding else fmt.quota(filled)
-    salient = keep_top(blockwise(scores, float("-inf")), candidates, quota)
-    pages = fmt.encode(blockwise(k, 0.0), blockwise(v, 0.0), filled, salient, stored, num_stored)
-    cache[blocks[a:b].long()] = pages
+    start = torch.arange(a * B, b * B, B, device=k.device)
+    holding = torch.full((n,), L - history == 1 and L % spec.recompress_interval != 0, device=k.device)
+    cache[blocks[a:b].long()] = _recompressed(fmt, stored, blockwise(k, 0.0), blockwise(v, 0.0),
+                                              blockwise(scores, float("-inf")), (history - start).clamp(0, B),
+                                              (L - start).clamp(max=B), holding)
+
+
+def _recompressed(fmt: SalientTokensFormat, stored: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scores: torch.Tensor, num_stored: torch.Tensor, filled: torch.Tensor,
+                  holding: torch.Tensor) -> torch.Tensor:
+    """Blocks ``stored`` [N, page_bytes] with tokens ``num_stored..filled-1`` [N] added (``k``, ``v``
+    [N, B, H, D] hold all their tokens), re-compressed: of the tokens that still have 4 bits and the
+    new ones, the best ``scores`` [N, B, H] keep them, up to the block's quota, or up to its slots
+    where ``holding`` [N] (a decoded token held until the next re-compression)."""
+    tokens = torch.arange(fmt.block_size, device=k.device)[None, :]
+    is_new = (tokens >= num_stored[:, None]) & (tokens < filled[:, None])
+    candidates = (fmt.salient(stored) & (tokens < num_stored[:, None])[..., None]) | is_new[..., None]
+    quota = torch.where(holding, fmt.slots, fmt.quota(filled))
+    return fmt.encode(k, v, filled, keep_top(scores, candidates, quota), stored, num_stored)
 
 
 def decode_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -157,8 +165,8 @@ def decode_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                   fmt: SalientTokensFormat, spec: SalientSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
                   lse: torch.Tensor, scale: float) -> None:
-    """Each decode row's new token into its last block, all rows at once: the block re-compressed as
-    ``_write`` does, scored by the row's query (its probe) with ``lse`` [N, Hq], the log-sum-exp of
+    """Each decode row's new token into its last block, all rows at once, re-compressed as ``_write``
+    re-compresses, scored by the row's query (its probe) with ``lse`` [N, Hq], the log-sum-exp of
     its attention over the whole context."""
     n, B, H = query.shape[0], fmt.block_size, fmt.k.num_heads
     rows = torch.arange(n, device=query.device)
@@ -168,7 +176,6 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     stored = cache[blocks]
     k, v = fmt.decode(stored)
     k[rows, offset], v[rows, offset] = key.float(), value.float()
-    tokens = torch.arange(B, device=query.device)[None, :]
     if spec.score == "random":  # the draw attend_and_write makes for the whole context: its last block
         draws = [_random_scores(L, 0, H, spec) for L in length.tolist()]
         scores = torch.stack([F.pad(d[(L - 1) // B * B:], (0, 0, 0, B - 1 - (L - 1) % B))
@@ -176,10 +183,5 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     else:
         logits = torch.einsum("nqd,nbqd->nqb", query.float(), k.repeat_interleave(query.shape[1] // H, 2)) * scale
         scores = (logits - lse[..., None]).exp().unflatten(1, (H, -1)).sum(2).transpose(1, 2)  # [N, B, H]
-    is_new = tokens == offset[:, None]
-    candidates = (fmt.salient(stored) & (tokens < offset[:, None])[..., None]) | is_new[..., None]
-    filled = offset + 1
     holding = length % spec.recompress_interval != 0
-    quota = torch.where(holding, fmt.slots, fmt.quota(filled))
-    salient = keep_top(scores, candidates, quota)
-    cache[blocks] = fmt.encode(k, v, filled, salient, stored, offset)
+    cache[blocks] = _recompressed(fmt, stored, k, v, scores, offset, offset + 1, holding)

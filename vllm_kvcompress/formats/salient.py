@@ -82,8 +82,8 @@ class SalientTokensFormat(SlottedPage):
         salient = self.salient(pages)[..., None]
         out = []
         for name, axis_shape in (("k", (1, H, D)), ("v", (H, B, 1))):
-            codes = torch.where(salient, self._codes(pages, name).float(),
-                                self._high(pages, name).float() * (1 << REFINE_BITS) + _MIDDLE)
+            high, low = self._planes(pages, name)
+            codes = (high << REFINE_BITS).float() + torch.where(salient, low.float(), _MIDDLE)
             scale, zero = (self.regions.view(pages, f"{name}_{s}", _F16, axis_shape).float() for s in ("scale", "zero"))
             if name == "v":
                 scale, zero = scale.transpose(1, 2), zero.transpose(1, 2)
@@ -152,13 +152,18 @@ class SalientTokensFormat(SlottedPage):
 
     def _codes(self, pages: torch.Tensor, name: str) -> torch.Tensor:
         """[N, B, H, D] int32 4-bit codes; a 2-bit token's low bits read as 0."""
+        high, low = self._planes(pages, name)
+        return (high << REFINE_BITS) + low
+
+    def _planes(self, pages: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, B, H, D] int32 high bits of every token, and the low bits of the salient ones (0 else)."""
         B, H, D, R = self.block_size, self.k.num_heads, self.k.head_size, self.slots
         rows = self.regions.view(pages, f"{name}_low", torch.uint8, (H, R, packed_row_bytes(D, REFINE_BITS)))
         low = unpack(rows.transpose(1, 2), REFINE_BITS, D)  # [N, R, H, D]
         slot = self.regions.view(pages, "slot_of", torch.uint8, (H, B)).transpose(1, 2).long()  # [N, B, H]
         salient = slot != NO_SLOT
         gathered = low.gather(1, torch.where(salient, slot, 0)[..., None].expand(-1, -1, -1, D))
-        return (self._high(pages, name) << REFINE_BITS) + torch.where(salient[..., None], gathered, 0)
+        return self._high(pages, name), torch.where(salient[..., None], gathered, 0)
 
     def _as_codec_page(self, pages: torch.Tensor, name: str) -> torch.Tensor:
         """The 4-bit codec's page with these pages' codes and statistics (for its append rule)."""
