@@ -140,12 +140,12 @@ def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[floa
 
 
 def layer_description(cfg: KVCompressionConfig, layer_index: int, num_layers: int) -> str:
-    merged = any(layer_index in pair for pair in cfg.merged_pairs(num_layers))
     fmt = cfg.layer_format(layer_index)
     if cfg.salient is not None and not fmt.is_uncompressed:
         s = cfg.salient
         return (f"K/channel V/token, {s.ratio:.0%} of each block's tokens at {s.high_bits} bits by {s.score} "
                 f"attention, the rest at {s.low_bits}")
+    merged = any(layer_index in pair for pair in cfg.merged_pairs(num_layers))
     suffix = f" merged in pairs (t={cfg.merge.t}, gamma={cfg.merge.gamma})" if merged else ""
     return fmt.describe() + suffix
 
