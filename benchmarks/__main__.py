@@ -4,7 +4,7 @@
     python -m benchmarks throughput [--small]   vllm bench throughput on ShareGPT per KV setting
     python -m benchmarks serve [--small]        vllm bench serve against our server, per setting and rate
     python -m benchmarks kernels [--small]      the GPU decode-kernel benchmark (benchmarks/kernels.py)
-    python -m benchmarks quality [--small]      perplexity, KL, greedy agreement, needles, GSM8K on real weights
+    python -m benchmarks quality [--small]      perplexity, KL, greedy, needles, GSM8K, HumanEval on real weights
     python -m benchmarks kvmix [--small]        KVmix profiled bits vs uniform 2-bit vs random high-bit layers
 """
 
@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl-windows", type=int, default=None,
                    help="essay windows of the longest context that perplexity and KL are taken over (quality)")
     p.add_argument("--gsm8k-questions", type=int, default=None, help="questions of the 16-bit GSM8K check (quality)")
+    p.add_argument("--humaneval", type=int, default=0, metavar="N",
+                   help="HumanEval pass@1 on its first N problems (of 164), every setting "
+                        "(quality; default 0: not run)")
     p.add_argument("--text", choices=tuple(TEXTS), default="essays",
                    help="perplexity windows and greedy prompts from Paul Graham's essays or HumanEval's Python "
                         "problems with their solutions; needles stay in the essays (quality)")
@@ -149,6 +152,13 @@ def _quality_sizes(args):
         sizes = dataclasses.replace(sizes, greedy_prompts=args.greedy_prompts)
     if args.gsm8k_questions is not None:
         sizes = dataclasses.replace(sizes, gsm8k=args.gsm8k_questions)
+    if args.humaneval:
+        from .humaneval import problems
+
+        total = len(problems())
+        if not 0 < args.humaneval <= total:
+            raise SystemExit(f"error: --humaneval {args.humaneval} is not allowed; allowed: 0 to {total}")
+        sizes = dataclasses.replace(sizes, humaneval=args.humaneval)
     return sizes
 
 

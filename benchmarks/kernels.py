@@ -9,6 +9,7 @@ now that a token which fits its grids writes one row).
     python benchmarks/kernels.py --out results/kernels.json [--sweep] [--scaling] [--write-chunks 8 32]
     python benchmarks/kernels.py --host   # host time of a mixed step's attention calls, a layer
     python benchmarks/kernels.py --prompts   # prompt chunks after history: FlashAttention bf16 against ours
+    python benchmarks/kernels.py --zipcache  # ZipCache's attention of a layer in parts, beside the 4-bit preset's
     ncu ... python benchmarks/kernels.py --profile 4 32 32     # one decode launch per repeat, for a profiler
     ncu ... python benchmarks/kernels.py --profile-write 4 32  # the decode step's cache write only
 """
@@ -355,6 +356,77 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
             "block": block, "splits": splits, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
+def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int = 128,
+                        prompt: tuple[int, int, int] = (8, 512, 1536)) -> list[dict]:
+    """A layer's attention for ZipCache's pages (``zipcache-r60``) in parts, against the 4-bit preset's
+    on the same rows: decode rows of context ``lens`` (the salient kernel alone; with the new
+    token's merge and the write, whose probe scores and re-compression are the rest), and
+    ``prompt`` = (chunks, tokens, history) prefill chunks (attention, then the batched write)."""
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.formats.salient import SalientTokensFormat
+    from vllm_kvcompress.salient_torch import decode_and_write, write_chunks
+    from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels.decode import rows_per_program
+    from vllm_kvcompress.triton_kernels.salient_decode import salient_decode
+    from vllm_kvcompress.triton_kernels.salient_prompt import salient_prompt
+    from vllm_kvcompress.triton_kernels.salient_write import write_decoded
+
+    fmt = SalientTokensFormat.create(0.6, torch.bfloat16, block, hkv, d)
+    spec, scale = SalientSpec(ratio=0.6), d ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def pages(num_seqs: int, ctx: int):
+        blocks_per_seq = -(-ctx // block)
+        k, v = (torch.randn(64, block, hkv, d, device="cuda", generator=gen) for _ in range(2))
+        salient = torch.rand(64, block, hkv, device="cuda", generator=gen).argsort(1) < fmt.slots
+        proto = fmt.encode(k, v, torch.full((64,), block, device="cuda"), salient)
+        n = num_seqs * blocks_per_seq
+        cache = proto.repeat(-(-n // 64), 1)[:n].contiguous()
+        table = torch.randperm(n, device="cuda").to(torch.int32).view(num_seqs, blocks_per_seq)
+        return cache, table
+
+    rows = []
+    n = len(lens)
+    cache, table = pages(n, max(lens))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty_like(q)
+    label = f"{n} decode rows"
+    rows.append({"kernel": f"zipcache-r60 {label}: salient decode kernel",
+                 "ms": _time_ms(lambda: salient_decode(q, cache, fmt, table, seq_lens - 1, scale, out=out))})
+    rows.append({"kernel": f"zipcache-r60 {label}: kernel + merge + write (probe scores, re-compression)",
+                 "ms": _time_ms(lambda: decode_and_write(q, k, v, cache, fmt, spec, table, seq_lens, scale,
+                                                         salient_decode, out, write=write_decoded))})
+    lse = torch.zeros(n, hq, device="cuda")
+    rows.append({"kernel": f"zipcache-r60 {label}: the write alone",
+                 "ms": _time_ms(lambda: write_decoded(q, k, v, cache, fmt, spec, table, seq_lens, lse, scale))})
+    four = bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens)
+    rows.append({"kernel": f"quant-k4v4 {label}: Triton decode", "ms": four["ms"]})
+    rows.append({"kernel": f"quant-k4v4 {label}: Triton write", "ms": bench_write(4, n, hkv, d, block)["ms"]})
+
+    chunks, length, history = prompt
+    label = f"{chunks}x{length} prompt tokens after {history}"
+    cache, table = pages(chunks, history + length)
+    total = chunks * length
+    qp = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16)
+    kp, vp = (torch.randn(total, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    outp = torch.empty_like(qp)
+    starts, contexts = list(range(0, total + 1, length)), [history + length] * chunks
+    seq_dev = torch.tensor(contexts, dtype=torch.int32, device="cuda")
+    token = token_rows(starts, seq_dev, table, history, rows_per_program(hq // hkv))
+    rows.append({"kernel": f"zipcache-r60 {label}: attention + write",
+                 "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, starts, contexts, table,
+                                                       scale, out=outp))})
+    lse_p = torch.zeros(total, hq, device="cuda")
+    rows.append({"kernel": f"zipcache-r60 {label}: the write alone",
+                 "ms": _time_ms(lambda: write_chunks(qp, kp, vp, cache, fmt, spec, starts, contexts, table, lse_p,
+                                                     scale))})
+    rows.append({"kernel": f"quant-k4v4 {label}: attention",
+                 "ms": bench_prompt_chunks(4, chunks, hq, hkv, d, length, history, block)["ms"]})
+    return rows
+
+
 def _host_us(fn, calls: int = 40, reps: int = 7) -> float:
     """Host microseconds per call of ``fn``: the GPU sleeps meanwhile, so launches only queue (40
     calls of a few launches stay below the launch queue's depth, where the host would block)."""
@@ -468,6 +540,9 @@ def main() -> None:
                          "CUDA kernels, needs nvcc): a serving step's 144 rows and a run's tail of 3 and 8 rows")
     ap.add_argument("--step-splits", nargs="*", type=int, default=[], metavar="SPLITS",
                     help="with --step: also the MHA decode alone of 3 to 40 rows with these split counts")
+    ap.add_argument("--zipcache", action="store_true",
+                    help="only ZipCache's attention of a layer in parts (kernel, probe scores and re-compression) "
+                         "against the 4-bit preset's, a serving step's decode rows and prompt chunks")
     ap.add_argument("--profile", nargs=3, type=int, metavar=("BITS", "HQ", "HKV"),
                     help="only launch that decode a few times (for a profiler such as ncu)")
     ap.add_argument("--profile-write", nargs=2, type=int, metavar=("BITS", "HKV"),
@@ -477,6 +552,11 @@ def main() -> None:
         for name, hq, hkv, _ in SHAPES:
             for r in bench_host(hq, hkv):
                 print(f"{name:24s} {r['kernel']:42s} {r['host_us']:6.1f} us of host time a call")
+        return
+    if args.zipcache:
+        for name, hq, hkv, d in SHAPES:
+            for r in bench_zipcache_step(serving_lens(144, 900), hq, hkv, d):
+                print(f"{name:24s} {r['kernel']:80s} {r['ms'] * 1e3:8.1f} us")
         return
     if args.step:
         cases = (("serving step, 144 rows", serving_lens(144, 900)), ("tail, 8 rows", serving_lens(8, 2000, seed=3)),

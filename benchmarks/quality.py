@@ -14,7 +14,8 @@ tokens included) and:
 - needle retrieval in the essays whatever the text (RULER's niah_single_2 form, ``needle.py``)
   at several lengths, for a compressed setting only at the lengths where the uncompressed cache
   finds some needles;
-- GSM8K accuracy, only when the uncompressed cache scores clearly above zero.
+- GSM8K accuracy, only when the uncompressed cache scores clearly above zero;
+- HumanEval pass@1 (``humaneval.py``) on every setting, when asked for (``Sizes.humaneval``).
 
 The uncompressed run (``auto``) comes first: it is the reference for KL and agreement.
 """
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 
 from tqdm import tqdm
 
-from . import metrics, needle, report, settings
+from . import humaneval, metrics, needle, report, settings
 from .kivi import KiviModel, KiviSpec
 from .zipcache_sim import ZipSimSpec
 from .models import Model
@@ -50,6 +51,8 @@ class Sizes:
     needle: tuple[tuple[int, int], ...] = ((1024, 4), (2048, 2), (4096, 2), (8192, 1))  # (length, samples)
     gsm8k: int = 40  # questions of the 16-bit check
     gsm8k_tokens: int = 256
+    humaneval: int = 0  # the first N HumanEval problems, on every setting (0: not run)
+    humaneval_tokens: int = 512
     top_k: int = 20  # the reference's most likely tokens per position that KL is taken over
     test_top_k: int = 100  # prompt logprobs per position asked of the other settings (so few are missing)
     # prompt chunks of at most this many tokens: a chunk attends to its own tokens exactly and to
@@ -61,12 +64,13 @@ class Sizes:
     @property
     def max_len(self) -> int:
         return max(self.contexts + tuple(n for n, _ in self.needle) +
-                   (self.greedy_context + self.greedy_tokens,))
+                   (self.greedy_context + self.greedy_tokens,) +
+                   ((humaneval.PROMPT_ROOM + self.humaneval_tokens,) if self.humaneval else ()))
 
 
 FULL = Sizes()
 SMALL = Sizes(contexts=(128, 256), greedy_prompts=2, greedy_context=64, greedy_tokens=16, needle=((512, 2),),
-              gsm8k=2, gsm8k_tokens=16, chunk=64)
+              gsm8k=2, gsm8k_tokens=16, humaneval_tokens=64, chunk=64)
 
 
 @dataclass
@@ -75,6 +79,7 @@ class Data:
     greedy: list[list[int]]
     needles: dict[int, list[needle.Sample]]
     gsm8k: list[tuple[list[int], str]]
+    humaneval: list[tuple[list[int], dict]]
 
 
 def prepare_data(tokenizer, sizes: Sizes, seed: int = 0, text: str = "essays") -> Data:
@@ -95,7 +100,8 @@ def prepare_data(tokenizer, sizes: Sizes, seed: int = 0, text: str = "essays") -
     greedy = [prefix + stream[start + i * n_greedy:start + (i + 1) * n_greedy] for i in range(sizes.greedy_prompts)]
     needles = {length: needle.make_samples(tokenizer, essays, length, count, seed + length)
                for length, count in sizes.needle}
-    return Data(windows, greedy, needles, gsm8k_prompts(tokenizer, sizes.gsm8k))
+    return Data(windows, greedy, needles, gsm8k_prompts(tokenizer, sizes.gsm8k),
+                humaneval.prompts(tokenizer, sizes.humaneval))
 
 
 def gsm8k_prompts(tokenizer, count: int) -> list[tuple[list[int], str]]:
@@ -221,7 +227,7 @@ def evaluate_reference(model: KiviModel, spec: KiviSpec | ZipSimSpec, data: Data
                        bar: tqdm) -> dict:
     """A reference row on the Hugging Face model (KIVI as published, ``kivi.py``; ZipCache's choice
     simulated, ``zipcache_sim.py``): perplexity, KL and greedy agreement on the same windows and
-    prompts as the engine's rows; needles and GSM8K are not run."""
+    prompts as the engine's rows; needles, GSM8K and HumanEval are not run."""
     with model.using(spec):
         bar.set_postfix_str("perplexity")
         windows = [model.window_logprobs(w, sizes.test_top_k) for w in data.windows]
@@ -253,6 +259,11 @@ def evaluate(llm, setting, data: Data, sizes: Sizes, ref: dict | None, needle_le
         outs = _generate(llm, [p for p, _ in data.gsm8k], max_tokens=sizes.gsm8k_tokens, temperature=0.0)
         row["gsm8k"] = sum(metrics.last_number(o.outputs[0].text) == gold
                            for o, (_, gold) in zip(outs, data.gsm8k)) / len(data.gsm8k)
+    if data.humaneval:
+        bar.set_postfix_str("humaneval")
+        outs = _generate(llm, [p for p, _ in data.humaneval], max_tokens=sizes.humaneval_tokens, temperature=0.0)
+        row["humaneval"] = humaneval.pass_at_1([problem for _, problem in data.humaneval],
+                                               [o.outputs[0].text for o in outs])
     return row, {"top": [top for _, top in windows], "greedy": greedy}
 
 
@@ -330,6 +341,8 @@ def columns(result: dict) -> list[tuple[str, str]]:
     cols += [(f"needle_{n}", f"needle @{n // 1024}k" if n >= 1024 else f"needle @{n}") for n, _ in sizes["needle"]]
     if any("gsm8k" in r for r in result["rows"][1:]):
         cols.append(("gsm8k", "GSM8K"))
+    if any("humaneval" in r for r in result["rows"]):
+        cols.append(("humaneval", "HumanEval pass@1"))
     return cols + [("error", "error")]
 
 

@@ -84,18 +84,25 @@ def test_only_kernels_that_run_in_cuda_graphs_say_so():
                       ("decode", "triton-salient"): False, ("decode", "torch"): False}
 
 
-def test_zipcache_pages_decode_through_their_own_kernel_only():
-    """The salient kernel reads ZipCache's pages and no others; the other kernels pass them over."""
+def test_zipcache_pages_go_through_their_own_kernels_only():
+    """The salient kernels (decode, prompt chunks, the decode rows' write) read ZipCache's pages and
+    no others; the other kernels pass them over. Prompt chunks need vLLM's FlashAttention for their
+    own tokens, and all refuse sliding windows."""
     cfg = load_config("zipcache-r60")
     shape = ModelKVShape(4, 4, 128, torch.bfloat16, 128, 8)
     fmt = shape.page_format(cfg, 0)
     plan = registry.plan(fmt, shape.layer_context(0, H100), AUTO)
-    assert _names(plan) == ("triton-salient", "torch", "torch")
+    assert _names(plan) == ("triton-salient", "flash-attention+triton-salient", "triton-salient")
     assert "not cuda, triton, triton-slim: salient tokens at mixed precision (ZipCache)" in plan.decode.describe()
-    assert _names(_plan(FOUR))[0] == "cuda"
+    assert "not flash-attention+triton: salient tokens" in plan.prompt.describe()
+    assert _names(_plan(FOUR))[:2] == ("cuda", "flash-attention+triton")
     assert "triton-salient" not in _plan(FOUR, device=H100_NO_NVCC).decode.describe()
+    assert "triton-salient" not in _plan(FOUR).prompt.describe()
     sliding = registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 8, 512), AUTO)
-    assert _names(sliding)[0] == "torch" and "triton-salient: sliding-window layer" in sliding.decode.describe()
+    assert _names(sliding) == ("torch", "torch", "torch") and "triton-salient: sliding-window layer" in sliding.decode.describe()
+    no_flash = registry.plan(fmt, shape.layer_context(0, registry.Device("cuda", (9, 0), nvcc=True)), AUTO)
+    assert _names(no_flash) == ("triton-salient", "torch", "triton-salient")
+    assert "no vLLM FlashAttention" in no_flash.prompt.describe()
 
 
 @pytest.mark.parametrize("layer_format,block,head_size,query_heads,dtype,reason", [

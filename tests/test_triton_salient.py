@@ -61,15 +61,18 @@ def test_salient_decode_equals_attention_over_the_decoded_pages(HQ, block):
         torch.testing.assert_close(lse[i].cpu(), logits.logsumexp(-1), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("write", ["torch", "triton"])
 @pytest.mark.parametrize("score", ["normalized", "random"])
-def test_decode_steps_through_the_kernel_equal_the_torch_path(score):
+def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write):
     """Decode steps of three requests through the kernel, merged with each new token's exact term and
-    written all at once (``decode_and_write``), against ``attend_and_write`` one request at a time:
-    the same outputs, and the same pages after each step (the same 4-bit tokens chosen), across a
-    re-compression (context 100) and a block boundary. On a GPU, whose products round as TF32, the
-    outputs are compared at that precision and the choice (which near-ties may flip) is not."""
+    written all at once (``decode_and_write``, with the torch write or the Triton one), against
+    ``attend_and_write`` one request at a time: the same outputs, and the same pages after each step
+    (the same 4-bit tokens chosen, K's grids widened alike), across a re-compression (context 100)
+    and a block boundary. On a GPU, whose products round as TF32, the outputs are compared at that
+    precision and the choice (which near-ties may flip) is not."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.salient_torch import attend_and_write, decode_and_write
+    from vllm_kvcompress.triton_kernels import salient_write
 
     H, HQ, D, B = 2, 4, 64, 32
     fmt = SalientTokensFormat.create(0.5, torch.float32, B, H, D)
@@ -90,7 +93,8 @@ def test_decode_steps_through_the_kernel_equal_the_torch_path(score):
         got = torch.empty_like(dev(q))
         ours_dev = dev(ours)
         decode_and_write(dev(q), dev(k), dev(v), ours_dev, fmt, spec, dev(table),
-                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), D ** -0.5, salient_decode, got)
+                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), D ** -0.5, salient_decode, got,
+                         write=salient_write.write_decoded if write == "triton" else None)
         ours = ours_dev.cpu()
         tol = 1e-4 if DEVICE == "cpu" else 3e-2
         torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
@@ -98,5 +102,85 @@ def test_decode_steps_through_the_kernel_equal_the_torch_path(score):
             ours = cache.clone()
             continue
         assert torch.equal(fmt.salient(ours), fmt.salient(cache)), step
+        for i, L in enumerate(lens):  # the requests' tokens (a block's rows past its last hold none)
+            blocks = table[i, :-(-L // B)].long()
+            for a, b in zip(fmt.decode(ours[blocks]), fmt.decode(cache[blocks])):
+                torch.testing.assert_close(a.flatten(0, 1)[:L], b.flatten(0, 1)[:L], rtol=0, atol=1e-6)
+
+
+def test_grouped_prompt_rows_equal_attention_over_their_history():
+    """Prompt chunks' tokens as rows over their chunk's history, taken in groups of 9 tokens of 4
+    query heads (two programs' worth of one chunk, a partial last group), and a chunk with no
+    history: each row equals attention over its decoded history, and the row without one gives 0
+    and a log-sum-exp of -inf."""
+    from vllm_kvcompress.token_rows import token_rows
+
+    H, HQ, D, B = 2, 4, 64, 32
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fmt = SalientTokensFormat.create(0.6, dtype, B, H, D)
+    seq_lens, q_lens = [70, 5, 40], [20, 5, 3]
+    cache, table = _pages(fmt, [L - m for L, m in zip(seq_lens, q_lens)], 3, seed=4)
+    table = torch.cat([table, torch.zeros(3, 2, dtype=torch.int32)], 1)  # room for the chunks' blocks
+    qsl = [0, 20, 25, 28]
+    q = torch.randn(28, HQ, D, generator=torch.Generator().manual_seed(8))
+    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), 50, rows_per_group=9)
+    scale = D ** -0.5
+    out, lse = salient_decode(q.to(DEVICE, dtype), cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, scale,
+                              groups=rows.groups)
+    tol = 1e-4 if DEVICE == "cpu" else 3e-2
+    for t, (i, history) in enumerate(zip([0] * 20 + [1] * 5 + [2] * 3, rows.seq_lens.tolist())):
+        assert history == seq_lens[i] - q_lens[i]
+        if history == 0:
+            assert out[t].eq(0).all() and lse[t].eq(float("-inf")).all()
+            continue
+        k, v = (x.flatten(0, 1)[:history] for x in fmt.decode(cache[table[i, :-(-history // B)].long()]))
+        logits = torch.einsum("hd,khd->hk", q[t], k.repeat_interleave(HQ // H, 1)) * scale
+        want = torch.einsum("hk,khd->hd", logits.softmax(-1), v.repeat_interleave(HQ // H, 1))
+        torch.testing.assert_close(out[t].float().cpu(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse[t].cpu(), logits.logsumexp(-1), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("score", ["normalized", "random"])
+def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, monkeypatch):
+    """Steps of prompt chunks from three requests, batched (``salient_prompt``: own attention, history
+    rows in groups, merged; then ``write_chunks`` over all touched blocks at once), against
+    ``attend_and_write`` one request at a time: the same outputs and, on the CPU, the same pages after
+    every step. The steps cover a first chunk, chunks with history across block boundaries, a
+    one-token chunk (held at 4 bits) and a chunk that opens a fresh block. On the CPU a torch causal
+    attention stands in for FlashAttention."""
+    from test_triton_prompt import torch_own_chunk_attention
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.salient_torch import attend_and_write
+    from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels import salient_prompt
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(salient_prompt, "own_chunk_attention", torch_own_chunk_attention)
+    H, HQ, D, B = 2, 4, 64, 32
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fmt = SalientTokensFormat.create(0.5, dtype, B, H, D)
+    spec = SalientSpec(ratio=0.5, score=score)
+    g = torch.Generator().manual_seed(11)
+    table = torch.arange(3 * 4, dtype=torch.int32).view(3, 4).flip(1)
+    cache = torch.zeros(12, fmt.page_bytes, dtype=torch.uint8)
+    ours = cache.clone().to(DEVICE)
+    lens = [0, 0, 0]
+    for q_lens in ([40, 0, 17], [30, 64, 1], [1, 5, 46]):
+        lens = [L + m for L, m in zip(lens, q_lens)]
+        qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
+        q = torch.randn(qsl[-1], HQ, D, generator=g).to(dtype)
+        k, v = (torch.randn(qsl[-1], H, D, generator=g).to(dtype) for _ in range(2))
+        want = attend_and_write(q.float(), k.float(), v.float(), cache, fmt, spec, qsl, lens, table, D ** -0.5)
+        history = max(L - m for L, m in zip(lens, q_lens))
+        rows = token_rows(qsl, torch.tensor(lens, device=DEVICE), table.to(DEVICE), history, rows_per_group=9)
+        got = torch.full((qsl[-1], HQ, D), float("nan"), dtype=dtype, device=DEVICE)
+        dev = [t.to(DEVICE) for t in (q, k, v)]
+        salient_prompt.salient_prompt(*dev, ours, fmt, spec, rows, qsl, lens, table.to(DEVICE), D ** -0.5, out=got)
+        tol = 1e-4 if DEVICE == "cpu" else 3e-2
+        torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
+        if DEVICE != "cpu":  # TF32 products may flip near-ties of the choice: the next step starts level
+            ours = cache.clone().to(DEVICE)
+            continue
+        assert torch.equal(fmt.salient(ours), fmt.salient(cache)), q_lens
         for a, b in zip(fmt.decode(ours), fmt.decode(cache)):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

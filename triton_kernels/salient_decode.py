@@ -2,7 +2,7 @@
 token, the low 2 bits of the salient ones gathered through the block's slot map, on one 4-bit grid.
 
 One program per (request, KV head) reads its request's pages once for all the query heads of that
-KV head: per tile of tokens, the high plane, the slot map and, for salient tokens only, their
+KV head (or per group of a prompt chunk's tokens, which all read the same history: ``token_rows``): per tile of tokens, the high plane, the slot map and, for salient tokens only, their
 refinement rows; a token's code is ``4 hi + lo`` (salient) or ``4 hi + 1.5``, dequantized with K's
 per-channel and V's per-token statistics in registers. Besides the output it writes each row's
 log-sum-exp per query head (base e), from which the write takes the probabilities the decode query
@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
+from vllm_kvcompress.token_rows import TokenGroups
 
 from .decode import _LOG2E
 
@@ -36,23 +37,33 @@ def _codes(page, HIGH: tl.constexpr, LOW: tl.constexpr, SLOT_OF: tl.constexpr, h
 
 
 @triton.jit
-def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, scale,
-                           q_row_stride, q_head_stride, table_stride, out_row_stride, out_head_stride,
-                           PAGE: tl.constexpr, B: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-                           G: tl.constexpr, GP: tl.constexpr, TILE: tl.constexpr,
+def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, group_rows_ptr, group_starts_ptr,
+                           scale, q_row_stride, q_head_stride, table_stride, out_row_stride, out_head_stride,
+                           lse_row_stride, PAGE: tl.constexpr, B: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                           G: tl.constexpr, MP: tl.constexpr, GROUPED: tl.constexpr, TILE: tl.constexpr,
                            K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, V_SCALE: tl.constexpr,
                            V_ZERO: tl.constexpr, K_HIGH: tl.constexpr, V_HIGH: tl.constexpr,
                            K_LOW: tl.constexpr, V_LOW: tl.constexpr, SLOT_OF: tl.constexpr, NONE: tl.constexpr):
-    row, h = tl.program_id(0), tl.program_id(1)
+    # the program's query rows: the G query heads of KV head h of one token (decode), or of each of
+    # a group's tokens, which share one history and one block-table row (prompt chunks)
+    h = tl.program_id(1)
+    if GROUPED:
+        row = tl.load(group_starts_ptr + tl.program_id(0))
+        count = tl.load(group_rows_ptr + row)
+    else:
+        row = tl.program_id(0)
+        count = 1
     length = tl.load(lens_ptr + row)
-    g = tl.arange(0, GP)
+    g = tl.arange(0, MP)
+    token = row + g // G
+    head = h * G + g % G
+    live = g < count * G
     d = tl.arange(0, D)
-    heads = g < G
-    q = tl.load(q_ptr + row * q_row_stride + (h * G + g)[:, None] * q_head_stride + d[None, :],
-                mask=heads[:, None], other=0.0).to(tl.float32) * (scale * _LOG2E)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    q = tl.load(q_ptr + token[:, None] * q_row_stride + head[:, None] * q_head_stride + d[None, :],
+                mask=live[:, None], other=0.0).to(tl.float32) * (scale * _LOG2E)
+    m_i = tl.full([MP], float("-inf"), tl.float32)
+    l_i = tl.zeros([MP], tl.float32)
+    acc = tl.zeros([MP, D], tl.float32)
     ROW: tl.constexpr = D // 4
     for start in range(0, length, TILE):
         block = tl.load(table_ptr + row * table_stride + start // B).to(tl.int64)
@@ -62,7 +73,7 @@ def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_p
         k_scale = tl.load((page + K_SCALE).to(tl.pointer_type(tl.float16)) + h * D + d).to(tl.float32)
         k_zero = tl.load((page + K_ZERO).to(tl.pointer_type(tl.float16)) + h * D + d).to(tl.float32)
         k = _codes(page, K_HIGH, K_LOW, SLOT_OF, h, t, valid, d, B, R, ROW, NONE) * k_scale[None, :] + k_zero[None, :]
-        s = tl.dot(q, tl.trans(k))  # [GP, TILE], base 2
+        s = tl.dot(q, tl.trans(k))  # [MP, TILE], base 2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -74,16 +85,19 @@ def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_p
              + v_zero.to(tl.float32)[:, None])
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + row * out_row_stride + (h * G + g)[:, None] * out_head_stride + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=heads[:, None])
-    tl.store(lse_ptr + row * (G * tl.num_programs(1)) + h * G + g, (m_i + tl.log2(l_i)) / _LOG2E, mask=heads)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no history: output 0, log-sum-exp -inf
+    tl.store(out_ptr + token[:, None] * out_row_stride + head[:, None] * out_head_stride + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(lse_ptr + token * lse_row_stride + head, (m_i + tl.log2(l_i)) / _LOG2E, mask=live)
 
 
 def salient_decode(q: torch.Tensor, pages: torch.Tensor, fmt: SalientTokensFormat, block_table: torch.Tensor,
-                   seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None):
-    """One query row per request, ``q`` [N, Hq, D], over its ``seq_lens`` tokens in ``pages``
-    [num_blocks, page_bytes]. Returns the output [N, Hq, D] and each row's log-sum-exp [N, Hq]."""
+                   seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                   groups: TokenGroups | None = None):
+    """Query rows ``q`` [N, Hq, D], each over its ``seq_lens`` tokens in ``pages`` [num_blocks,
+    page_bytes] by its row of ``block_table``; with ``groups`` (``token_rows``), the rows of a group
+    share them and one program takes the group. Returns the output [N, Hq, D] and each row's
+    log-sum-exp [N, Hq] (a row of no tokens: 0 and -inf)."""
     n, hq, d = q.shape
     heads = fmt.k.num_heads
     group = hq // heads
@@ -93,10 +107,13 @@ def salient_decode(q: torch.Tensor, pages: torch.Tensor, fmt: SalientTokensForma
         return out, lse
     at = fmt.regions.start
     tile = min(64, fmt.block_size)
-    _salient_decode_kernel[(n, heads)](
-        q, pages, block_table, seq_lens, out, lse, scale, q.stride(0), q.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=d, G=group,
-        GP=max(16, triton.next_power_of_2(group)), TILE=tile, K_SCALE=at("k_scale"), K_ZERO=at("k_zero"),
+    programs = n if groups is None else groups.starts.shape[0]
+    size = 1 if groups is None else groups.size
+    _salient_decode_kernel[(programs, heads)](
+        q, pages, block_table, seq_lens, out, lse, None if groups is None else groups.rows,
+        None if groups is None else groups.starts, scale, q.stride(0), q.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=d,
+        G=group, MP=max(16, triton.next_power_of_2(size * group)), GROUPED=groups is not None, TILE=tile, K_SCALE=at("k_scale"), K_ZERO=at("k_zero"),
         V_SCALE=at("v_scale"), V_ZERO=at("v_zero"), K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"),
         V_LOW=at("v_low"), SLOT_OF=at("slot_of"), NONE=NO_SLOT, num_warps=4)
     return out, lse

@@ -316,19 +316,24 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
     def _forward_salient(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
                          fmt: SalientTokensFormat, md: KVCompressMetadata, out: torch.Tensor) -> None:
         """ZipCache: attention, then the step's tokens written with each touched block's choice of
-        4-bit tokens; decodes through the planned kernel where there is one, all at once."""
+        4-bit tokens; decodes, and prompt chunks, through the planned kernels where there are some."""
         t = q.shape[0]
         k, v = (x[:t].view(t, self.num_kv_heads, self.head_size) for x in (key, value))
         spec = self._config.salient
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
             salient_torch.decode_and_write(q[:nd], k[:nd], v[:nd], pages, fmt, spec, md.decode_block_table,
-                                           md.decode_seq_lens, self.scale, self._decode_kernel, out[:nd])
+                                           md.decode_seq_lens, self.scale, self._decode_kernel, out[:nd],
+                                           write=self._write)
         start = md.query_start_loc[nd]
         if start < t:
-            out[start:] = salient_torch.attend_and_write(
-                q[start:], k[start:], v[start:], pages, fmt, spec, [x - start for x in md.query_start_loc[nd:]],
-                md.seq_lens[nd:], md.block_table[nd:], self.scale, self.sliding_window)
+            chunks = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
+            if self._prompt_kernel is not None and md.token_rows is not None:
+                self._prompt_kernel(q[start:], k[start:], v[start:], pages, fmt, spec, md.token_rows, *chunks,
+                                    out=out[start:])
+            else:
+                out[start:] = salient_torch.attend_and_write(q[start:], k[start:], v[start:], pages, fmt, spec,
+                                                             *chunks, self.sliding_window)
 
     def _forward_merged(self, layer, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
                         fmt: MergedPairFormat, md: KVCompressMetadata, out: torch.Tensor) -> None:

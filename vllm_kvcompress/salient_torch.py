@@ -40,9 +40,11 @@ def probe_rows(num_rows: int, end: int, spec: SalientSpec) -> torch.Tensor:
 
 
 def token_scores(probes: torch.Tensor, probe_pos: torch.Tensor, k: torch.Tensor, first: int, scale: float,
-                 spec: SalientSpec, sliding_window: int | None = None) -> torch.Tensor:
+                 spec: SalientSpec, sliding_window: int | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """[L, H] saliency of the keys ``k`` [L, H, D] at positions ``first..`` from ``probes`` [Hq, P, D]
-    at context positions ``probe_pos`` [P]."""
+    at context positions ``probe_pos`` [P]: their attention probabilities over ``k``, or, given the
+    log-sum-exp ``lse`` [Hq, P] of each probe's attention over a context that ``k`` is part of, over
+    that context."""
     L, H, _ = k.shape
     if spec.score == "random":
         return _random_scores(L, first, H, spec).to(k.device)
@@ -52,7 +54,10 @@ def token_scores(probes: torch.Tensor, probe_pos: torch.Tensor, k: torch.Tensor,
     if sliding_window is not None:
         sees &= k_pos[None, :] > probe_pos[:, None] - sliding_window
     logits = probes @ k.repeat_interleave(group, 1).permute(1, 2, 0) * scale  # [Hq, P, L]
-    probs = logits.masked_fill(~sees, float("-inf")).softmax(-1)
+    if lse is None:
+        probs = logits.masked_fill(~sees, float("-inf")).softmax(-1)
+    else:
+        probs = (logits - lse[..., None]).exp().masked_fill(~sees, 0.0)
     total = probs.unflatten(0, (H, group)).sum(dim=(1, 2))  # [H, L]
     if spec.score == "normalized":
         total = total / sees.sum(0).clamp_min(1)
@@ -132,6 +137,51 @@ def _write(cache: torch.Tensor, fmt: SalientTokensFormat, spec: SalientSpec, blo
                                               (L - start).clamp(max=B), holding)
 
 
+def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                 fmt: SalientTokensFormat, spec: SalientSpec, query_start_loc: list[int], seq_lens: list[int],
+                 block_table: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+    """Each request's step tokens (``key``/``value`` [T, H, D]) into its pages, the blocks they touch
+    re-compressed all at once as ``_write`` does one request's; each request's probes are scored
+    with ``lse`` [T, Hq], the log-sum-exp of each row's attention over its whole context (the
+    attention ran before: no pass over the context here)."""
+    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
+    dev = key.device
+    requests = []  # (row, first token, tokens, context, first touched block, touched blocks, first in the batch)
+    touched = []   # per touched block: (row, block of the request, context, history)
+    for i, L in enumerate(seq_lens):
+        m = query_start_loc[i + 1] - query_start_loc[i]
+        if m:
+            a, b = (L - m) // B, -(-L // B)
+            requests.append((i, query_start_loc[i], m, L, a, b - a, len(touched)))
+            touched += [(i, c, L, L - m) for c in range(a, b)]
+    if not requests:
+        return
+    row, column, context, history = (torch.tensor(x, device=dev) for x in zip(*touched))
+    blocks = block_table[row, column].long()
+    stored = cache[blocks]
+    k, v = (x.flatten(0, 1) for x in fmt.decode(stored))  # [N B, H, D]: the touched blocks' earlier tokens
+    at = torch.cat([torch.arange(L - m, L) + (first - a) * B for _, _, m, L, a, _, first in requests]).to(dev)
+    tokens = torch.cat([torch.arange(qs, qs + m) for _, qs, m, *_ in requests]).to(dev)
+    k[at], v[at] = key[tokens].float(), value[tokens].float()
+    start = column * B
+    filled = (context - start).clamp(max=B)
+    valid = (torch.arange(B, device=dev)[None, :] < filled[:, None]).view(-1, 1, 1)
+    k, v = torch.where(valid, k, 0.0), torch.where(valid, v, 0.0)  # past a block's last token: no token's bytes
+    scores = torch.full((len(touched) * B, H), float("-inf"), device=dev)
+    for _, qs, m, L, a, n, first in requests:
+        span = slice(first * B, (first + n) * B)
+        if spec.score == "random":  # the draw attend_and_write makes for the whole context
+            drawn = _random_scores(L, 0, H, spec)[a * B:]
+            scores[span.start:span.start + drawn.shape[0]] = drawn.to(dev)
+            continue
+        rows = probe_rows(m, L, spec).to(dev)
+        scores[span] = token_scores(query[qs + rows].float().transpose(0, 1), L - m + rows, k[span],
+                                    a * B, scale, spec, lse=lse[qs + rows].transpose(0, 1))
+    holding = (context - history == 1) & (context % spec.recompress_interval != 0)
+    cache[blocks] = _recompressed(fmt, stored, k.view(-1, B, H, D), v.view(-1, B, H, D), scores.view(-1, B, H),
+                                  (history - start).clamp(0, B), filled, holding)
+
+
 def _recompressed(fmt: SalientTokensFormat, stored: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scores: torch.Tensor, num_stored: torch.Tensor, filled: torch.Tensor,
                   holding: torch.Tensor) -> torch.Tensor:
@@ -148,18 +198,28 @@ def _recompressed(fmt: SalientTokensFormat, stored: torch.Tensor, k: torch.Tenso
 
 def decode_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                      fmt: SalientTokensFormat, spec: SalientSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, kernel, out: torch.Tensor) -> None:
+                     scale: float, kernel, out: torch.Tensor, write=None) -> None:
     """Decode rows (one new token each, ``query`` [N, Hq, D], ``key``/``value`` [N, H, D]) the way
     ``attend_and_write`` takes them, with ``kernel`` (``salient_decode``) reading the context before the
     new token: its output and log-sum-exp are merged with the new token's own exact term, and that
-    log-sum-exp turns the query's logits over the last block into the probe's probabilities."""
+    log-sum-exp turns the query's logits over the last block into the probe's probabilities, in
+    ``write`` (``write_decoded``'s contract; by default that torch function)."""
     group = query.shape[1] // key.shape[1]
     k_new, v_new = key.float().repeat_interleave(group, 1), value.float().repeat_interleave(group, 1)
     earlier, earlier_lse = kernel(query, cache, fmt, block_table, seq_lens - 1, scale)
     own = (query.float() * k_new).sum(-1) * scale  # [N, Hq]
     lse = torch.logaddexp(earlier_lse, own)
     out[:] = (earlier.float() * (earlier_lse - lse).exp()[..., None] + v_new * (own - lse).exp()[..., None]).to(out.dtype)
-    write_decoded(query, key, value, cache, fmt, spec, block_table, seq_lens, lse, scale)
+    (write or write_decoded)(query, key, value, cache, fmt, spec, block_table, seq_lens, lse, scale)
+
+
+def last_block_random_scores(seq_lens: torch.Tensor, block_size: int, heads: int, spec: SalientSpec) -> torch.Tensor:
+    """[N, B, H] the draw ``attend_and_write`` makes for each request's whole context, its last block
+    (``random`` scores)."""
+    B = block_size
+    draws = [(_random_scores(L, 0, heads, spec), L) for L in seq_lens.tolist()]
+    return torch.stack([F.pad(d[(L - 1) // B * B:], (0, 0, 0, B - 1 - (L - 1) % B)) for d, L in draws]).to(
+        seq_lens.device)
 
 
 def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -176,10 +236,8 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     stored = cache[blocks]
     k, v = fmt.decode(stored)
     k[rows, offset], v[rows, offset] = key.float(), value.float()
-    if spec.score == "random":  # the draw attend_and_write makes for the whole context: its last block
-        draws = [_random_scores(L, 0, H, spec) for L in length.tolist()]
-        scores = torch.stack([F.pad(d[(L - 1) // B * B:], (0, 0, 0, B - 1 - (L - 1) % B))
-                              for d, L in zip(draws, length.tolist())]).to(query.device)
+    if spec.score == "random":
+        scores = last_block_random_scores(seq_lens, B, H, spec)
     else:
         logits = torch.einsum("nqd,nbqd->nqb", query.float(), k.repeat_interleave(query.shape[1] // H, 2)) * scale
         scores = (logits - lse[..., None]).exp().unflatten(1, (H, -1)).sum(2).transpose(1, 2)  # [N, B, H]

@@ -305,6 +305,15 @@ def _salient_decode(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
     return None
 
 
+def _flash_salient_prompt(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
+    why = _salient_decode(fmt, ctx)
+    if why is None and ctx.dtype not in KERNEL_DTYPES:
+        return f"queries in {ctx.dtype} (bfloat16 or float16 only)"
+    if why is None and not ctx.device.flash_attention:
+        return "no vLLM FlashAttention on this GPU (an NVIDIA GPU of compute capability 8.0 or later)"
+    return why
+
+
 def _always(fmt: KVPageFormat, ctx: LayerContext) -> None:
     return None
 
@@ -325,12 +334,17 @@ for _impl in (
     # prompts there too (it attends a step together)
     Implementation("prompt", "cuda", "flash-attention+triton", _flash_prompt, f"{_TRITON}.prompt:paged_prompt",
                    warm_up=f"{_TRITON}.decode:warm_up"),
+    Implementation("prompt", "cuda", "flash-attention+triton-salient", _flash_salient_prompt,
+                   f"{_TRITON}.salient_prompt:salient_prompt", reads=(SalientTokensFormat,)),
     Implementation("prompt", "cuda", "torch", _always),
     Implementation("prompt", "cpu", "torch", _always),
     Implementation("write", "cuda", "cuda", _cuda_write, "vllm_kvcompress.cuda_write:write_tokens",
                    prepare="vllm_kvcompress.cuda_write:build"),
     Implementation("write", "cuda", "triton", _triton_write, f"{_TRITON}.write:write_tokens",
                    warm_up=f"{_TRITON}.write:warm_up"),
+    # ZipCache's decode rows: the new token, the probe's scores and the block's re-compression
+    Implementation("write", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_write:write_decoded",
+                   reads=(SalientTokensFormat,)),
     Implementation("write", "cuda", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
     Implementation("write", "cpu", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
 ):
