@@ -364,12 +364,12 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     ``prompt`` = (chunks, tokens, history) prefill chunks (attention, then the batched write)."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.formats.salient import SalientTokensFormat
-    from vllm_kvcompress.salient_torch import decode_and_write, write_chunks
+    from vllm_kvcompress.salient_torch import decode_and_write
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels.decode import rows_per_program
     from vllm_kvcompress.triton_kernels.salient_decode import salient_decode
     from vllm_kvcompress.triton_kernels.salient_prompt import salient_prompt
-    from vllm_kvcompress.triton_kernels.salient_write import write_decoded
+    from vllm_kvcompress.triton_kernels.salient_write import write_chunks, write_decoded
 
     fmt = SalientTokensFormat.create(0.6, torch.bfloat16, block, hkv, d)
     spec, scale = SalientSpec(ratio=0.6), d ** -0.5

@@ -5,7 +5,7 @@ chunk) is read from the mixed-precision pages by ``salient_decode``, one program
 chunk's tokens (they share the history). The two parts are merged by their log-sum-exp, and that
 merged log-sum-exp turns the probe rows' logits over the touched blocks into their attention
 probabilities over the whole context: the probes cost no pass of their own over the history.
-``salient_torch.write_chunks`` then re-compresses every touched block of the step at once.
+``salient_write.write_chunks`` then re-compresses every touched block of the step at once.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import torch
 
 from vllm_kvcompress.config import SalientSpec
 from vllm_kvcompress.formats.salient import SalientTokensFormat
-from vllm_kvcompress.salient_torch import write_chunks
 from vllm_kvcompress.token_rows import TokenRows
 
 from .prompt import own_chunk_attention
 from .salient_decode import salient_decode
+from .salient_write import write_chunks
 
 
 def salient_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,

@@ -19,6 +19,7 @@ of the lowest-scored one when not (docs/formats.md).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -137,49 +138,64 @@ def _write(cache: torch.Tensor, fmt: SalientTokensFormat, spec: SalientSpec, blo
                                               (L - start).clamp(max=B), holding)
 
 
-def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                 fmt: SalientTokensFormat, spec: SalientSpec, query_start_loc: list[int], seq_lens: list[int],
-                 block_table: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
-    """Each request's step tokens (``key``/``value`` [T, H, D]) into its pages, the blocks they touch
-    re-compressed all at once as ``_write`` does one request's; each request's probes are scored
+@dataclass
+class ChunkWrites:
+    """The blocks a step's prompt chunks touch, what each holds before and after, and its scores."""
+    blocks: torch.Tensor     # [N] the touched blocks
+    num_stored: torch.Tensor  # [N] int32: tokens each held before the step
+    filled: torch.Tensor     # [N] int32: tokens each holds after it
+    first_row: torch.Tensor  # [N] int32: the step's row (of key, value) of each block's first new token
+    quota: torch.Tensor      # [N] int32: the 4-bit tokens each keeps (its slots, where a decoded token is held)
+    scores: torch.Tensor     # [N, B, H] float32: its tokens' saliency from the request's probes
+
+
+def chunk_writes(query: torch.Tensor, key: torch.Tensor, cache: torch.Tensor, fmt: SalientTokensFormat,
+                 spec: SalientSpec, query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor,
+                 lse: torch.Tensor, scale: float) -> ChunkWrites | None:
+    """The writes of each request's step tokens (``key`` [T, H, D]) into its pages, as ``_write`` makes
+    one request's, for a kernel to carry out (``salient_write``); each request's probes are scored
     with ``lse`` [T, Hq], the log-sum-exp of each row's attention over its whole context (the
-    attention ran before: no pass over the context here)."""
-    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
+    attention ran before: no pass over the context here). None: no request has tokens."""
+    B, H = fmt.block_size, fmt.k.num_heads
     dev = key.device
-    requests = []  # (row, first token, tokens, context, first touched block, touched blocks, first in the batch)
-    touched = []   # per touched block: (row, block of the request, context, history)
+    requests = []  # (first token, tokens, context, first touched block, touched blocks, first in the batch)
+    touched = []   # per touched block: (row, block of the request, context, history, row of its first new token)
     for i, L in enumerate(seq_lens):
-        m = query_start_loc[i + 1] - query_start_loc[i]
+        qs, m = query_start_loc[i], query_start_loc[i + 1] - query_start_loc[i]
         if m:
             a, b = (L - m) // B, -(-L // B)
-            requests.append((i, query_start_loc[i], m, L, a, b - a, len(touched)))
-            touched += [(i, c, L, L - m) for c in range(a, b)]
+            requests.append((qs, m, L, a, b - a, len(touched)))
+            touched += [(i, c, L, L - m, qs + max(c * B - (L - m), 0)) for c in range(a, b)]
     if not requests:
-        return
-    row, column, context, history = (torch.tensor(x, device=dev) for x in zip(*touched))
-    blocks = block_table[row, column].long()
-    stored = cache[blocks]
-    k, v = (x.flatten(0, 1) for x in fmt.decode(stored))  # [N B, H, D]: the touched blocks' earlier tokens
-    at = torch.cat([torch.arange(L - m, L) + (first - a) * B for _, _, m, L, a, _, first in requests]).to(dev)
-    tokens = torch.cat([torch.arange(qs, qs + m) for _, qs, m, *_ in requests]).to(dev)
-    k[at], v[at] = key[tokens].float(), value[tokens].float()
+        return None
+    row, column, context, history, first_row = torch.tensor(list(zip(*touched)), device=dev).unbind()
+    blocks = block_table[row, column]
     start = column * B
     filled = (context - start).clamp(max=B)
-    valid = (torch.arange(B, device=dev)[None, :] < filled[:, None]).view(-1, 1, 1)
-    k, v = torch.where(valid, k, 0.0), torch.where(valid, v, 0.0)  # past a block's last token: no token's bytes
-    scores = torch.full((len(touched) * B, H), float("-inf"), device=dev)
-    for _, qs, m, L, a, n, first in requests:
-        span = slice(first * B, (first + n) * B)
-        if spec.score == "random":  # the draw attend_and_write makes for the whole context
-            drawn = _random_scores(L, 0, H, spec)[a * B:]
-            scores[span.start:span.start + drawn.shape[0]] = drawn.to(dev)
-            continue
-        rows = probe_rows(m, L, spec).to(dev)
-        scores[span] = token_scores(query[qs + rows].float().transpose(0, 1), L - m + rows, k[span],
-                                    a * B, scale, spec, lse=lse[qs + rows].transpose(0, 1))
     holding = (context - history == 1) & (context % spec.recompress_interval != 0)
-    cache[blocks] = _recompressed(fmt, stored, k.view(-1, B, H, D), v.view(-1, B, H, D), scores.view(-1, B, H),
-                                  (history - start).clamp(0, B), filled, holding)
+    quota = torch.where(holding, fmt.slots, fmt.quota(filled))
+    scores = torch.full((len(touched) * B, H), float("-inf"), device=dev)
+    if spec.score == "random":  # the draw attend_and_write makes for the whole context
+        for _, _, L, a, n, first in requests:
+            drawn = _random_scores(L, 0, H, spec)[a * B:]
+            scores[first * B:first * B + drawn.shape[0]] = drawn.to(dev)
+    else:
+        k = torch.zeros(len(touched) * B, H, fmt.k.head_size, device=dev)  # the touched blocks' tokens
+        holds = [first for _, m, L, _, _, first in requests if (L - m) % B]  # a block with earlier tokens
+        if holds:
+            index = torch.tensor(holds, device=dev)
+            k.view(-1, B, H, fmt.k.head_size)[index] = fmt.decode(cache[blocks[index].long()])[0]
+        at = torch.cat([torch.arange(L - m, L) + (first - a) * B for _, m, L, a, _, first in requests]).to(dev)
+        tokens = torch.cat([torch.arange(qs, qs + m) for qs, m, *_ in requests]).to(dev)
+        k[at] = key[tokens].float()
+        for qs, m, L, a, n, first in requests:
+            span = slice(first * B, (first + n) * B)
+            rows = probe_rows(m, L, spec).to(dev)
+            scores[span] = token_scores(query[qs + rows].float().transpose(0, 1), L - m + rows, k[span], a * B, scale,
+                                        spec, lse=lse[qs + rows].transpose(0, 1))
+    as_int = lambda t: t.to(torch.int32)  # noqa: E731
+    return ChunkWrites(blocks, as_int((history - start).clamp(0, B)), as_int(filled), as_int(first_row), as_int(quota),
+                       scores.view(-1, B, H))
 
 
 def _recompressed(fmt: SalientTokensFormat, stored: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
