@@ -22,18 +22,18 @@ from .decode import _LOG2E
 
 
 @triton.jit
-def _codes(page, HIGH: tl.constexpr, LOW: tl.constexpr, SLOT_OF: tl.constexpr, h, t, valid, d,
-           B: tl.constexpr, R: tl.constexpr, ROW: tl.constexpr, NONE: tl.constexpr):
-    """4-bit codes [T, D] as float32 of tokens ``t`` (offsets in the block) of head ``h``."""
-    shift = (d % 4) * 2
+def _codes(page, HIGH: tl.constexpr, LOW: tl.constexpr, SLOT_OF: tl.constexpr, h, t, valid, u, shift,
+           B: tl.constexpr, R: tl.constexpr, U: tl.constexpr, NONE: tl.constexpr):
+    """4-bit codes [T, U, 4] as float32 (channel ``4 u + position``) of tokens ``t`` (offsets in the
+    block) of head ``h``: each byte of the planes loaded once, its four codes shifted out."""
     slot = tl.load(page + SLOT_OF + h * B + t, mask=valid, other=NONE).to(tl.int32)
-    salient = slot != NONE
-    high = tl.load(page + HIGH + (h * B + t)[:, None] * ROW + (d // 4)[None, :], mask=valid[:, None], other=0)
-    low = tl.load(page + LOW + (h * R + slot)[:, None] * ROW + (d // 4)[None, :], mask=(valid & salient)[:, None],
-                  other=0)
-    high = ((high.to(tl.int32) >> shift[None, :]) & 3).to(tl.float32)
-    low = ((low.to(tl.int32) >> shift[None, :]) & 3).to(tl.float32)
-    return high * 4.0 + tl.where(salient[:, None], low, 1.5)
+    salient = (slot != NONE)[:, None, None]
+    valid = valid[:, None, None]
+    high = tl.load(page + HIGH + (h * B + t)[:, None, None] * U + u, mask=valid, other=0)
+    low = tl.load(page + LOW + (h * R + slot)[:, None, None] * U + u, mask=valid & salient, other=0)
+    high = ((high.to(tl.int32) >> shift) & 3).to(tl.float32)
+    low = ((low.to(tl.int32) >> shift) & 3).to(tl.float32)
+    return high * 4.0 + tl.where(salient, low, 1.5)
 
 
 @triton.jit
@@ -64,7 +64,9 @@ def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_p
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.zeros([MP], tl.float32)
     acc = tl.zeros([MP, D], tl.float32)
-    ROW: tl.constexpr = D // 4
+    U: tl.constexpr = D // 4
+    u = tl.arange(0, U)[None, :, None]
+    shift = tl.arange(0, 4)[None, None, :] * 2
     for start in range(0, length, TILE):
         block = tl.load(table_ptr + row * table_stride + start // B).to(tl.int64)
         page = pages_ptr + block * PAGE
@@ -72,7 +74,8 @@ def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_p
         valid = start + tl.arange(0, TILE) < length
         k_scale = tl.load((page + K_SCALE).to(tl.pointer_type(tl.float16)) + h * D + d).to(tl.float32)
         k_zero = tl.load((page + K_ZERO).to(tl.pointer_type(tl.float16)) + h * D + d).to(tl.float32)
-        k = _codes(page, K_HIGH, K_LOW, SLOT_OF, h, t, valid, d, B, R, ROW, NONE) * k_scale[None, :] + k_zero[None, :]
+        k = tl.reshape(_codes(page, K_HIGH, K_LOW, SLOT_OF, h, t, valid, u, shift, B, R, U, NONE), [TILE, D])
+        k = k * k_scale[None, :] + k_zero[None, :]
         s = tl.dot(q, tl.trans(k))  # [MP, TILE], base 2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -81,14 +84,59 @@ def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_p
         l_i = l_i * alpha + tl.sum(p, 1)
         v_scale = tl.load((page + V_SCALE).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
         v_zero = tl.load((page + V_ZERO).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
-        v = (_codes(page, V_HIGH, V_LOW, SLOT_OF, h, t, valid, d, B, R, ROW, NONE) * v_scale.to(tl.float32)[:, None]
-             + v_zero.to(tl.float32)[:, None])
+        v = tl.reshape(_codes(page, V_HIGH, V_LOW, SLOT_OF, h, t, valid, u, shift, B, R, U, NONE), [TILE, D])
+        v = v * v_scale.to(tl.float32)[:, None] + v_zero.to(tl.float32)[:, None]
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no history: output 0, log-sum-exp -inf
     tl.store(out_ptr + token[:, None] * out_row_stride + head[:, None] * out_head_stride + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=live[:, None])
     tl.store(lse_ptr + token * lse_row_stride + head, (m_i + tl.log2(l_i)) / _LOG2E, mask=live)
+
+
+@triton.jit
+def _salient_decode_one_row_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, scale, q_row_stride,
+                                   q_head_stride, table_stride, out_row_stride, out_head_stride, lse_row_stride,
+                                   PAGE: tl.constexpr, B: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                                   TILE: tl.constexpr, K_SCALE: tl.constexpr, K_ZERO: tl.constexpr,
+                                   V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, K_HIGH: tl.constexpr,
+                                   V_HIGH: tl.constexpr, K_LOW: tl.constexpr, V_LOW: tl.constexpr,
+                                   SLOT_OF: tl.constexpr, NONE: tl.constexpr):
+    """One query head a KV head and one token a program (MHA decode rows): products and sums in
+    registers, with no matrix unit (whose 16 rows would hold one)."""
+    row, h = tl.program_id(0), tl.program_id(1)
+    length = tl.load(lens_ptr + row)
+    U: tl.constexpr = D // 4
+    u = tl.arange(0, U)[None, :, None]
+    j = tl.arange(0, 4)[None, None, :]
+    ch = u * 4 + j
+    shift = j * 2
+    q = tl.load(q_ptr + row * q_row_stride + h * q_head_stride + ch).to(tl.float32) * (scale * _LOG2E)  # [1, U, 4]
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([1, U, 4], tl.float32)
+    for start in range(0, length, TILE):
+        block = tl.load(table_ptr + row * table_stride + start // B).to(tl.int64)
+        page = pages_ptr + block * PAGE
+        t = start % B + tl.arange(0, TILE)
+        valid = start + tl.arange(0, TILE) < length
+        k_scale = tl.load((page + K_SCALE).to(tl.pointer_type(tl.float16)) + h * D + ch).to(tl.float32)
+        k_zero = tl.load((page + K_ZERO).to(tl.pointer_type(tl.float16)) + h * D + ch).to(tl.float32)
+        k = _codes(page, K_HIGH, K_LOW, SLOT_OF, h, t, valid, u, shift, B, R, U, NONE) * k_scale + k_zero
+        s = tl.where(valid, tl.sum(tl.sum(k * q, 2), 1), float("-inf"))  # [TILE], base 2
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        v_scale = tl.load((page + V_SCALE).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
+        v_zero = tl.load((page + V_ZERO).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
+        v = (_codes(page, V_HIGH, V_LOW, SLOT_OF, h, t, valid, u, shift, B, R, U, NONE)
+             * v_scale.to(tl.float32)[:, None, None] + v_zero.to(tl.float32)[:, None, None])
+        acc = acc * alpha[:, None, None] + tl.sum(p[:, None, None] * v, 0)[None, :, :]
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None, None]
+    tl.store(out_ptr + row * out_row_stride + h * out_head_stride + ch, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + row * lse_row_stride + h + tl.arange(0, 1), (m_i + tl.log2(l_i)) / _LOG2E)
 
 
 def salient_decode(q: torch.Tensor, pages: torch.Tensor, fmt: SalientTokensFormat, block_table: torch.Tensor,
@@ -107,13 +155,21 @@ def salient_decode(q: torch.Tensor, pages: torch.Tensor, fmt: SalientTokensForma
         return out, lse
     at = fmt.regions.start
     tile = min(64, fmt.block_size)
+    regions = dict(K_SCALE=at("k_scale"), K_ZERO=at("k_zero"), V_SCALE=at("v_scale"), V_ZERO=at("v_zero"),
+                   K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"), V_LOW=at("v_low"),
+                   SLOT_OF=at("slot_of"), NONE=NO_SLOT)
+    if group == 1 and groups is None:
+        _salient_decode_one_row_kernel[(n, heads)](
+            q, pages, block_table, seq_lens, out, lse, scale, q.stride(0), q.stride(1), block_table.stride(0),
+            out.stride(0), out.stride(1), lse.stride(0), PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=d,
+            TILE=tile, num_warps=4, **regions)
+        return out, lse
     programs = n if groups is None else groups.starts.shape[0]
     size = 1 if groups is None else groups.size
     _salient_decode_kernel[(programs, heads)](
         q, pages, block_table, seq_lens, out, lse, None if groups is None else groups.rows,
         None if groups is None else groups.starts, scale, q.stride(0), q.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), lse.stride(0), PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=d,
-        G=group, MP=max(16, triton.next_power_of_2(size * group)), GROUPED=groups is not None, TILE=tile, K_SCALE=at("k_scale"), K_ZERO=at("k_zero"),
-        V_SCALE=at("v_scale"), V_ZERO=at("v_zero"), K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"),
-        V_LOW=at("v_low"), SLOT_OF=at("slot_of"), NONE=NO_SLOT, num_warps=4)
+        G=group, MP=max(16, triton.next_power_of_2(size * group)), GROUPED=groups is not None, TILE=tile,
+        num_warps=4, **regions)
     return out, lse
