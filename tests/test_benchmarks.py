@@ -267,11 +267,12 @@ def test_quality_block_size_and_windows_reach_the_engine(gqa, tmp_path):
 @pytest.mark.engine
 def test_quality_small_on_code(gqa, tmp_path):
     """--text code: perplexity (a transformers forward's on the same tokens) and greedy prompts on
-    HumanEval's code, and the results say so."""
+    HumanEval's code, and the results say so; --humaneval scores the engine's answers to the first
+    problems (a model of random weights passes none)."""
     from transformers import AutoTokenizer
 
     run = bench("quality", "--small", "--model", gqa, "--text", "code", "--settings", "auto", "--greedy-prompts", 1,
-                "--gsm8k-questions", 0, "--out", tmp_path)
+                "--gsm8k-questions", 0, "--humaneval", 2, "--out", tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     folder, result = result_of(tmp_path)
     assert result["text"] == "code" and result["text_source"].startswith("HumanEval's Python problems")
@@ -281,6 +282,7 @@ def test_quality_small_on_code(gqa, tmp_path):
     (row,) = result["rows"]
     for ctx, want in _forward_perplexities(gqa, windows, quality.SMALL.contexts).items():
         assert row[f"ppl_{ctx}"] == pytest.approx(want, rel=1e-3)
+    assert row["humaneval"] == 0.0 and "HumanEval pass@1" in (folder / "table.md").read_text()
 
 
 @pytest.mark.engine

@@ -37,6 +37,23 @@ def _codes(page, HIGH: tl.constexpr, LOW: tl.constexpr, SLOT_OF: tl.constexpr, h
 
 
 @triton.jit
+def _tile(page, h, t, valid, u, ch, shift, B: tl.constexpr, R: tl.constexpr, D: tl.constexpr, U: tl.constexpr,
+          K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
+          K_HIGH: tl.constexpr, V_HIGH: tl.constexpr, K_LOW: tl.constexpr, V_LOW: tl.constexpr,
+          SLOT_OF: tl.constexpr, NONE: tl.constexpr):
+    """K and V [T, U, 4] (float32) of tokens ``t`` of head ``h``: K on its per-channel grids, V on
+    its per-token ones."""
+    k_scale = tl.load((page + K_SCALE).to(tl.pointer_type(tl.float16)) + h * D + ch).to(tl.float32)
+    k_zero = tl.load((page + K_ZERO).to(tl.pointer_type(tl.float16)) + h * D + ch).to(tl.float32)
+    k = _codes(page, K_HIGH, K_LOW, SLOT_OF, h, t, valid, u, shift, B, R, U, NONE) * k_scale + k_zero
+    v_scale = tl.load((page + V_SCALE).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
+    v_zero = tl.load((page + V_ZERO).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
+    v = (_codes(page, V_HIGH, V_LOW, SLOT_OF, h, t, valid, u, shift, B, R, U, NONE)
+         * v_scale.to(tl.float32)[:, None, None] + v_zero.to(tl.float32)[:, None, None])
+    return k, v
+
+
+@triton.jit
 def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, group_rows_ptr, group_starts_ptr,
                            scale, q_row_stride, q_head_stride, table_stride, out_row_stride, out_head_stride,
                            lse_row_stride, PAGE: tl.constexpr, B: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
@@ -66,27 +83,21 @@ def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_p
     acc = tl.zeros([MP, D], tl.float32)
     U: tl.constexpr = D // 4
     u = tl.arange(0, U)[None, :, None]
-    shift = tl.arange(0, 4)[None, None, :] * 2
+    j = tl.arange(0, 4)[None, None, :]
     for start in range(0, length, TILE):
         block = tl.load(table_ptr + row * table_stride + start // B).to(tl.int64)
         page = pages_ptr + block * PAGE
         t = start % B + tl.arange(0, TILE)
         valid = start + tl.arange(0, TILE) < length
-        k_scale = tl.load((page + K_SCALE).to(tl.pointer_type(tl.float16)) + h * D + d).to(tl.float32)
-        k_zero = tl.load((page + K_ZERO).to(tl.pointer_type(tl.float16)) + h * D + d).to(tl.float32)
-        k = tl.reshape(_codes(page, K_HIGH, K_LOW, SLOT_OF, h, t, valid, u, shift, B, R, U, NONE), [TILE, D])
-        k = k * k_scale[None, :] + k_zero[None, :]
-        s = tl.dot(q, tl.trans(k))  # [MP, TILE], base 2
+        k, v = _tile(page, h, t, valid, u, u * 4 + j, j * 2, B, R, D, U, K_SCALE, K_ZERO, V_SCALE, V_ZERO, K_HIGH,
+                     V_HIGH, K_LOW, V_LOW, SLOT_OF, NONE)
+        s = tl.dot(q, tl.trans(tl.reshape(k, [TILE, D])))  # [MP, TILE], base 2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_scale = tl.load((page + V_SCALE).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
-        v_zero = tl.load((page + V_ZERO).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
-        v = tl.reshape(_codes(page, V_HIGH, V_LOW, SLOT_OF, h, t, valid, u, shift, B, R, U, NONE), [TILE, D])
-        v = v * v_scale.to(tl.float32)[:, None] + v_zero.to(tl.float32)[:, None]
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, tl.reshape(v, [TILE, D]))
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no history: output 0, log-sum-exp -inf
     tl.store(out_ptr + token[:, None] * out_row_stride + head[:, None] * out_head_stride + d[None, :],
@@ -120,18 +131,13 @@ def _salient_decode_one_row_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_pt
         page = pages_ptr + block * PAGE
         t = start % B + tl.arange(0, TILE)
         valid = start + tl.arange(0, TILE) < length
-        k_scale = tl.load((page + K_SCALE).to(tl.pointer_type(tl.float16)) + h * D + ch).to(tl.float32)
-        k_zero = tl.load((page + K_ZERO).to(tl.pointer_type(tl.float16)) + h * D + ch).to(tl.float32)
-        k = _codes(page, K_HIGH, K_LOW, SLOT_OF, h, t, valid, u, shift, B, R, U, NONE) * k_scale + k_zero
+        k, v = _tile(page, h, t, valid, u, ch, shift, B, R, D, U, K_SCALE, K_ZERO, V_SCALE, V_ZERO, K_HIGH, V_HIGH,
+                     K_LOW, V_LOW, SLOT_OF, NONE)
         s = tl.where(valid, tl.sum(tl.sum(k * q, 2), 1), float("-inf"))  # [TILE], base 2
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
         l_i = l_i * alpha + tl.sum(p, 0)
-        v_scale = tl.load((page + V_SCALE).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
-        v_zero = tl.load((page + V_ZERO).to(tl.pointer_type(tl.float16)) + h * B + t, mask=valid, other=0.0)
-        v = (_codes(page, V_HIGH, V_LOW, SLOT_OF, h, t, valid, u, shift, B, R, U, NONE)
-             * v_scale.to(tl.float32)[:, None, None] + v_zero.to(tl.float32)[:, None, None])
         acc = acc * alpha[:, None, None] + tl.sum(p[:, None, None] * v, 0)[None, :, :]
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None, None]
