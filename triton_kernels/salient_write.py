@@ -103,8 +103,8 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     # the common decode step) no score is needed, and where no channel widened either, earlier
     # tokens keep their codes and rows: only the new tokens' tiles are written.
     earlier_salient = (slot != NONE) & (tokens < num_stored)
-    candidates = tl.sum(earlier_salient.to(tl.int32), 0) + filled - num_stored
-    all_kept = quota >= candidates
+    num_candidates = tl.sum(earlier_salient.to(tl.int32), 0) + filled - num_stored
+    all_kept = quota >= num_candidates
     untouched = all_kept & (tl.min(tl.min(tl.min(kept.to(tl.int32), 2), 1), 0) > 0)
     first_tile = tl.where(untouched, num_stored // TT * TT, 0)
 
@@ -142,7 +142,7 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         mine = ((old_slot != NONE) & (tt < num_stored)) | ((tt >= num_stored) & (tt < filled))
         s_t = tl.load(scores_ptr + (i * B + tt) * H + h)[:, None]
         better = candidate[None, :] & ((scores[None, :] > s_t) | ((scores[None, :] == s_t) & (tokens[None, :] < rows)))
-        rank = tl.where(quota >= candidates, 0, tl.sum(better.to(tl.int32), 1))
+        rank = tl.where(quota >= num_candidates, 0, tl.sum(better.to(tl.int32), 1))
         keep = mine & (rank < quota)
         new_slot = taken + tl.cumsum(keep.to(tl.int32), 0) - 1
         taken += tl.sum(keep.to(tl.int32), 0)
