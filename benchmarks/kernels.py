@@ -65,9 +65,9 @@ def _format(bits: int, hkv: int, d: int, block: int):
     return KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, block, hkv, d)
 
 
-def _pages(fmt, num_seqs: int, ctx: int, seed: int = 0):
-    """Random (never zero) full pages, encoded a few at a time through the reference and tiled,
-    behind a shuffled block table."""
+def _pages(fmt, num_seqs: int, ctx: int, seed: int = 0, encode=None):
+    """Random (never zero) full pages, encoded a few at a time through the reference (``encode(k, v,
+    num_valid)``, by default the format's) and tiled, behind a shuffled block table."""
     B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
     blocks_per_seq = math.ceil(ctx / B)
     n_blocks = num_seqs * blocks_per_seq
@@ -76,7 +76,7 @@ def _pages(fmt, num_seqs: int, ctx: int, seed: int = 0):
     chunk = 256
     k = torch.randn(chunk, B, H, D, device="cuda", generator=gen)
     v = torch.randn(chunk, B, H, D, device="cuda", generator=gen)
-    proto = fmt.encode(k, v, torch.full((chunk,), B, device="cuda"))
+    proto = (encode or fmt.encode)(k, v, torch.full((chunk,), B, device="cuda"))
     for i in range(0, n_blocks, chunk):
         cache[i:i + chunk] = proto[: min(chunk, n_blocks - i)]
     table = torch.randperm(n_blocks, device="cuda", dtype=torch.int64).to(torch.int32).view(num_seqs, blocks_per_seq)
@@ -373,17 +373,10 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
 
     fmt = SalientTokensFormat.create(0.6, torch.bfloat16, block, hkv, d)
     spec, scale = SalientSpec(ratio=0.6), d ** -0.5
-    gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def pages(num_seqs: int, ctx: int):
-        blocks_per_seq = -(-ctx // block)
-        k, v = (torch.randn(64, block, hkv, d, device="cuda", generator=gen) for _ in range(2))
-        salient = torch.rand(64, block, hkv, device="cuda", generator=gen).argsort(1) < fmt.slots
-        proto = fmt.encode(k, v, torch.full((64,), block, device="cuda"), salient)
-        n = num_seqs * blocks_per_seq
-        cache = proto.repeat(-(-n // 64), 1)[:n].contiguous()
-        table = torch.randperm(n, device="cuda").to(torch.int32).view(num_seqs, blocks_per_seq)
-        return cache, table
+    def pages(num_seqs: int, ctx: int):  # each block's salient tokens drawn at random, up to its slots
+        return _pages(fmt, num_seqs, ctx, encode=lambda k, v, n: fmt.encode(
+            k, v, n, torch.rand(k.shape[:3], device="cuda").argsort(1) < fmt.slots))
 
     rows = []
     n = len(lens)

@@ -22,17 +22,22 @@ from .decode import _LOG2E
 
 
 @triton.jit
+def plane(page, REGION: tl.constexpr, row, u, shift, mask, U: tl.constexpr):
+    """2-bit codes [rows, U, 4] (int32) of rows ``row`` ([rows, 1, 1]) of a plane of U-byte rows:
+    each byte loaded once, its four codes shifted out (``shift``: [1, 1, 4])."""
+    return (tl.load(page + REGION + row * U + u, mask=mask, other=0).to(tl.int32) >> shift) & 3
+
+
+@triton.jit
 def _codes(page, HIGH: tl.constexpr, LOW: tl.constexpr, SLOT_OF: tl.constexpr, h, t, valid, u, shift,
            B: tl.constexpr, R: tl.constexpr, U: tl.constexpr, NONE: tl.constexpr):
     """4-bit codes [T, U, 4] as float32 (channel ``4 u + position``) of tokens ``t`` (offsets in the
-    block) of head ``h``: each byte of the planes loaded once, its four codes shifted out."""
+    block) of head ``h``."""
     slot = tl.load(page + SLOT_OF + h * B + t, mask=valid, other=NONE).to(tl.int32)
     salient = (slot != NONE)[:, None, None]
     valid = valid[:, None, None]
-    high = tl.load(page + HIGH + (h * B + t)[:, None, None] * U + u, mask=valid, other=0)
-    low = tl.load(page + LOW + (h * R + slot)[:, None, None] * U + u, mask=valid & salient, other=0)
-    high = ((high.to(tl.int32) >> shift) & 3).to(tl.float32)
-    low = ((low.to(tl.int32) >> shift) & 3).to(tl.float32)
+    high = plane(page, HIGH, (h * B + t)[:, None, None], u, shift, valid, U).to(tl.float32)
+    low = plane(page, LOW, (h * R + slot)[:, None, None], u, shift, valid & salient, U).to(tl.float32)
     return high * 4.0 + tl.where(salient, low, 1.5)
 
 

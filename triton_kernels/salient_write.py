@@ -28,6 +28,7 @@ from vllm_kvcompress.config import SalientSpec
 from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
 from vllm_kvcompress.salient_torch import chunk_writes, last_block_random_scores
 
+from .salient_decode import plane
 from .write import _code_on, _half, _min_max_stats, _widened_span
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
@@ -35,9 +36,22 @@ TILE = 32  # tokens a program holds at once
 
 
 @triton.jit
-def _plane(page, REGION: tl.constexpr, row, u, shift, mask, U: tl.constexpr):
-    """2-bit codes [rows, U, 4] of rows ``row`` ([rows, 1, 1]) of a plane of U-byte rows."""
-    return (tl.load(page + REGION + row * U + u, mask=mask, other=0).to(tl.int32) >> shift) & 3
+def _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch, shift, k_scale, k_zero,
+            K_HIGH: tl.constexpr, K_LOW: tl.constexpr, B: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+            U: tl.constexpr, NONE: tl.constexpr):
+    """K of block tokens ``tt`` ([T]) of head ``h``, [T, U, 4]: the earlier tokens' stored 2-bit
+    planes (a 2-bit token's low bits 0), and the value every token reads as (new ones exact, from
+    ``k_ptr`` row ``first`` on)."""
+    t = tt[:, None, None]
+    earlier = t < num_stored
+    new = (t >= num_stored) & (t < filled)
+    lows = earlier & (old_slot != NONE)[:, None, None]
+    k_high = plane(page, K_HIGH, h * B + t, u, shift, earlier, U)
+    k_low = plane(page, K_LOW, (h * R + tl.where(old_slot != NONE, old_slot, 0))[:, None, None], u, shift, lows, U)
+    level = k_high.to(tl.float32) * 4.0 + tl.where(lows, k_low.to(tl.float32), 1.5)
+    x_new = tl.load(k_ptr + (first + t - num_stored) * k_row_stride + h * D + ch, mask=new, other=0.0)
+    x = tl.where(new, x_new.to(tl.float32), tl.where(earlier, level * k_scale + k_zero, 0.0))
+    return k_high, k_low, x
 
 
 @triton.jit
@@ -112,15 +126,9 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     if DECODE and not GIVEN and not all_kept:
         for t0 in range(0, filled, TT):
             tt = t0 + tl.arange(0, TT)
-            t = tt[:, None, None]
-            earlier = t < num_stored
             old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
-            lows = earlier & (old_slot != NONE)[:, None, None]
-            level = (_plane(page, K_HIGH, h * B + t, u, shift, earlier, U).to(tl.float32) * 4.0
-                     + tl.where(lows, _plane(page, K_LOW, (h * R + old_slot)[:, None, None], u, shift, lows,
-                                             U).to(tl.float32), 1.5))
-            x_new = tl.load(k_ptr + i * k_row_stride + h * D + ch).to(tl.float32)
-            x = tl.where(t == num_stored, x_new, tl.where(earlier, level * k_scale + k_zero, 0.0))
+            _, _, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch, shift,
+                              k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
             score = tl.zeros([TT], tl.float32)
             for g in tl.static_range(G):
                 qg = tl.load(q_ptr + i * q_row_stride + (h * G + g) * q_head_stride + ch).to(tl.float32)
@@ -147,13 +155,8 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         new_slot = taken + tl.cumsum(keep.to(tl.int32), 0) - 1
         taken += tl.sum(keep.to(tl.int32), 0)
 
-        lows = earlier & (old_slot != NONE)[:, None, None]
-        old_row = (h * R + tl.where(old_slot != NONE, old_slot, 0))[:, None, None]
-        k_high = _plane(page, K_HIGH, h * B + t, u, shift, earlier, U)
-        k_low = _plane(page, K_LOW, old_row, u, shift, lows, U)
-        level = k_high.to(tl.float32) * 4.0 + tl.where(lows, k_low.to(tl.float32), 1.5)
-        x_new = tl.load(k_ptr + (first + t - num_stored) * k_row_stride + h * D + ch, mask=new, other=0.0)
-        x = tl.where(new, x_new.to(tl.float32), tl.where(earlier, level * k_scale + k_zero, 0.0))
+        k_high, k_low, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch,
+                                   shift, k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
         k_codes = tl.minimum(tl.maximum(_code_on(x, zero.to(tl.float32), step.to(tl.float32)), 0.0), _TOP)
         k_codes = tl.where(kept & earlier, k_high * 4 + k_low, k_codes.to(tl.int32))
 
@@ -162,8 +165,10 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         v_zero, v_scale = _min_max_stats(tl.min(tl.min(tl.where(new, v_new, float("inf")), 2), 1),
                                          tl.max(tl.max(tl.where(new, v_new, float("-inf")), 2), 1), _TOP)
         v_code = _code_on(v_new, v_zero.to(tl.float32)[:, None, None], v_scale.to(tl.float32)[:, None, None])
-        v_stored = (_plane(page, V_HIGH, h * B + t, u, shift, earlier, U) * 4
-                    + _plane(page, V_LOW, old_row, u, shift, lows, U))
+        lows = earlier & (old_slot != NONE)[:, None, None]
+        old_row = (h * R + tl.where(old_slot != NONE, old_slot, 0))[:, None, None]
+        v_stored = (plane(page, V_HIGH, h * B + t, u, shift, earlier, U) * 4
+                    + plane(page, V_LOW, old_row, u, shift, lows, U))
         v_codes = tl.where(new, tl.minimum(tl.maximum(v_code, 0.0), _TOP).to(tl.int32), v_stored)
 
         tl.debug_barrier()  # the tile's bytes are read before any is written

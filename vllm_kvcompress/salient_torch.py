@@ -173,7 +173,7 @@ def chunk_writes(query: torch.Tensor, key: torch.Tensor, cache: torch.Tensor, fm
     start = column * B
     filled = (context - start).clamp(max=B)
     holding = (context - history == 1) & (context % spec.recompress_interval != 0)
-    quota = torch.where(holding, fmt.slots, fmt.quota(filled))
+    quota = _block_quota(fmt, filled, holding)
     scores = torch.full((len(touched) * B, H), float("-inf"), device=dev)
     if spec.score == "random":  # the draw attend_and_write makes for the whole context
         for _, _, L, a, n, first in requests:
@@ -208,8 +208,14 @@ def _recompressed(fmt: SalientTokensFormat, stored: torch.Tensor, k: torch.Tenso
     tokens = torch.arange(fmt.block_size, device=k.device)[None, :]
     is_new = (tokens >= num_stored[:, None]) & (tokens < filled[:, None])
     candidates = (fmt.salient(stored) & (tokens < num_stored[:, None])[..., None]) | is_new[..., None]
-    quota = torch.where(holding, fmt.slots, fmt.quota(filled))
-    return fmt.encode(k, v, filled, keep_top(scores, candidates, quota), stored, num_stored)
+    return fmt.encode(k, v, filled, keep_top(scores, candidates, _block_quota(fmt, filled, holding)), stored,
+                      num_stored)
+
+
+def _block_quota(fmt: SalientTokensFormat, filled: torch.Tensor, holding: torch.Tensor) -> torch.Tensor:
+    """4-bit tokens blocks of ``filled`` tokens keep: all their slots where ``holding`` (a decoded token
+    held until the next re-compression), else their quota."""
+    return torch.where(holding, fmt.slots, fmt.quota(filled))
 
 
 def decode_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,

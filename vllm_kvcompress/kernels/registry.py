@@ -213,15 +213,12 @@ def _triton_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     return None
 
 
-def _triton_decode_16_bit_queries(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    why = _triton_decode(fmt, ctx)
-    if why is None and ctx.dtype not in KERNEL_DTYPES:
-        return f"queries in {ctx.dtype} (bfloat16 or float16 only)"
-    return why
+def _sixteen_bit_queries(ctx: LayerContext) -> str | None:
+    return None if ctx.dtype in KERNEL_DTYPES else f"queries in {ctx.dtype} (bfloat16 or float16 only)"
 
 
 def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    why = _triton_decode_16_bit_queries(fmt, ctx)
+    why = _triton_decode(fmt, ctx) or _sixteen_bit_queries(ctx)
     if why is not None:
         return why
     for name, codec, axis in (("K", fmt.k, "channel"), ("V", fmt.v, "token")):
@@ -252,11 +249,16 @@ def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     return None
 
 
-def _flash_prompt(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    why = _triton_decode_16_bit_queries(fmt, ctx)
+def _own_tokens_through_flash_attention(ctx: LayerContext) -> str | None:
+    """Why a prompt chunk's own tokens cannot go through vLLM's FlashAttention here, or None."""
+    why = _sixteen_bit_queries(ctx)
     if why is None and not ctx.device.flash_attention:
         return "no vLLM FlashAttention on this GPU (an NVIDIA GPU of compute capability 8.0 or later)"
     return why
+
+
+def _flash_prompt(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    return _triton_decode(fmt, ctx) or _own_tokens_through_flash_attention(ctx)
 
 
 def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
@@ -306,12 +308,7 @@ def _salient_decode(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
 
 
 def _flash_salient_prompt(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
-    why = _salient_decode(fmt, ctx)
-    if why is None and ctx.dtype not in KERNEL_DTYPES:
-        return f"queries in {ctx.dtype} (bfloat16 or float16 only)"
-    if why is None and not ctx.device.flash_attention:
-        return "no vLLM FlashAttention on this GPU (an NVIDIA GPU of compute capability 8.0 or later)"
-    return why
+    return _salient_decode(fmt, ctx) or _own_tokens_through_flash_attention(ctx)
 
 
 def _always(fmt: KVPageFormat, ctx: LayerContext) -> None:
