@@ -81,7 +81,8 @@ def test_passed_over_implementations_say_why():
 def test_only_kernels_that_run_in_cuda_graphs_say_so():
     graphs = {(i.operation, i.name): i.cuda_graphs for i in registry.implementations("decode", "cuda")}
     assert graphs == {("decode", "cuda"): True, ("decode", "triton"): True, ("decode", "triton-slim"): False,
-                      ("decode", "triton-salient"): False, ("decode", "torch"): False}
+                      ("decode", "triton-salient"): False, ("decode", "triton-merged"): False,
+                      ("decode", "torch"): False}
 
 
 def test_zipcache_pages_go_through_their_own_kernels_only():
@@ -103,6 +104,27 @@ def test_zipcache_pages_go_through_their_own_kernels_only():
     no_flash = registry.plan(fmt, shape.layer_context(0, registry.Device("cuda", (9, 0), nvcc=True)), AUTO)
     assert _names(no_flash) == ("triton-salient", "torch", "triton-salient")
     assert "no vLLM FlashAttention" in no_flash.prompt.describe()
+
+
+@pytest.mark.parametrize("preset", ["minicache", "minicache-k4v4"])
+def test_merged_pairs_go_through_their_own_kernels_only(preset):
+    """The merged kernels (decode rows, prompt chunks) read MiniCache's pages and no others; the other
+    kernels pass them over, and the layers before the first pair keep the usual plan. Prompt chunks
+    need vLLM's FlashAttention for their own tokens; codes the kernel cannot read go to torch."""
+    cfg = load_config(preset)
+    shape = ModelKVShape(4, 4, 128, torch.bfloat16, 128, 8)
+    merged = shape.page_format(cfg, 2)
+    plan = registry.plan(merged, shape.layer_context(2, H100), AUTO)
+    assert _names(plan) == ("triton-merged", "flash-attention+triton-merged", "torch")
+    assert "not cuda, triton, triton-slim, triton-salient: layers merged in pairs (MiniCache)" in plan.decode.describe()
+    assert "triton-merged" not in registry.plan(shape.page_format(cfg, 0), shape.layer_context(0, H100), AUTO).decode.name
+    no_flash = registry.plan(merged, shape.layer_context(2, registry.Device("cuda", (9, 0), nvcc=True)), AUTO)
+    assert _names(no_flash)[:2] == ("triton-merged", "torch") and "no vLLM FlashAttention" in no_flash.prompt.describe()
+    three = ModelKVShape(4, 4, 128, torch.bfloat16, 128, 8).page_format(
+        cfg.model_copy(update={"default": LayerFormat(k_bits=3, v_bits=3)}), 2)
+    refused = registry.plan(three, shape.layer_context(2, H100), AUTO)
+    assert _names(refused) == ("torch", "torch", "torch")
+    assert "triton-merged: K directions at 3 bits (2, 4, 8 or 16 only)" in refused.decode.describe()
 
 
 @pytest.mark.parametrize("layer_format,block,head_size,query_heads,dtype,reason", [

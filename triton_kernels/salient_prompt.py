@@ -16,7 +16,7 @@ from vllm_kvcompress.config import SalientSpec
 from vllm_kvcompress.formats.salient import SalientTokensFormat
 from vllm_kvcompress.token_rows import TokenRows
 
-from .prompt import own_chunk_attention
+from .prompt import merge_history, own_chunk_attention
 from .salient_decode import salient_decode
 from .salient_write import write_chunks
 
@@ -31,8 +31,5 @@ def salient_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if rows.max_seq_len:  # some chunk has history
         earlier, earlier_lse = salient_decode(query, cache, fmt, rows.block_table, rows.seq_lens, scale,
                                               groups=rows.groups)
-        total = torch.logaddexp(lse, earlier_lse)
-        out[:] = (out.float() * (lse - total).exp()[..., None]
-                  + earlier.float() * (earlier_lse - total).exp()[..., None]).to(out.dtype)
-        lse = total
+        lse = merge_history(out, lse, earlier, earlier_lse)
     write_chunks(query, key, value, cache, fmt, spec, query_start_loc, seq_lens, block_table, lse, scale)

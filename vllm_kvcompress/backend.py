@@ -338,13 +338,25 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
     def _forward_merged(self, layer, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
                         fmt: MergedPairFormat, md: KVCompressMetadata, out: torch.Tensor) -> None:
         """A layer of a merged pair: the step's own tokens attend with their new K/V, earlier ones
-        restored from the pair's pages; after the second layer's attention, both layers' new tokens
-        go into the pages together."""
+        restored from the pair's pages (decodes and prompt chunks through the planned kernels where
+        there are some); after the second layer's attention, both layers' new tokens go into the
+        pages together."""
         t = q.shape[0]
-        k = key[:t].view(t, self.num_kv_heads, self.head_size)
-        v = value[:t].view(t, self.num_kv_heads, self.head_size)
-        out[:] = paged_torch.attend_pair(q, pages, fmt, self._pair_layer, md.query_start_loc, md.seq_lens,
-                                         md.block_table, self.scale, k, v)
+        k, v = (x[:t].view(t, self.num_kv_heads, self.head_size) for x in (key, value))
+        layer_of_pair = self._pair_layer
+        nd = md.num_decodes if self._decode_kernel is not None else 0
+        if nd:
+            self._decode_kernel(q[:nd], k[:nd], v[:nd], pages, fmt, layer_of_pair, md.decode_block_table,
+                                md.decode_seq_lens, self.scale, out[:nd])
+        start = md.query_start_loc[nd]
+        if start < t:
+            if self._prompt_kernel is not None and md.token_rows is not None:
+                self._prompt_kernel(q[start:], k[start:], v[start:], pages, fmt, layer_of_pair, md.token_rows,
+                                    self.scale, out[start:])
+            else:
+                out[start:] = paged_torch.attend_pair(q[start:], pages, fmt, layer_of_pair,
+                                                      [x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:],
+                                                      md.block_table[nd:], self.scale, k[start:], v[start:])
         if self._pair_layer == 1:  # the slots cover the step's tokens and its padding (-1), as key's rows do
             k_a, v_a, slots = _pair_tokens.pop(self.kv_sharing_target_layer_name)
             n = slots.shape[0]

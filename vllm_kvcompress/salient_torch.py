@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import paged_torch
 from .config import SalientSpec
 from .formats.salient import SalientTokensFormat
 
@@ -226,12 +227,8 @@ def decode_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     new token: its output and log-sum-exp are merged with the new token's own exact term, and that
     log-sum-exp turns the query's logits over the last block into the probe's probabilities, in
     ``write`` (``write_decoded``'s contract; by default that torch function)."""
-    group = query.shape[1] // key.shape[1]
-    k_new, v_new = key.float().repeat_interleave(group, 1), value.float().repeat_interleave(group, 1)
     earlier, earlier_lse = kernel(query, cache, fmt, block_table, seq_lens - 1, scale)
-    own = (query.float() * k_new).sum(-1) * scale  # [N, Hq]
-    lse = torch.logaddexp(earlier_lse, own)
-    out[:] = (earlier.float() * (earlier_lse - lse).exp()[..., None] + v_new * (own - lse).exp()[..., None]).to(out.dtype)
+    lse = paged_torch.with_own_token(query, key, value, earlier, earlier_lse, scale, out)
     (write or write_decoded)(query, key, value, cache, fmt, spec, block_table, seq_lens, lse, scale)
 
 

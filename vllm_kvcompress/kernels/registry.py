@@ -311,6 +311,28 @@ def _flash_salient_prompt(fmt: SalientTokensFormat, ctx: LayerContext) -> str | 
     return _salient_decode(fmt, ctx) or _own_tokens_through_flash_attention(ctx)
 
 
+MERGED_CODE_BITS = (2, 4, 8)  # the merged decode kernel's min-max codes (besides raw 16-bit values)
+
+
+def _merged_decode(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
+    for name, codec in (("K", fmt.k), ("V", fmt.v)):
+        if isinstance(codec, MinMaxCodec):
+            if codec.bits not in MERGED_CODE_BITS:
+                return f"{name} directions at {codec.bits} bits ({', '.join(map(str, MERGED_CODE_BITS))} or 16 only)"
+            if codec.channel_scaling:
+                return f"{name} with ZipCache channel scales"
+        elif not isinstance(codec, UncompressedCodec):
+            return f"{name} in codec {codec.name!r} (the kernel reads {', '.join(KERNEL_CODECS)})"
+    d = fmt.k.head_size
+    if d & (d - 1) or d < 16:
+        return f"head size {d} (powers of two from 16)"
+    return _sixteen_bit_queries(ctx)
+
+
+def _flash_merged_prompt(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
+    return _merged_decode(fmt, ctx) or _own_tokens_through_flash_attention(ctx)
+
+
 def _always(fmt: KVPageFormat, ctx: LayerContext) -> None:
     return None
 
@@ -324,6 +346,9 @@ for _impl in (
     Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode"),
     Implementation("decode", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_decode:salient_decode",
                    reads=(SalientTokensFormat,)),
+    # MiniCache's decode rows: the history restored from the pair's pages, the new token's exact term merged
+    Implementation("decode", "cuda", "triton-merged", _merged_decode, f"{_TRITON}.merged_decode:decode_rows",
+                   reads=(MergedPairFormat,)),
     Implementation("decode", "cuda", "torch", _always),
     Implementation("decode", "cpu", "torch", _always),
     # a chunk's own tokens through FlashAttention, its history as grouped rows of the Triton decode:
@@ -333,6 +358,8 @@ for _impl in (
                    warm_up=f"{_TRITON}.decode:warm_up"),
     Implementation("prompt", "cuda", "flash-attention+triton-salient", _flash_salient_prompt,
                    f"{_TRITON}.salient_prompt:salient_prompt", reads=(SalientTokensFormat,)),
+    Implementation("prompt", "cuda", "flash-attention+triton-merged", _flash_merged_prompt,
+                   f"{_TRITON}.merged_prompt:merged_prompt", reads=(MergedPairFormat,)),
     Implementation("prompt", "cuda", "torch", _always),
     Implementation("prompt", "cpu", "torch", _always),
     Implementation("write", "cuda", "cuda", _cuda_write, "vllm_kvcompress.cuda_write:write_tokens",

@@ -1,0 +1,127 @@
+"""The Triton kernels over MiniCache's merged pages against the torch reference of the same pages
+(``MergedPairFormat.decode``, ``paged_torch.attend_pair``).
+
+Runs on the CPU in Triton's interpreter and, where a GPU is present, on the GPU.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+from vllm_kvcompress import paged_torch  # noqa: E402
+from vllm_kvcompress.config import LayerFormat  # noqa: E402
+from vllm_kvcompress.formats.merged import MergedPairFormat  # noqa: E402
+from vllm_kvcompress.token_rows import token_rows  # noqa: E402
+from vllm_kvcompress.triton_kernels import merged_prompt  # noqa: E402
+from vllm_kvcompress.triton_kernels.merged_decode import decode_rows, merged_decode  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+TOL = 1e-4 if DEVICE == "cpu" else 3e-2  # on the GPU, bfloat16 queries and TF32 products
+CODECS = {"16-bit": LayerFormat(), "k4v4": LayerFormat(k_bits=4, v_bits=4), "k2v8": LayerFormat(k_bits=2, v_bits=8),
+          "k4-per-token": LayerFormat(k_bits=4, v_bits=4, k_axis="token", v_axis="channel")}
+
+
+def _pair_vectors(g, n, B, H, D):
+    """Both layers' K and V [n, B, H, D]: layer b's directions near layer a's, some tokens far off
+    (the ones retention should keep), norms that differ between the layers."""
+    ka, va = torch.randn(n, B, H, D, generator=g), torch.randn(n, B, H, D, generator=g) * 2
+    kb = ka * 1.5 + 0.3 * torch.randn(n, B, H, D, generator=g)
+    vb = va * 0.7 + 0.3 * torch.randn(n, B, H, D, generator=g)
+    far = torch.rand(n, B, generator=g) < 0.1
+    kb[far] = torch.randn(int(far.sum()), H, D, generator=g) * 3
+    return ka, va, kb, vb
+
+
+def _pages(fmt, seq_lens, spare, seed):
+    """Pages of both layers' random K/V and a block table that scatters each request's blocks."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
+    counts = [-(-L // B) for L in seq_lens]
+    total = sum(counts) + spare
+    order = torch.randperm(total, generator=g)
+    cache = torch.zeros(total, fmt.page_bytes, dtype=torch.uint8)
+    table = torch.zeros(len(seq_lens), max(max(counts), 1), dtype=torch.int32)
+    used = 0
+    for i, (L, n) in enumerate(zip(seq_lens, counts)):
+        if not n:
+            continue
+        filled = torch.tensor([min(B, L - j * B) for j in range(n)])
+        blocks = order[used:used + n]
+        cache[blocks] = fmt.encode(*_pair_vectors(g, n, B, H, D), filled)
+        table[i, :n] = blocks.to(torch.int32)
+        used += n
+    return cache, table
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("HQ", [2, 8])
+@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_merged_decode_equals_attention_over_the_restored_pages(codec, HQ, block, layer):
+    H, D = 2, 64
+    fmt = MergedPairFormat.from_layer_format(CODECS[codec], 0.6, 0.1, DTYPE, block, H, D)
+    seq_lens = [0, 1, 17, block, 3 * block - 5]
+    cache, table = _pages(fmt, seq_lens, 3, seed=HQ + block + layer)
+    index = fmt.regions.view(cache, "index", torch.int16, (fmt.retained,))
+    assert (index >= 0).any(1).sum() >= 4  # tokens are retained: the kernel's second pass is exercised
+    q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(5))
+    scale = D ** -0.5
+    out, lse = merged_decode(q.to(DEVICE, DTYPE), cache.to(DEVICE), fmt, layer, table.to(DEVICE),
+                             torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale)
+    for i, L in enumerate(seq_lens):
+        if not L:
+            assert out[i].eq(0).all() and lse[i].eq(float("-inf")).all()
+            continue
+        k, v = (x.flatten(0, 1)[:L] for x in fmt.decode(cache[table[i, :-(-L // block)].long()], layer))
+        logits = torch.einsum("hd,khd->hk", q[i].to(DTYPE).float(), k.repeat_interleave(HQ // H, 1)) * scale
+        want = torch.einsum("hk,khd->hd", logits.softmax(-1), v.repeat_interleave(HQ // H, 1))
+        torch.testing.assert_close(out[i].float().cpu(), want, rtol=TOL, atol=TOL)
+        torch.testing.assert_close(lse[i].cpu(), logits.logsumexp(-1), rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("codec", ["16-bit", "k4v4"])
+def test_steps_through_the_kernels_equal_attend_pair(codec, monkeypatch):
+    """Steps of both layers of a pair over three requests, prompt chunks (``merged_prompt``: own
+    attention, history rows in groups of 5, merged) and decode rows (``decode_rows``: history from the
+    pages, the new token's exact term merged), against ``paged_torch.attend_pair`` on the same pages;
+    after each step the second layer's write takes both layers' tokens. The steps cover a first
+    chunk, chunks with history across block boundaries, one-token chunks and decodes that open a
+    fresh block. On the CPU a torch causal attention stands in for FlashAttention."""
+    from test_triton_prompt import torch_own_chunk_attention
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(merged_prompt, "own_chunk_attention", torch_own_chunk_attention)
+    H, HQ, D, B = 2, 4, 64, 32
+    fmt = MergedPairFormat.from_layer_format(CODECS[codec], 0.6, 0.1, DTYPE, B, H, D)
+    g = torch.Generator().manual_seed(11)
+    table = torch.arange(3 * 4, dtype=torch.int32).view(3, 4).flip(1)
+    cache = torch.zeros(12, fmt.page_bytes, dtype=torch.uint8, device=DEVICE)
+    lens = [0, 0, 0]
+    steps = ([40, 0, 17], [30, 64, 1], "decode", [1, 5, 14], "decode")
+    for step in steps:
+        q_lens = [1, 1, 1] if step == "decode" else step
+        lens = [L + m for L, m in zip(lens, q_lens)]
+        qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
+        new = []
+        for layer in (0, 1):
+            q = torch.randn(qsl[-1], HQ, D, generator=g).to(DEVICE, DTYPE)
+            k, v = (torch.randn(qsl[-1], H, D, generator=g).to(DEVICE, DTYPE) for _ in range(2))
+            want = paged_torch.attend_pair(q, cache, fmt, layer, qsl, lens, table.to(DEVICE), D ** -0.5, k, v)
+            got = torch.full_like(q, float("nan"))
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+            if step == "decode":
+                decode_rows(q, k, v, cache, fmt, layer, table.to(DEVICE), seq_lens, D ** -0.5, got)
+            else:
+                history = max(L - m for L, m in zip(lens, q_lens))
+                rows = token_rows(qsl, seq_lens, table.to(DEVICE), history, rows_per_group=5)
+                merged_prompt.merged_prompt(q, k, v, cache, fmt, layer, rows, D ** -0.5, got)
+            torch.testing.assert_close(got.float(), want.float(), rtol=TOL, atol=TOL)
+            new += [k, v]
+        slots = torch.cat([table[i, (L - m + torch.arange(m)) // B].long() * B + (L - m + torch.arange(m)) % B
+                           for i, (L, m) in enumerate(zip(lens, q_lens))]).to(DEVICE)
+        paged_torch.write_pair_tokens(cache, fmt, *new, slots)

@@ -1,0 +1,172 @@
+"""Decode attention straight from MiniCache's pages (``formats.merged``): one layer of a merged pair,
+restored in registers, never written out.
+
+One program per (request, KV head) reads its request's pages once for all the query heads of that
+KV head (or per group of a prompt chunk's tokens, which all read the same history: ``token_rows``).
+Per tile of tokens it dequantizes the shared directions through the pair's codec (raw 16-bit values,
+or min-max codes with statistics per channel or per token) and scales each token's K and V to the
+layer's own norm: ``x / |x| * norm``, as ``MergedPairFormat.decode``. A block's retained tokens are
+masked out of its tiles and read, exact, from the block's retention slots in a second pass. Besides
+the output it writes each row's log-sum-exp, so that the caller can merge what the pages do not hold
+yet (the step's own tokens: a pair's pages take them after both layers' attention).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_kvcompress.formats.merged import MergedPairFormat
+from vllm_kvcompress.paged_torch import with_own_token
+from vllm_kvcompress.token_rows import TokenGroups
+
+from .addressing import code_unit_ptr
+from .decode import _LOG2E
+
+_EPS = 1e-6  # as MergedPairFormat's restoration
+
+
+@triton.jit
+def _restored(page, raw, t, valid, h, d, KV: tl.constexpr, LAYER: tl.constexpr, BITS: tl.constexpr, CODES: tl.constexpr,
+              ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr, GROUP: tl.constexpr, NORMS: tl.constexpr,
+              B: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
+    """Layer LAYER's K (KV 0) or V (KV 1) [T, D] (float32) of tokens ``t`` (offsets in the block) of
+    head ``h``: the merged direction, dequantized, times the layer's norm over the direction's own.
+    ``raw``: any pointer to the model dtype (the raw values')."""
+    m = valid[:, None]
+    if BITS == 16:  # raw values in the model dtype (the query's), token-major rows [B, H, D]
+        rows = page + CODES + (t[:, None] * H + h) * ROW
+        x = tl.load(rows.to(tl.pointer_type(raw.dtype.element_ty)) + d[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        units = tl.load(code_unit_ptr(page, CODES, t[:, None], h, d[None, :] // PER, ROW, B, BITS, GROUP), mask=m,
+                        other=0).to(tl.int32)
+        codes = ((units >> ((d[None, :] % PER) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        half = tl.pointer_type(tl.float16)
+        if GROUP > 0:  # statistics per token, head-major [H, B]
+            scale = tl.load((page + SCALE).to(half) + h * B + t, mask=valid, other=0.0).to(tl.float32)[:, None]
+            zero = tl.load((page + ZERO).to(half) + h * B + t, mask=valid, other=0.0).to(tl.float32)[:, None]
+        else:  # per channel [H, D]
+            scale = tl.load((page + SCALE).to(half) + h * D + d).to(tl.float32)[None, :]
+            zero = tl.load((page + ZERO).to(half) + h * D + d).to(tl.float32)[None, :]
+        x = codes * scale + zero
+    norm = tl.load((page + NORMS).to(tl.pointer_type(tl.float16)) + ((t * 2 + LAYER) * 2 + KV) * H + h, mask=valid,
+                   other=0.0).to(tl.float32)
+    length = tl.sqrt(tl.sum(x * x, 1))
+    return x * (norm / tl.maximum(length, _EPS))[:, None]
+
+
+@triton.jit
+def _step(q, k, v, valid, m_i, l_i, acc):
+    """One online-softmax step of rows ``q`` [MP, D] (scaled to base 2) over tokens ``k``, ``v``; a
+    step may have no valid token (a tile whose tokens are all retained, a block that retains none)."""
+    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
+
+
+@triton.jit
+def _merged_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, group_rows_ptr, group_starts_ptr,
+                          scale, q_row_stride, q_head_stride, table_stride, out_row_stride, out_head_stride,
+                          lse_row_stride, PAGE: tl.constexpr, B: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                          G: tl.constexpr, MP: tl.constexpr, GROUPED: tl.constexpr, TILE: tl.constexpr,
+                          LAYER: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, K_BITS: tl.constexpr,
+                          K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_SCALE: tl.constexpr, K_ZERO: tl.constexpr,
+                          K_GROUP: tl.constexpr, V_BITS: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr,
+                          V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_GROUP: tl.constexpr, NORMS: tl.constexpr,
+                          INDEX: tl.constexpr, KEPT: tl.constexpr):
+    # the program's query rows: the G query heads of KV head h of one token (decode), or of each of
+    # a group's tokens, which share one history and one block-table row (prompt chunks)
+    h = tl.program_id(1)
+    if GROUPED:
+        row = tl.load(group_starts_ptr + tl.program_id(0))
+        count = tl.load(group_rows_ptr + row)
+    else:
+        row = tl.program_id(0)
+        count = 1
+    length = tl.load(lens_ptr + row)
+    g = tl.arange(0, MP)
+    token = row + g // G
+    head = h * G + g % G
+    live = g < count * G
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + token[:, None] * q_row_stride + head[:, None] * q_head_stride + d[None, :],
+                mask=live[:, None], other=0.0).to(tl.float32) * (scale * _LOG2E)
+    m_i = tl.full([MP], float("-inf"), tl.float32)
+    l_i = tl.zeros([MP], tl.float32)
+    acc = tl.zeros([MP, D], tl.float32)
+    r = tl.arange(0, RP)
+    for start in range(0, length, TILE):  # the merged tokens
+        page = pages_ptr + tl.load(table_ptr + row * table_stride + start // B).to(tl.int64) * PAGE
+        t = start % B + tl.arange(0, TILE)
+        valid = start + tl.arange(0, TILE) < length
+        if R > 0:  # retained tokens are read from their slots below
+            kept_at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + r, mask=r < R, other=-1).to(tl.int32)
+            valid = valid & (tl.sum((t[:, None] == kept_at[None, :]).to(tl.int32), 1) == 0)
+        k = _restored(page, q_ptr, t, valid, h, d, 0, LAYER, K_BITS, K_CODES, K_ROW, K_SCALE, K_ZERO, K_GROUP, NORMS,
+                      B, H, D)
+        v = _restored(page, q_ptr, t, valid, h, d, 1, LAYER, V_BITS, V_CODES, V_ROW, V_SCALE, V_ZERO, V_GROUP, NORMS,
+                      B, H, D)
+        m_i, l_i, acc = _step(q, k, v, valid, m_i, l_i, acc)
+    if R > 0:
+        raw = tl.pointer_type(q_ptr.dtype.element_ty)
+        for start in range(0, length, B):  # each block's retained tokens, exact: [R, 2 layers, 2, H, D]
+            page = pages_ptr + tl.load(table_ptr + row * table_stride + start // B).to(tl.int64) * PAGE
+            kept_at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + r, mask=r < R, other=-1).to(tl.int32)
+            valid = (kept_at >= 0) & (start + kept_at < length)
+            kept = (page + KEPT).to(raw) + ((r[:, None] * 2 + LAYER) * 2 * H + h) * D + d[None, :]
+            k = tl.load(kept, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(kept + H * D, mask=valid[:, None], other=0.0).to(tl.float32)
+            m_i, l_i, acc = _step(q, k, v, valid, m_i, l_i, acc)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no history: output 0, log-sum-exp -inf
+    tl.store(out_ptr + token[:, None] * out_row_stride + head[:, None] * out_head_stride + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(lse_ptr + token * lse_row_stride + head, (m_i + tl.log2(l_i)) / _LOG2E, mask=live)
+
+
+def _tensor_constants(prefix: str, codec, base: int) -> dict:
+    lay = codec.tensor_layout(base)
+    return {f"{prefix}_BITS": lay.bits, f"{prefix}_CODES": lay.codes, f"{prefix}_ROW": lay.row_bytes,
+            f"{prefix}_SCALE": lay.scale, f"{prefix}_ZERO": lay.zero, f"{prefix}_GROUP": lay.token_group}
+
+
+def merged_decode(q: torch.Tensor, pages: torch.Tensor, fmt: MergedPairFormat, layer: int, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                  groups: TokenGroups | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows ``q`` [N, Hq, D] of the pair's layer ``layer`` (0: its first), each over its
+    ``seq_lens`` tokens in ``pages`` [num_blocks, page_bytes] by its row of ``block_table``; with
+    ``groups`` (``token_rows``), the rows of a group share them and one program takes the group.
+    Returns the output [N, Hq, D] and each row's log-sum-exp [N, Hq] (a row of no tokens: 0 and -inf)."""
+    n, hq, d = q.shape
+    if q.dtype != fmt.dtype:
+        raise ValueError(f"queries in {q.dtype}, pages of {fmt.dtype}: the kernel reads raw values as the queries' dtype")
+    heads = fmt.k.num_heads
+    group = hq // heads
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
+    if n == 0:
+        return out, lse
+    at = fmt.regions.start
+    size = 1 if groups is None else groups.size
+    _merged_decode_kernel[(n if groups is None else groups.starts.shape[0], heads)](
+        q, pages, block_table, seq_lens, out, lse, None if groups is None else groups.rows,
+        None if groups is None else groups.starts, scale, q.stride(0), q.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), PAGE=fmt.page_bytes, B=fmt.block_size, H=heads, D=d, G=group,
+        MP=max(16, triton.next_power_of_2(size * group)), GROUPED=groups is not None, TILE=min(64, fmt.block_size),
+        LAYER=layer, R=fmt.retained, RP=max(16, triton.next_power_of_2(fmt.retained)),
+        **_tensor_constants("K", fmt.k, at("k")), **_tensor_constants("V", fmt.v, at("v")), NORMS=at("norms"),
+        INDEX=at("index"), KEPT=at("kept"), num_warps=4)
+    return out, lse
+
+
+def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, fmt: MergedPairFormat,
+                layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Decode rows (one new token each, ``q`` [N, Hq, D], ``key``/``value`` [N, H, D]) as
+    ``paged_torch.attend_pair`` computes them: the context before the new token from the pages,
+    merged with the new token's own exact term (the pages take it after the pair's second layer)."""
+    earlier, earlier_lse = merged_decode(q, pages, fmt, layer, block_table, seq_lens - 1, scale)
+    with_own_token(q, key, value, earlier, earlier_lse, scale, out)
