@@ -108,14 +108,14 @@ def test_zipcache_pages_go_through_their_own_kernels_only():
 
 @pytest.mark.parametrize("preset", ["minicache", "minicache-k4v4"])
 def test_merged_pairs_go_through_their_own_kernels_only(preset):
-    """The merged kernels (decode rows, prompt chunks) read MiniCache's pages and no others; the other
+    """The merged kernels (decode rows, prompt chunks, the pair's write) read MiniCache's pages and no others; the other
     kernels pass them over, and the layers before the first pair keep the usual plan. Prompt chunks
     need vLLM's FlashAttention for their own tokens; codes the kernel cannot read go to torch."""
     cfg = load_config(preset)
     shape = ModelKVShape(4, 4, 128, torch.bfloat16, 128, 8)
     merged = shape.page_format(cfg, 2)
     plan = registry.plan(merged, shape.layer_context(2, H100), AUTO)
-    assert _names(plan) == ("triton-merged", "flash-attention+triton-merged", "torch")
+    assert _names(plan) == ("triton-merged", "flash-attention+triton-merged", "triton-merged")
     assert "not cuda, triton, triton-slim, triton-salient: layers merged in pairs (MiniCache)" in plan.decode.describe()
     assert "triton-merged" not in registry.plan(shape.page_format(cfg, 0), shape.layer_context(0, H100), AUTO).decode.name
     no_flash = registry.plan(merged, shape.layer_context(2, registry.Device("cuda", (9, 0), nvcc=True)), AUTO)

@@ -68,6 +68,37 @@ def test_the_most_distinct_tokens_are_kept_unmerged():
     assert (k0[0, 12:] == 0).all()  # tokens past num_valid hold nothing
 
 
+@pytest.mark.parametrize("layer_format", [LayerFormat(), LayerFormat(k_bits=4, v_bits=4)])
+def test_appending_in_pieces_keeps_the_most_distinct_tokens(layer_format):
+    """A block filled in three appends (after a page that last held another request's tokens): its
+    retention slots hold the block's most distinct tokens, as when the block is merged at once; its
+    norms are the block's; its direction codes are what a layer page with the same codecs holds after
+    the same appends (``paged_torch.write_tokens``: the codecs' append rule)."""
+    from vllm_kvcompress import paged_torch
+
+    ka, va, kb, vb = _kv(4)
+    kb[0, 2], kb[0, 7], kb[0, 13] = -ka[0, 2], -ka[0, 7], -ka[0, 13]  # distinct, one in each piece
+    fmt = _fmt(gamma=0.2, layer_format=layer_format)  # 4 slots of 16
+    stale = fmt.encode(*_kv(5), torch.tensor([B]))  # a reused page: its slots hold another block's tokens
+    pair, layer_page = stale.clone(), torch.zeros(1, fmt.directions.page_bytes, dtype=torch.uint8)
+    for lo, hi in ((0, 5), (5, 6), (6, 14)):
+        slots = torch.arange(lo, hi)
+        paged_torch.write_pair_tokens(pair, fmt, *(x[0, lo:hi] for x in (ka, va, kb, vb)), slots)
+        x, merged, _, _ = fmt.merge(*(x[0, lo:hi] for x in (ka, va, kb, vb)))
+        paged_torch.write_tokens(layer_page, fmt.directions, merged[:, 0], merged[:, 1], slots)
+    whole = fmt.encode(ka, va, kb, vb, torch.tensor([14]))
+    index = fmt.regions.view(pair, "index", torch.int16, (fmt.retained,))
+    assert sorted(index[0].tolist()) == sorted(fmt.regions.view(whole, "index", torch.int16, (fmt.retained,))[0].tolist())
+    assert {2, 7, 13} <= set(index[0].tolist())
+    assert torch.equal(pair[:, :fmt.directions.codes_bytes], layer_page[:, :fmt.directions.codes_bytes])
+    for layer in (0, 1):
+        for got, want in zip(fmt.decode(pair, layer), fmt.decode(whole, layer)):
+            if layer_format.k_bits == 16:
+                torch.testing.assert_close(got[:, :14], want[:, :14])
+            for tok in (2, 7, 13):
+                torch.testing.assert_close(got[0, tok], want[0, tok])
+
+
 def test_quantized_directions_cost_less_and_stay_close():
     ka, va, kb, vb = _kv(3)
     plain, four = _fmt(gamma=0.05), _fmt(gamma=0.05, layer_format=LayerFormat(k_bits=4, v_bits=4))

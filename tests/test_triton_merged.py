@@ -125,3 +125,47 @@ def test_steps_through_the_kernels_equal_attend_pair(codec, monkeypatch):
         slots = torch.cat([table[i, (L - m + torch.arange(m)) // B].long() * B + (L - m + torch.arange(m)) % B
                            for i, (L, m) in enumerate(zip(lens, q_lens))]).to(DEVICE)
         paged_torch.write_pair_tokens(cache, fmt, *new, slots)
+
+
+def _retained(fmt, pages):
+    """Each page's retention slots as a set of (token offset, distance), empty slots left out."""
+    R = fmt.retained
+    index = fmt.regions.view(pages, "index", torch.int16, (R,)).cpu()
+    distance = fmt.regions.view(pages, "distance", torch.float32, (R,)).cpu()
+    return [{(int(i), float(d)) for i, d in zip(*row) if i >= 0} for row in zip(index, distance)]
+
+
+@pytest.mark.parametrize("codec", ["16-bit", "k4v4"])
+def test_triton_write_equals_append(codec):
+    """Steps of three requests' prompt chunks and decoded tokens, written by ``merged_write`` and by
+    the torch reference (``MergedPairFormat.append``: the held and new tokens ranked at once) into
+    pages that held another request's tokens before: the same direction codes and norms, the same
+    retained tokens with their distances (in whatever slots), the same restored layers."""
+    from vllm_kvcompress.triton_kernels.merged_write import write_pair_tokens
+
+    H, D, B = 2, 64, 32
+    fmt = MergedPairFormat.from_layer_format(CODECS[codec], 0.6, 0.1, DTYPE, B, H, D)
+    g = torch.Generator().manual_seed(3)
+    table = torch.arange(3 * 4, dtype=torch.int32).view(3, 4).flip(1)
+    stale = fmt.encode(*_pair_vectors(g, 12, B, H, D), torch.full((12,), B))
+    want, got = stale.clone(), stale.clone().to(DEVICE)
+    lens = [0, 0, 0]
+    for q_lens in ([40, 3, 17], [30, 64, 1], [1, 1, 1], [1, 5, 14], [1, 1, 1]):
+        slots = torch.cat([table[i, (L + torch.arange(m)) // B].long() * B + (L + torch.arange(m)) % B
+                           for i, (L, m) in enumerate(zip(lens, q_lens))])
+        slots = torch.cat([slots, torch.tensor([-1])])  # a padding row
+        lens = [L + m for L, m in zip(lens, q_lens)]
+        new = [x.to(DTYPE) for x in _pair_vectors(g, 1, slots.shape[0], H, D)]
+        paged_torch.write_pair_tokens(want, fmt, *(x[0] for x in new), slots)
+        write_pair_tokens(got, fmt, *(x[0].to(DEVICE) for x in new), slots.to(DEVICE))
+        for i, L in enumerate(lens):
+            blocks = table[i, :-(-L // B)].long()
+            ours, theirs = got.cpu()[blocks], want[blocks]
+            for a, b in zip(fmt.directions.decode(ours), fmt.directions.decode(theirs)):
+                assert torch.equal(a.flatten(0, 1)[:L], b.flatten(0, 1)[:L])
+            norms = [fmt.regions.view(p, "norms", torch.float16, (B, 2, 2, H)).flatten(0, 1)[:L] for p in (ours, theirs)]
+            assert torch.equal(*norms)
+            assert _retained(fmt, ours) == _retained(fmt, theirs)
+            for layer in (0, 1):
+                for a, b in zip(fmt.decode(ours, layer), fmt.decode(theirs, layer)):
+                    assert torch.equal(a.flatten(0, 1)[:L], b.flatten(0, 1)[:L])

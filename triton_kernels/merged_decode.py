@@ -24,7 +24,7 @@ from vllm_kvcompress.token_rows import TokenGroups
 from .addressing import code_unit_ptr
 from .decode import _LOG2E
 
-_EPS = 1e-6  # as MergedPairFormat's restoration
+_EPS = tl.constexpr(1e-6)  # as MergedPairFormat's restoration
 
 
 @triton.jit

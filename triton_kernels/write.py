@@ -449,13 +449,16 @@ def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, append_u
 
 def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor, chunk_channels: int = CHUNK_CHANNELS, spread: int = SPREAD,
-                 append_units: int = APPEND_UNITS, num_warps: int | None = None, dealt: bool | None = None) -> None:
+                 append_units: int = APPEND_UNITS, num_warps: int | None = None, dealt: bool | None = None,
+                 page_bytes: int | None = None) -> None:
     """Same contract as ``paged_torch.write_tokens``; key/value [N, H, D] (row-strided views allowed).
+    ``page_bytes``: the cache's bytes a page, where pages hold more than ``fmt``'s (MiniCache's pair
+    pages begin with a layer page's codes).
     Where statistics are per channel: ``chunk_channels`` channels are re-encoded together, and a
     block's chunks are dealt out over ``spread`` programs, or with ``dealt`` over the programs of
     its last new tokens (None: where N * H exceeds DEALT_PROGRAMS), where a decoding token's widened
-    storage units are re-encoded ``append_units`` at a time; ``num_warps`` per program (all but the
-    first five are for benchmarks and tests)."""
+    storage units are re-encoded ``append_units`` at a time; ``num_warps`` per program (``chunk_channels``
+    to ``dealt`` are for benchmarks and tests)."""
     if spread < 1 or spread & (spread - 1):
         raise ValueError(f"spread={spread}: a block's chunks are dealt out over a power of two of programs")
     n = slot_mapping.shape[0]
@@ -467,7 +470,7 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     if fmt.v is None:  # K-only pages: nothing reads V's arguments
         value = key
     launch(variant, (n, fmt.k.num_heads, shares),
-           (key, value, slot_mapping, cache, n, fmt.page_bytes, key.stride(0), value.stride(0)))
+           (key, value, slot_mapping, cache, n, page_bytes or fmt.page_bytes, key.stride(0), value.stride(0)))
 
 
 def warm_up(cache: torch.Tensor, fmt: KVPageFormat, dtype: torch.dtype) -> None:

@@ -217,6 +217,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._decode_kernel = plan.decode.implementation.load()
         self._prompt_kernel = plan.prompt.implementation.load()
         self._write = plan.write.implementation.load()
+        if isinstance(fmt, MergedPairFormat) and plan.write.name == "torch":
+            self._write = paged_torch.write_pair_tokens  # a pair's write takes both layers' tokens
         decode_warm_ups = {c.implementation.load("warm_up") for c in (plan.decode, plan.prompt)} - {None}
         self._warm_ups = [lambda pages, dtype, w=w: w(pages, fmt, self.num_heads, dtype) for w in decode_warm_ups]
         write_warm_up = plan.write.implementation.load("warm_up")
@@ -360,8 +362,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         if self._pair_layer == 1:  # the slots cover the step's tokens and its padding (-1), as key's rows do
             k_a, v_a, slots = _pair_tokens.pop(self.kv_sharing_target_layer_name)
             n = slots.shape[0]
-            paged_torch.write_pair_tokens(pages, fmt, k_a, v_a, key[:n].view(n, self.num_kv_heads, -1),
-                                          value[:n].view(n, self.num_kv_heads, -1), slots)
+            self._write(pages, fmt, k_a, v_a, key[:n].view(n, self.num_kv_heads, -1),
+                        value[:n].view(n, self.num_kv_heads, -1), slots)
 
 
 # A merged pair's first layer's new tokens, by its layer name, until the second layer writes both.

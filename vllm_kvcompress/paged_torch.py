@@ -176,17 +176,15 @@ def attend_k_only(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, q
 
 def write_pair_tokens(cache: torch.Tensor, fmt: MergedPairFormat, key_a: torch.Tensor, value_a: torch.Tensor,
                       key_b: torch.Tensor, value_b: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store two layers' new tokens ``[N, H, D]`` at ``slot_mapping`` in their shared pages: each
-    touched block is restored for both layers, extended and merged again (``MergedPairFormat``)."""
+    """Store two layers' new tokens ``[N, H, D]`` at ``slot_mapping`` in their shared pages
+    (``MergedPairFormat.append``)."""
     keep = slot_mapping >= 0
     if not keep.any():
         return
     touched, which, offsets, filled = _touched_blocks(slot_mapping[keep], fmt.block_size)
-    old = cache[touched]
-    tensors = [*fmt.decode(old, 0), *fmt.decode(old, 1)]
-    for stored, new in zip(tensors, (key_a, value_a, key_b, value_b)):
-        stored[which, offsets] = new[keep].float()
-    cache[touched] = fmt.encode(*tensors, filled)
+    num_stored = torch.full_like(touched, fmt.block_size).scatter_reduce(0, which, offsets, reduce="amin")
+    cache[touched] = fmt.append(cache[touched], which, offsets, filled, num_stored,
+                                *(t[keep] for t in (key_a, value_a, key_b, value_b)))
 
 
 def attend_pair(query: torch.Tensor, cache: torch.Tensor, fmt: MergedPairFormat, layer: int,

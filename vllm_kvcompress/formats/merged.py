@@ -11,7 +11,9 @@ whole vector and retains over the whole context; choices made here for fixed pag
 docs/formats.md.
 
 Page: K direction codes | V direction codes | norms [B, 2 layers, 2 (K, V), H] float16 | retained
-token offsets [R] int16 (-1: empty) | retained vectors [R, 2 layers, 2 (K, V), H, D] in the model dtype.
+token offsets [R] int16 (-1: empty) | their distances [R] float32 | retained vectors [R, 2 layers,
+2 (K, V), H, D] in the model dtype. The codes lie as a ``KVPageFormat`` page's (``directions``), so
+new tokens are appended under the same codecs' append rule, by the same write kernels.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from .codecs import Codec, TensorSpec
 from .layout import Regions, SlottedPage
-from .page import codec_for
+from .page import KVPageFormat, codec_for
 
 _EPS = 1e-6
 
@@ -67,44 +69,103 @@ class MergedPairFormat(SlottedPage):
     def regions(self) -> Regions:
         B, H, D, R = self.block_size, self.k.num_heads, self.k.head_size, self.retained
         return Regions([("k", self.k.nbytes), ("v", self.v.nbytes), ("norms", B * 2 * 2 * H * 2),
-                        ("index", max(R, 1) * 2), ("kept", R * 2 * 2 * H * D * self.dtype.itemsize)])
+                        ("index", max(R, 1) * 2), ("distance", max(R, 1) * 4),
+                        ("kept", R * 2 * 2 * H * D * self.dtype.itemsize)])
+
+    @cached_property
+    def directions(self) -> KVPageFormat:
+        """The merged directions' codes as a layer page's: the pair page's first bytes are laid out
+        as this format's K and V codes."""
+        page = KVPageFormat(self.k, self.v, self.block_size, self.dtype)
+        assert self.regions.start("v") == self.k.nbytes, "the pair page's codes must lie as a layer page's"
+        return page
 
     def dense_page_bytes(self) -> int:
         """What vLLM's own cache spends on the same block of both layers."""
         return 2 * 2 * self.block_size * self.k.num_heads * self.k.head_size * self.dtype.itemsize
 
+    def merge(self, ka, va, kb, vb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Both layers' K and V [..., H, D] -> the vectors stacked [..., 2 layers, 2 (K, V), H, D]
+        (float32), the merged directions [..., 2 (K, V), H, D] rounded to the model dtype (what the
+        codecs take), the norms [..., 2 layers, 2, H] rounded to float16 (as stored), and each
+        token's distance [...]: the angle between the layers' directions, averaged over K, V and heads."""
+        x = torch.stack([torch.stack([ka, va], -3), torch.stack([kb, vb], -3)], -4).float()
+        norms = x.norm(dim=-1, keepdim=True).to(torch.float16).float()
+        unit = x / norms.clamp_min(_EPS)
+        ua, ub = unit.unbind(-4)
+        merged = slerp(ua, ub, self.t).to(self.dtype).float()
+        distance = torch.arccos((ua * ub).sum(-1).clamp(-1.0, 1.0)).mean(dim=(-2, -1))
+        return x, merged, norms[..., 0], distance
+
     def encode(self, ka, va, kb, vb, num_valid: torch.Tensor) -> torch.Tensor:
         """Both layers' K and V [N, B, H, D] -> pages [N, page_bytes]; ``num_valid[n]`` leading tokens hold."""
         N, B, H, D = ka.shape
-        x = torch.stack([torch.stack([ka, va], 2), torch.stack([kb, vb], 2)], 2).float()  # [N, B, 2, 2, H, D]
-        valid = torch.arange(B, device=x.device)[None, :] < num_valid[:, None]
-        x = torch.where(valid[:, :, None, None, None, None], x, 0)
-        norms = x.norm(dim=-1, keepdim=True).to(torch.float16).float()
-        unit = x / norms.clamp_min(_EPS)
-        merged = slerp(unit[:, :, 0], unit[:, :, 1], self.t)  # [N, B, 2, H, D]
-        distance = torch.arccos((unit[:, :, 0] * unit[:, :, 1]).sum(-1).clamp(-1.0, 1.0)).mean(dim=(2, 3))
-        pages = torch.zeros(N, self.page_bytes, dtype=torch.uint8, device=x.device)
+        valid = torch.arange(B, device=ka.device)[None, :] < num_valid[:, None]
+        x, merged, norms, distance = self.merge(*(torch.where(valid[:, :, None, None], t, 0) for t in (ka, va, kb, vb)))
+        pages = torch.zeros(N, self.page_bytes, dtype=torch.uint8, device=ka.device)
         r = self.regions
-        r.write(pages, "k", self.k.encode(merged[:, :, 0], num_valid))
-        r.write(pages, "v", self.v.encode(merged[:, :, 1], num_valid))
-        r.write(pages, "norms", norms[..., 0].to(torch.float16))
-        index = torch.full((N, max(self.retained, 1)), -1, dtype=torch.int16, device=x.device)
+        pages[:, :self.directions.codes_bytes] = self.directions.encode(merged[:, :, 0], merged[:, :, 1],
+                                                                       num_valid)[:, :self.directions.codes_bytes]
+        r.write(pages, "norms", norms.to(torch.float16))
+        index = torch.full((N, max(self.retained, 1)), -1, dtype=torch.int16, device=ka.device)
+        kept_distance = torch.full((N, max(self.retained, 1)), -1.0, device=ka.device)
         if self.retained:
             top = torch.where(valid, distance, -1.0).topk(self.retained, dim=1)
             chosen = torch.where(top.values >= 0, top.indices, -1)
             index[:, :self.retained] = chosen.to(torch.int16)
+            kept_distance[:, :self.retained] = top.values
             kept = x.gather(1, chosen.clamp_min(0)[:, :, None, None, None, None].expand(N, self.retained, 2, 2, H, D))
             r.write(pages, "kept", kept.to(self.dtype))
         r.write(pages, "index", index)
+        r.write(pages, "distance", kept_distance)
+        return pages
+
+    def append(self, old: torch.Tensor, which: torch.Tensor, offsets: torch.Tensor, filled: torch.Tensor,
+               num_stored: torch.Tensor, ka, va, kb, vb) -> torch.Tensor:
+        """Pages ``old`` [N, page_bytes] with new tokens (both layers' K and V [M, H, D]) at ``offsets``
+        of pages ``which`` [M]; ``num_stored``/``filled``: tokens each page held before and after.
+        The merged directions go in under the codecs' append rule (``KVPageFormat.encode``), the
+        norms beside them; a page's retention slots keep the most distinct of the tokens they held
+        and the new ones (ties: the earlier token). Tokens already merged stay merged."""
+        N, B, R = old.shape[0], self.block_size, self.retained
+        H, D = self.k.num_heads, self.k.head_size
+        x, merged, norms, distance = self.merge(ka, va, kb, vb)
+        pages = old.clone()
+        codes = self.directions
+        k, v = codes.decode(old)
+        k[which, offsets], v[which, offsets] = merged[:, 0], merged[:, 1]
+        pages[:, :codes.codes_bytes] = codes.encode(k, v, filled, old, num_stored)[:, :codes.codes_bytes]
+        r = self.regions
+        stored_norms = r.view(old, "norms", torch.float16, (B, 2, 2, H))
+        stored_norms[which, offsets] = norms.to(torch.float16)
+        r.write(pages, "norms", stored_norms)
+        if not R:
+            return pages
+        index = r.view(old, "index", torch.int16, (R,)).long()
+        index = torch.where(index < num_stored[:, None], index, -1)  # a reused page's slots hold nothing yet
+        new_distance = torch.full((N, B), -1.0, device=old.device)
+        new_distance[which, offsets] = distance
+        candidates = torch.cat([torch.where(index >= 0, r.view(old, "distance", torch.float32, (R,)), -1.0),
+                                new_distance], 1)  # [N, R + B]: the held tokens, then each offset's new one
+        at = torch.cat([index, torch.arange(B, device=old.device).expand(N, B)], 1)
+        by_offset = torch.sort(at, dim=1, stable=True).indices  # ties go to the earlier token
+        order = torch.sort(candidates.gather(1, by_offset), dim=1, descending=True, stable=True).indices
+        ranked = by_offset.gather(1, order)[:, :R]
+        held = candidates.gather(1, ranked) >= 0
+        new_x = torch.zeros(N, B, 2, 2, H, D, device=old.device)
+        new_x[which, offsets] = x
+        pool = torch.cat([r.view(old, "kept", self.dtype, (R, 2, 2, H, D)).float(), new_x], 1)
+        kept = pool.gather(1, ranked[:, :, None, None, None, None].expand(N, R, 2, 2, H, D))
+        r.write(pages, "index", torch.where(held, at.gather(1, ranked), -1).to(torch.int16))
+        r.write(pages, "distance", torch.where(held, candidates.gather(1, ranked), -1.0))
+        r.write(pages, "kept", torch.where(held[:, :, None, None, None, None], kept, 0).to(self.dtype))
         return pages
 
     def decode(self, pages: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s (0: the pair's first) K and V [N, B, H, D], float32."""
         N, B, H, D, R = pages.shape[0], self.block_size, self.k.num_heads, self.k.head_size, self.retained
         r = self.regions
-        start = r.start
-        k = self.k.decode(pages[:, start("k"):start("k") + self.k.nbytes])
-        v = self.v.decode(pages[:, start("v"):start("v") + self.v.nbytes])
+        k, v = self.directions.decode(pages)
         norms = r.view(pages, "norms", torch.float16, (B, 2, 2, H, 1)).float()[:, :, layer]  # [N, B, 2, H, 1]
         x = torch.stack([k, v], 2)
         x = x / x.norm(dim=-1, keepdim=True).clamp_min(_EPS) * norms

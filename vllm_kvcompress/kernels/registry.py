@@ -369,6 +369,9 @@ for _impl in (
     # ZipCache's decode rows: the new token, the probe's scores and the block's re-compression
     Implementation("write", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_write:write_decoded",
                    reads=(SalientTokensFormat,)),
+    # MiniCache: both layers' tokens of a pair, merged, into the pair's pages (the second layer's write)
+    Implementation("write", "cuda", "triton-merged", _merged_decode, f"{_TRITON}.merged_write:write_pair_tokens",
+                   reads=(MergedPairFormat,)),
     Implementation("write", "cuda", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
     Implementation("write", "cpu", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
 ):

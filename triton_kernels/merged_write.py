@@ -1,0 +1,91 @@
+"""MiniCache's write on the GPU: a pair's new tokens into their shared pages, as
+``MergedPairFormat.append`` writes them.
+
+The merge itself (norms, SLERP of the directions, each token's distance) is a few batched torch
+operations over the step's tokens. The merged directions then go through the layer write kernel
+(``write.write_tokens``): the pair page begins with a layer page's codes, so the codecs' append rule
+is the layer pages' own. ``_retain_kernel`` writes the norms and updates the retention slots: one
+program per new token writes its norms; the program of a block's first new token of the step
+walks the block's new tokens in order and keeps the most distinct of the held and new tokens (a
+new token replaces the weakest held one where it is strictly more distinct: ties go to the earlier
+token, as in the reference). No step waits on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_kvcompress.formats.merged import MergedPairFormat
+
+from .write import write_tokens
+
+_COPY = 1024  # elements of a retained token's vectors copied at a time
+
+
+@triton.jit
+def _retain_kernel(slot_ptr, n, distance_ptr, norms_ptr, x_ptr, cache_ptr, PAGE: tl.constexpr, B: tl.constexpr,
+                   R: tl.constexpr, RP: tl.constexpr, NH: tl.constexpr, NHP: tl.constexpr, X: tl.constexpr,
+                   COPY: tl.constexpr, NORMS: tl.constexpr, INDEX: tl.constexpr, DISTANCE: tl.constexpr,
+                   KEPT: tl.constexpr):
+    i = tl.program_id(0)
+    slot = tl.load(slot_ptr + i)
+    if slot >= 0:
+        block = slot // B
+        page = cache_ptr + block.to(tl.int64) * PAGE
+        e = tl.arange(0, NHP)  # the token's norms [2 layers, 2 (K, V), H]: NH values
+        norms = tl.load(norms_ptr + i * NH + e, mask=e < NH)
+        tl.store((page + NORMS).to(tl.pointer_type(tl.float16)) + (slot % B) * NH + e, norms, mask=e < NH)
+        before = tl.load(slot_ptr + i - 1, mask=i > 0, other=-1)
+        if R > 0:
+            first_of_block = (before < 0) | (before // B != block)
+        else:
+            first_of_block = False
+        if first_of_block:  # the block's first new token of the step
+            r = tl.arange(0, RP)
+            first = slot % B  # tokens the block held before the step
+            index = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + r, mask=r < R, other=-1).to(tl.int32)
+            held = (index >= 0) & (index < first)  # a reused page's slots hold nothing yet
+            index = tl.where(held, index, -1)
+            dist = tl.where(held, tl.load((page + DISTANCE).to(tl.pointer_type(tl.float32)) + r, mask=r < R,
+                                          other=-1.0), -1.0)
+            dist = tl.where(r < R, dist, float("inf"))  # padding slots are never the weakest
+            kept = (page + KEPT).to(x_ptr.dtype)
+            j = i
+            at = slot
+            while (at >= 0) & (at // B == block):
+                d = tl.load(distance_ptr + j)
+                weakest = tl.min(dist, 0)
+                # the weakest held token: least distinct, the latest of equals (a free slot first)
+                latest = tl.max(tl.where(dist == weakest, index, -2), 0)
+                w = tl.min(tl.where((dist == weakest) & (index == latest), r, RP), 0)
+                if d > weakest:
+                    index = tl.where(r == w, at % B, index)
+                    dist = tl.where(r == w, d, dist)
+                    for c in range(0, X, COPY):
+                        o = c + tl.arange(0, COPY)
+                        tl.store(kept + w * X + o, tl.load(x_ptr + j.to(tl.int64) * X + o, mask=o < X), mask=o < X)
+                j += 1
+                at = tl.load(slot_ptr + j, mask=j < n, other=-1)
+            tl.store((page + INDEX).to(tl.pointer_type(tl.int16)) + r, index.to(tl.int16), mask=r < R)
+            tl.store((page + DISTANCE).to(tl.pointer_type(tl.float32)) + r, dist, mask=r < R)
+
+
+def write_pair_tokens(cache: torch.Tensor, fmt: MergedPairFormat, key_a: torch.Tensor, value_a: torch.Tensor,
+                      key_b: torch.Tensor, value_b: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Same contract as ``paged_torch.write_pair_tokens``: two layers' new tokens [N, H, D] at
+    ``slot_mapping`` (-1: none; a block's new tokens consecutive and in order, as vLLM lays a step's)."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    x, merged, norms, distance = fmt.merge(key_a, value_a, key_b, value_b)
+    directions = merged.to(fmt.dtype)
+    write_tokens(cache, fmt.directions, directions[:, 0], directions[:, 1], slot_mapping, page_bytes=fmt.page_bytes)
+    at = fmt.regions.start
+    nh = norms[0].numel()
+    _retain_kernel[(n,)](
+        slot_mapping, n, distance.contiguous(), norms.to(torch.float16).contiguous(), x.to(fmt.dtype).contiguous(),
+        cache, PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.retained, RP=triton.next_power_of_2(max(fmt.retained, 2)),
+        NH=nh, NHP=triton.next_power_of_2(nh), X=x[0].numel(), COPY=min(_COPY, triton.next_power_of_2(x[0].numel())),
+        NORMS=at("norms"), INDEX=at("index"), DISTANCE=at("distance"), KEPT=at("kept"), num_warps=4)
