@@ -134,6 +134,17 @@ def _tensor_constants(prefix: str, codec, base: int) -> dict:
             f"{prefix}_SCALE": lay.scale, f"{prefix}_ZERO": lay.zero, f"{prefix}_GROUP": lay.token_group}
 
 
+def decode_constants(fmt: MergedPairFormat, layer: int, group: int, rows_per_program: int, grouped: bool) -> dict:
+    """The decode kernel's compile-time constants for ``layer`` of ``fmt``'s pairs, ``group`` query
+    heads a KV head and ``rows_per_program`` tokens a program."""
+    at = fmt.regions.start
+    return dict(PAGE=fmt.page_bytes, B=fmt.block_size, H=fmt.k.num_heads, D=fmt.k.head_size, G=group,
+                MP=max(16, triton.next_power_of_2(rows_per_program * group)), GROUPED=grouped,
+                TILE=min(64, fmt.block_size), LAYER=layer, R=fmt.retained,
+                RP=max(16, triton.next_power_of_2(fmt.retained)), **_tensor_constants("K", fmt.k, at("k")),
+                **_tensor_constants("V", fmt.v, at("v")), NORMS=at("norms"), INDEX=at("index"), KEPT=at("kept"))
+
+
 def merged_decode(q: torch.Tensor, pages: torch.Tensor, fmt: MergedPairFormat, layer: int, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                   groups: TokenGroups | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +152,7 @@ def merged_decode(q: torch.Tensor, pages: torch.Tensor, fmt: MergedPairFormat, l
     ``seq_lens`` tokens in ``pages`` [num_blocks, page_bytes] by its row of ``block_table``; with
     ``groups`` (``token_rows``), the rows of a group share them and one program takes the group.
     Returns the output [N, Hq, D] and each row's log-sum-exp [N, Hq] (a row of no tokens: 0 and -inf)."""
-    n, hq, d = q.shape
+    n, hq, _ = q.shape
     if q.dtype != fmt.dtype:
         raise ValueError(f"queries in {q.dtype}, pages of {fmt.dtype}: the kernel reads raw values as the queries' dtype")
     heads = fmt.k.num_heads
@@ -150,16 +161,12 @@ def merged_decode(q: torch.Tensor, pages: torch.Tensor, fmt: MergedPairFormat, l
     lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
     if n == 0:
         return out, lse
-    at = fmt.regions.start
     size = 1 if groups is None else groups.size
     _merged_decode_kernel[(n if groups is None else groups.starts.shape[0], heads)](
         q, pages, block_table, seq_lens, out, lse, None if groups is None else groups.rows,
         None if groups is None else groups.starts, scale, q.stride(0), q.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), PAGE=fmt.page_bytes, B=fmt.block_size, H=heads, D=d, G=group,
-        MP=max(16, triton.next_power_of_2(size * group)), GROUPED=groups is not None, TILE=min(64, fmt.block_size),
-        LAYER=layer, R=fmt.retained, RP=max(16, triton.next_power_of_2(fmt.retained)),
-        **_tensor_constants("K", fmt.k, at("k")), **_tensor_constants("V", fmt.v, at("v")), NORMS=at("norms"),
-        INDEX=at("index"), KEPT=at("kept"), num_warps=4)
+        out.stride(0), out.stride(1), lse.stride(0), num_warps=4,
+        **decode_constants(fmt, layer, group, size, groups is not None))
     return out, lse
 
 

@@ -61,7 +61,7 @@ def _retain_kernel(slot_ptr, n, distance_ptr, norms_ptr, x_ptr, cache_ptr, PAGE:
                 latest = tl.max(tl.where(dist == weakest, index, -2), 0)
                 w = tl.min(tl.where((dist == weakest) & (index == latest), r, RP), 0)
                 if d > weakest:
-                    index = tl.where(r == w, at % B, index)
+                    index = tl.where(r == w, (at % B).to(tl.int32), index)
                     dist = tl.where(r == w, d, dist)
                     for c in range(0, X, COPY):
                         o = c + tl.arange(0, COPY)
@@ -82,10 +82,14 @@ def write_pair_tokens(cache: torch.Tensor, fmt: MergedPairFormat, key_a: torch.T
     x, merged, norms, distance = fmt.merge(key_a, value_a, key_b, value_b)
     directions = merged.to(fmt.dtype)
     write_tokens(cache, fmt.directions, directions[:, 0], directions[:, 1], slot_mapping, page_bytes=fmt.page_bytes)
+    _retain_kernel[(n,)](slot_mapping, n, distance.contiguous(), norms.to(torch.float16).contiguous(),
+                         x.to(fmt.dtype).contiguous(), cache, num_warps=4, **retain_constants(fmt))
+
+
+def retain_constants(fmt: MergedPairFormat) -> dict:
+    """``_retain_kernel``'s compile-time constants for ``fmt``'s pages."""
     at = fmt.regions.start
-    nh = norms[0].numel()
-    _retain_kernel[(n,)](
-        slot_mapping, n, distance.contiguous(), norms.to(torch.float16).contiguous(), x.to(fmt.dtype).contiguous(),
-        cache, PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.retained, RP=triton.next_power_of_2(max(fmt.retained, 2)),
-        NH=nh, NHP=triton.next_power_of_2(nh), X=x[0].numel(), COPY=min(_COPY, triton.next_power_of_2(x[0].numel())),
-        NORMS=at("norms"), INDEX=at("index"), DISTANCE=at("distance"), KEPT=at("kept"), num_warps=4)
+    nh, x = 2 * 2 * fmt.k.num_heads, 2 * 2 * fmt.k.num_heads * fmt.k.head_size  # a token's norms and vectors
+    return dict(PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.retained, RP=triton.next_power_of_2(max(fmt.retained, 2)),
+                NH=nh, NHP=triton.next_power_of_2(nh), X=x, COPY=min(_COPY, triton.next_power_of_2(x)),
+                NORMS=at("norms"), INDEX=at("index"), DISTANCE=at("distance"), KEPT=at("kept"))
