@@ -125,6 +125,8 @@ def test_merged_pairs_go_through_their_own_kernels_only(preset):
     refused = registry.plan(three, shape.layer_context(2, H100), AUTO)
     assert _names(refused) == ("torch", "torch", "torch")
     assert "triton-merged: K directions at 3 bits (2, 4, 8 or 16 only)" in refused.decode.describe()
+    sliding = registry.plan(merged, registry.LayerContext(H100, torch.bfloat16, 8, 512), AUTO)
+    assert _names(sliding) == ("torch", "torch", "torch") and "triton-merged: sliding-window layer" in sliding.decode.describe()
 
 
 @pytest.mark.parametrize("layer_format,block,head_size,query_heads,dtype,reason", [

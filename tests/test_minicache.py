@@ -176,3 +176,44 @@ def test_engine_restores_merged_layers(mha, monkeypatch):
         scores = torch.einsum("hd,khd->hk", q.reshape(hq, d).float(), k) * scale
         want = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
         torch.testing.assert_close(out.reshape(hq, d).float(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_pairs_of_sliding_window_layers_merge_and_mixed_pairs_are_refused():
+    """Gemma 3's pattern (five sliding-window layers, then one of full attention): pairs of two
+    sliding-window layers merge; a pair with a full-attention layer is refused with both windows named."""
+    windows = (512, 512, 512, 512, 512, None, 512, 512, 512, 512, 512, None)
+    shape = ModelKVShape(12, H, D, torch.bfloat16, B, sliding_windows=windows)
+    check_merge_fits(load_config({"merge": {"start_layer": 7}}), shape)  # (7, 8), (9, 10)
+    with pytest.raises(KVCompressionConfigError,
+                       match=r"merge pairs layers 5 and 6: full attention and a sliding window of 512"):
+        check_merge_fits(load_config({"merge": {"start_layer": 5}}), shape)
+
+
+def test_a_sliding_window_pair_sees_only_its_window():
+    """``attend_pair`` with a window: each query row attends to keys p - window < j <= p, restored
+    from the pages or its chunk's own; pages before the window (freed by vLLM, here full of NaN)
+    are never read."""
+    from vllm_kvcompress import paged_torch
+
+    window, block = 20, 16
+    fmt = MergedPairFormat.from_layer_format(LayerFormat(), 0.6, 0.1, torch.float32, block, H, D)
+    g = torch.Generator().manual_seed(8)
+    L, m = 70, 6  # 64 tokens in the pages, a chunk of 6
+    ka, va, kb, vb = (torch.randn(5, block, H, D, generator=g) for _ in range(4))
+    cache = torch.full((6, fmt.page_bytes), 255, dtype=torch.uint8)  # NaN everywhere
+    table = torch.tensor([[5, 4, 3, 2, 1]], dtype=torch.int32)
+    filled = torch.tensor([16, 16, 16, 16, 0])
+    cache[[5, 4, 3, 2, 1]] = fmt.encode(ka, va, kb, vb, filled)
+    cache[[5, 4]] = 255  # the blocks wholly before the first row's window
+    q = torch.randn(m, 2 * H, D, generator=g)
+    k_new, v_new = torch.randn(m, H, D, generator=g), torch.randn(m, H, D, generator=g)
+    for layer in (0, 1):
+        out = paged_torch.attend_pair(q, cache, fmt, layer, [0, m], [L], table, D ** -0.5, k_new, v_new, window)
+        pages = fmt.encode(ka, va, kb, vb, filled)
+        k, v = (torch.cat([x.flatten(0, 1)[:L - m], new]) for x, new in zip(fmt.decode(pages, layer), (k_new, v_new)))
+        for row in range(m):
+            p = L - m + row
+            keys = slice(p - window + 1, p + 1)
+            logits = torch.einsum("hd,khd->hk", q[row], k[keys].repeat_interleave(2, 1)) * D ** -0.5
+            want = torch.einsum("hk,khd->hd", logits.softmax(-1), v[keys].repeat_interleave(2, 1))
+            torch.testing.assert_close(out[row], want, rtol=1e-4, atol=1e-4)

@@ -358,7 +358,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             else:
                 out[start:] = paged_torch.attend_pair(q[start:], pages, fmt, layer_of_pair,
                                                       [x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:],
-                                                      md.block_table[nd:], self.scale, k[start:], v[start:])
+                                                      md.block_table[nd:], self.scale, k[start:], v[start:],
+                                                      self.sliding_window)
         if self._pair_layer == 1:  # the slots cover the step's tokens and its padding (-1), as key's rows do
             k_a, v_a, slots = _pair_tokens.pop(self.kv_sharing_target_layer_name)
             n = slots.shape[0]

@@ -151,7 +151,8 @@ def layer_description(cfg: KVCompressionConfig, layer_index: int, num_layers: in
 
 
 def check_merge_fits(cfg: KVCompressionConfig, shape: ModelKVShape) -> None:
-    """MiniCache pairs need two layers of one format, without K-only pages, recent windows or sliding windows."""
+    """MiniCache pairs need two layers of one format and one attention window, without K-only pages or
+    recent windows."""
     if cfg.merge is None:
         return
     pairs = cfg.merged_pairs(shape.num_layers)
@@ -169,8 +170,10 @@ def check_merge_fits(cfg: KVCompressionConfig, shape: ModelKVShape) -> None:
             why = "k_only layers (slim attention) cannot be merged"
         elif fa.has_recent_window:
             why = "a recent window (rpc_fraction) cannot be combined with merging"
-        elif shape.sliding_window(a) is not None or shape.sliding_window(b) is not None:
-            why = "sliding-window layers cannot be merged"
+        elif shape.sliding_window(a) != shape.sliding_window(b):
+            windows = ["full attention" if w is None else f"a sliding window of {w}"
+                       for w in (shape.sliding_window(a), shape.sliding_window(b))]
+            why = f"{windows[0]} and {windows[1]} (a pair's layers must see the same tokens)"
         if why is not None:
             raise KVCompressionConfigError(f"kv-compression config {cfg.source}: merge pairs layers {a} and {b}: {why}")
 

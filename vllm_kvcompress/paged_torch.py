@@ -189,20 +189,26 @@ def write_pair_tokens(cache: torch.Tensor, fmt: MergedPairFormat, key_a: torch.T
 
 def attend_pair(query: torch.Tensor, cache: torch.Tensor, fmt: MergedPairFormat, layer: int,
                 query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor, scale: float,
-                key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+                key: torch.Tensor, value: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of one layer of a merged pair: earlier tokens restored from the shared pages
     for ``layer``, the query rows' own tokens from their new ``key``/``value`` (the pair's pages
-    take them only once both layers have run)."""
+    take them only once both layers have run); with a sliding window, keys p - window < j <= p."""
     out = torch.empty_like(query)
     B = fmt.block_size
     for i, qs, qe, history in _chunks(query_start_loc, seq_lens):
         m, L = qe - qs, seq_lens[i]
+        # with a sliding window, vLLM has freed the pages before the first one the chunk sees
+        first = 0 if sliding_window is None else max(0, history - sliding_window + 1) // B * B
         k, v = key[qs:qe].float(), value[qs:qe].float()
-        if history:
-            k_old, v_old = fmt.decode(cache[block_table[i, :-(-history // B)].long()], layer)
-            k = torch.cat([k_old.flatten(0, 1)[:history], k])
-            v = torch.cat([v_old.flatten(0, 1)[:history], v])
-        mask = torch.ones(m, L, dtype=torch.bool, device=query.device).tril(history)
+        if history > first:
+            k_old, v_old = fmt.decode(cache[block_table[i, first // B:-(-history // B)].long()], layer)
+            k = torch.cat([k_old.flatten(0, 1)[:history - first], k])
+            v = torch.cat([v_old.flatten(0, 1)[:history - first], v])
+        q_pos = torch.arange(history, L, device=query.device)
+        k_pos = torch.arange(first, L, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
         o = F.scaled_dot_product_attention(query[qs:qe].float().transpose(0, 1), k.transpose(0, 1),
                                            v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
         out[qs:qe] = o.transpose(0, 1).to(query.dtype)

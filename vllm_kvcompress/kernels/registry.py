@@ -326,6 +326,8 @@ def _merged_decode(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
     d = fmt.k.head_size
     if d & (d - 1) or d < 16:
         return f"head size {d} (powers of two from 16)"
+    if ctx.sliding_window is not None:
+        return "sliding-window layer (the kernel reads whole contexts)"
     return _sixteen_bit_queries(ctx)
 
 
