@@ -173,21 +173,11 @@ def test_triton_write_equals_append(codec):
                     assert torch.equal(a.flatten(0, 1)[:L], b.flatten(0, 1)[:L])
 
 
-_COMPILE_FOR_H100 = """
+_MERGED_KERNELS = """
 import torch
-from triton import compile
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats.merged import MergedPairFormat
 from vllm_kvcompress.triton_kernels import merged_decode as decode, merged_write as write
-
-
-def compile_for_h100(kernel, runtime, constants):
-    signature = {name: runtime.get(name, "constexpr") for name in kernel.arg_names}
-    fixed = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
-    compile(ASTSource(fn=kernel, signature=signature, constexprs=fixed), target=GPUTarget("cuda", 90, 32))
-
 
 fmt = MergedPairFormat.from_layer_format(LayerFormat(**%s), 0.6, 0.05, torch.bfloat16, 128, 8, 128)
 compile_for_h100(write._retain_kernel, {"slot_ptr": "*i64", "n": "i32", "distance_ptr": "*fp32", "norms_ptr": "*fp16",
@@ -202,14 +192,6 @@ for layer, group, rows, grouped in ((0, 1, 1, False), (1, 4, 16, True)):
 
 @pytest.mark.parametrize("codec", ["16-bit", "k4v4"])
 def test_the_merged_kernels_compile_for_the_gpu(codec):
-    """The kernels compile for an H100 (sm_90) on any machine, in a process of their own (the
-    interpreter, which runs them here, takes them as Python and lets through what the compiler
-    refuses: a loop-carried value whose type a branch changes)."""
-    import subprocess
-    import sys
+    from sm90 import compiles_for_h100
 
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    fields = CODECS[codec].model_dump(include={"k_bits", "v_bits"})
-    run = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100 % fields], capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    compiles_for_h100(_MERGED_KERNELS % CODECS[codec].model_dump(include={"k_bits", "v_bits"}))

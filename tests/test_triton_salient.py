@@ -189,3 +189,25 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, monkeypatc
             continue
         assert torch.equal(fmt.salient(ours), fmt.salient(cache)), q_lens
         _assert_same_tokens(fmt, ours, cache, table, lens)
+
+
+_SALIENT_KERNELS = """
+import torch
+from vllm_kvcompress.formats.salient import SalientTokensFormat
+from vllm_kvcompress.triton_kernels import salient_decode as decode
+
+fmt = SalientTokensFormat.create(0.6, torch.bfloat16, 128, 8, 128)
+runtime = dict(q_ptr="*bf16", pages_ptr="*u8", table_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
+               group_rows_ptr="*i32", group_starts_ptr="*i32", scale="fp32")
+runtime |= {name: "i32" for name in decode._salient_decode_kernel.arg_names if name.endswith("_stride")}
+compile_for_h100(decode._salient_decode_one_row_kernel, runtime, decode.page_constants(fmt))
+for group, rows, grouped in ((4, 1, False), (4, 16, True)):
+    compile_for_h100(decode._salient_decode_kernel, runtime,
+                     dict(decode.page_constants(fmt), G=group, MP=max(16, rows * group), GROUPED=grouped))
+"""
+
+
+def test_the_salient_decode_kernels_compile_for_the_gpu():
+    from sm90 import compiles_for_h100
+
+    compiles_for_h100(_SALIENT_KERNELS)

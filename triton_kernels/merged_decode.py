@@ -22,7 +22,7 @@ from vllm_kvcompress.paged_torch import with_own_token
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .addressing import code_unit_ptr
-from .decode import _LOG2E
+from .history_rows import program_rows, store_rows
 
 _EPS = tl.constexpr(1e-6)  # as MergedPairFormat's restoration
 
@@ -79,23 +79,10 @@ def _merged_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_pt
                           K_GROUP: tl.constexpr, V_BITS: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr,
                           V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_GROUP: tl.constexpr, NORMS: tl.constexpr,
                           INDEX: tl.constexpr, KEPT: tl.constexpr):
-    # the program's query rows: the G query heads of KV head h of one token (decode), or of each of
-    # a group's tokens, which share one history and one block-table row (prompt chunks)
+    row, length, token, head, live, q = program_rows(q_ptr, lens_ptr, group_rows_ptr, group_starts_ptr, scale,
+                                                     q_row_stride, q_head_stride, G, MP, D, GROUPED)
     h = tl.program_id(1)
-    if GROUPED:
-        row = tl.load(group_starts_ptr + tl.program_id(0))
-        count = tl.load(group_rows_ptr + row)
-    else:
-        row = tl.program_id(0)
-        count = 1
-    length = tl.load(lens_ptr + row)
-    g = tl.arange(0, MP)
-    token = row + g // G
-    head = h * G + g % G
-    live = g < count * G
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + token[:, None] * q_row_stride + head[:, None] * q_head_stride + d[None, :],
-                mask=live[:, None], other=0.0).to(tl.float32) * (scale * _LOG2E)
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.zeros([MP], tl.float32)
     acc = tl.zeros([MP, D], tl.float32)
@@ -122,10 +109,7 @@ def _merged_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_pt
             k = tl.load(kept, mask=valid[:, None], other=0.0).to(tl.float32)
             v = tl.load(kept + H * D, mask=valid[:, None], other=0.0).to(tl.float32)
             m_i, l_i, acc = _step(q, k, v, valid, m_i, l_i, acc)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no history: output 0, log-sum-exp -inf
-    tl.store(out_ptr + token[:, None] * out_row_stride + head[:, None] * out_head_stride + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
-    tl.store(lse_ptr + token * lse_row_stride + head, (m_i + tl.log2(l_i)) / _LOG2E, mask=live)
+    store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, live, out_row_stride, out_head_stride, lse_row_stride, D)
 
 
 def _tensor_constants(prefix: str, codec, base: int) -> dict:

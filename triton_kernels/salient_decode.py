@@ -19,6 +19,7 @@ from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .decode import _LOG2E
+from .history_rows import program_rows, store_rows
 
 
 @triton.jit
@@ -66,23 +67,9 @@ def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_p
                            K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, V_SCALE: tl.constexpr,
                            V_ZERO: tl.constexpr, K_HIGH: tl.constexpr, V_HIGH: tl.constexpr,
                            K_LOW: tl.constexpr, V_LOW: tl.constexpr, SLOT_OF: tl.constexpr, NONE: tl.constexpr):
-    # the program's query rows: the G query heads of KV head h of one token (decode), or of each of
-    # a group's tokens, which share one history and one block-table row (prompt chunks)
+    row, length, token, head, live, q = program_rows(q_ptr, lens_ptr, group_rows_ptr, group_starts_ptr, scale,
+                                                     q_row_stride, q_head_stride, G, MP, D, GROUPED)
     h = tl.program_id(1)
-    if GROUPED:
-        row = tl.load(group_starts_ptr + tl.program_id(0))
-        count = tl.load(group_rows_ptr + row)
-    else:
-        row = tl.program_id(0)
-        count = 1
-    length = tl.load(lens_ptr + row)
-    g = tl.arange(0, MP)
-    token = row + g // G
-    head = h * G + g % G
-    live = g < count * G
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + token[:, None] * q_row_stride + head[:, None] * q_head_stride + d[None, :],
-                mask=live[:, None], other=0.0).to(tl.float32) * (scale * _LOG2E)
     m_i = tl.full([MP], float("-inf"), tl.float32)
     l_i = tl.zeros([MP], tl.float32)
     acc = tl.zeros([MP, D], tl.float32)
@@ -104,10 +91,7 @@ def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_p
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, tl.reshape(v, [TILE, D]))
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no history: output 0, log-sum-exp -inf
-    tl.store(out_ptr + token[:, None] * out_row_stride + head[:, None] * out_head_stride + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=live[:, None])
-    tl.store(lse_ptr + token * lse_row_stride + head, (m_i + tl.log2(l_i)) / _LOG2E, mask=live)
+    store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, live, out_row_stride, out_head_stride, lse_row_stride, D)
 
 
 @triton.jit
@@ -157,30 +141,30 @@ def salient_decode(q: torch.Tensor, pages: torch.Tensor, fmt: SalientTokensForma
     page_bytes] by its row of ``block_table``; with ``groups`` (``token_rows``), the rows of a group
     share them and one program takes the group. Returns the output [N, Hq, D] and each row's
     log-sum-exp [N, Hq] (a row of no tokens: 0 and -inf)."""
-    n, hq, d = q.shape
+    n, hq, _ = q.shape
     heads = fmt.k.num_heads
     group = hq // heads
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
     if n == 0:
         return out, lse
-    at = fmt.regions.start
-    tile = min(64, fmt.block_size)
-    regions = dict(K_SCALE=at("k_scale"), K_ZERO=at("k_zero"), V_SCALE=at("v_scale"), V_ZERO=at("v_zero"),
-                   K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"), V_LOW=at("v_low"),
-                   SLOT_OF=at("slot_of"), NONE=NO_SLOT)
+    strides = (q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
     if group == 1 and groups is None:
-        _salient_decode_one_row_kernel[(n, heads)](
-            q, pages, block_table, seq_lens, out, lse, scale, q.stride(0), q.stride(1), block_table.stride(0),
-            out.stride(0), out.stride(1), lse.stride(0), PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=d,
-            TILE=tile, num_warps=4, **regions)
+        _salient_decode_one_row_kernel[(n, heads)](q, pages, block_table, seq_lens, out, lse, scale, *strides,
+                                                   num_warps=4, **page_constants(fmt))
         return out, lse
-    programs = n if groups is None else groups.starts.shape[0]
     size = 1 if groups is None else groups.size
-    _salient_decode_kernel[(programs, heads)](
+    _salient_decode_kernel[(n if groups is None else groups.starts.shape[0], heads)](
         q, pages, block_table, seq_lens, out, lse, None if groups is None else groups.rows,
-        None if groups is None else groups.starts, scale, q.stride(0), q.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=d,
-        G=group, MP=max(16, triton.next_power_of_2(size * group)), GROUPED=groups is not None, TILE=tile,
-        num_warps=4, **regions)
+        None if groups is None else groups.starts, scale, *strides, num_warps=4,
+        G=group, MP=max(16, triton.next_power_of_2(size * group)), GROUPED=groups is not None, **page_constants(fmt))
     return out, lse
+
+
+def page_constants(fmt: SalientTokensFormat) -> dict:
+    """The decode kernels' compile-time constants for ``fmt``'s pages (the grouped kernel adds its rows')."""
+    at = fmt.regions.start
+    return dict(PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=fmt.k.head_size, TILE=min(64, fmt.block_size),
+                K_SCALE=at("k_scale"), K_ZERO=at("k_zero"), V_SCALE=at("v_scale"), V_ZERO=at("v_zero"),
+                K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"), V_LOW=at("v_low"),
+                SLOT_OF=at("slot_of"), NONE=NO_SLOT)

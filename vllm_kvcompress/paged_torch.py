@@ -196,7 +196,7 @@ def attend_pair(query: torch.Tensor, cache: torch.Tensor, fmt: MergedPairFormat,
     out = torch.empty_like(query)
     B = fmt.block_size
     for i, qs, qe, history in _chunks(query_start_loc, seq_lens):
-        m, L = qe - qs, seq_lens[i]
+        L = seq_lens[i]
         # with a sliding window, vLLM has freed the pages before the first one the chunk sees
         first = 0 if sliding_window is None else max(0, history - sliding_window + 1) // B * B
         k, v = key[qs:qe].float(), value[qs:qe].float()
