@@ -9,6 +9,7 @@ merges with what the pages do not hold.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -47,3 +48,10 @@ def store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, live, out_row_strid
     tl.store(out_ptr + token[:, None] * out_row_stride + head[:, None] * out_head_stride + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=live[:, None])
     tl.store(lse_ptr + token * lse_row_stride + head, (m_i + tl.log2(l_i)) / _LOG2E, mask=live)
+
+
+def history_outputs(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a history kernel writes for rows ``q`` [N, Hq, D]: the output (``out``, or a new tensor
+    like ``q``) and the log-sum-exp [N, Hq] float32."""
+    out = torch.empty_like(q) if out is None else out
+    return out, torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)

@@ -22,7 +22,7 @@ from vllm_kvcompress.paged_torch import with_own_token
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .addressing import code_unit_ptr
-from .history_rows import program_rows, store_rows
+from .history_rows import history_outputs, program_rows, store_rows
 
 _EPS = tl.constexpr(1e-6)  # as MergedPairFormat's restoration
 
@@ -141,8 +141,7 @@ def merged_decode(q: torch.Tensor, pages: torch.Tensor, fmt: MergedPairFormat, l
         raise ValueError(f"queries in {q.dtype}, pages of {fmt.dtype}: the kernel reads raw values as the queries' dtype")
     heads = fmt.k.num_heads
     group = hq // heads
-    out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
+    out, lse = history_outputs(q, out)
     if n == 0:
         return out, lse
     size = 1 if groups is None else groups.size

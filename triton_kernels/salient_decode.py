@@ -19,7 +19,7 @@ from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .decode import _LOG2E
-from .history_rows import program_rows, store_rows
+from .history_rows import history_outputs, program_rows, store_rows
 
 
 @triton.jit
@@ -144,8 +144,7 @@ def salient_decode(q: torch.Tensor, pages: torch.Tensor, fmt: SalientTokensForma
     n, hq, _ = q.shape
     heads = fmt.k.num_heads
     group = hq // heads
-    out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
+    out, lse = history_outputs(q, out)
     if n == 0:
         return out, lse
     strides = (q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0))
