@@ -10,6 +10,7 @@ now that a token which fits its grids writes one row).
     python benchmarks/kernels.py --host   # host time of a mixed step's attention calls, a layer
     python benchmarks/kernels.py --prompts   # prompt chunks after history: FlashAttention bf16 against ours
     python benchmarks/kernels.py --zipcache  # ZipCache's attention of a layer in parts, beside the 4-bit preset's
+    python benchmarks/kernels.py --minicache  # MiniCache's merged pair in parts, beside two 4-bit layers
     ncu ... python benchmarks/kernels.py --profile 4 32 32     # one decode launch per repeat, for a profiler
     ncu ... python benchmarks/kernels.py --profile-write 4 32  # the decode step's cache write only
 """
@@ -420,6 +421,38 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     return rows
 
 
+def bench_minicache_step(lens: list[int], hq: int, hkv: int, d: int, block: int = 128) -> list[dict]:
+    """A merged pair's attention for MiniCache's pages (``minicache-k4v4``) in parts, against two layers
+    of the 4-bit preset on the same decode rows of context ``lens``: each layer's decode (the kernel
+    and the new token's merge) and the pair's one write (the merge, the directions' codes, norms and
+    retention)."""
+    from vllm_kvcompress.config import load_config
+    from vllm_kvcompress.formats.merged import MergedPairFormat
+    from vllm_kvcompress.triton_kernels.merged_decode import decode_rows
+    from vllm_kvcompress.triton_kernels.merged_write import write_pair_tokens
+
+    cfg = load_config("minicache-k4v4")
+    fmt = MergedPairFormat.from_layer_format(cfg.default, cfg.merge.t, cfg.merge.gamma, torch.bfloat16, block, hkv, d)
+    cache, table = _pages(fmt, len(lens), max(lens), encode=lambda k, v, n: fmt.encode(
+        k, v, 1.5 * k + 0.3 * torch.randn_like(k), 0.7 * v + 0.3 * torch.randn_like(v), n))
+    n = len(lens)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    rows = torch.arange(n, device="cuda")
+    slots = table[rows, (seq_lens - 1) // block].long() * block + (seq_lens - 1) % block
+    q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
+    new = [torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    out = torch.empty_like(q)
+    label = f"{n} decode rows"
+    decode_ms = _time_ms(lambda: decode_rows(q, *new[:2], cache, fmt, 1, table, seq_lens, d ** -0.5, out))
+    write_ms = _time_ms(lambda: write_pair_tokens(cache, fmt, *new, slots))
+    four_decode = bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens)["ms"]
+    four_write = bench_write(4, n, hkv, d, block)["ms"]
+    return [{"kernel": f"minicache-k4v4 {label}: a layer's decode (kernel + new token)", "ms": decode_ms},
+            {"kernel": f"minicache-k4v4 {label}: the pair's write", "ms": write_ms},
+            {"kernel": f"minicache-k4v4 {label}: the pair (2 decodes + 1 write)", "ms": 2 * decode_ms + write_ms},
+            {"kernel": f"quant-k4v4 {label}: 2 layers (2 decodes + 2 writes)", "ms": 2 * (four_decode + four_write)}]
+
+
 def _host_us(fn, calls: int = 40, reps: int = 7) -> float:
     """Host microseconds per call of ``fn``: the GPU sleeps meanwhile, so launches only queue (40
     calls of a few launches stay below the launch queue's depth, where the host would block)."""
@@ -533,6 +566,8 @@ def main() -> None:
                          "CUDA kernels, needs nvcc): a serving step's 144 rows and a run's tail of 3 and 8 rows")
     ap.add_argument("--step-splits", nargs="*", type=int, default=[], metavar="SPLITS",
                     help="with --step: also the MHA decode alone of 3 to 40 rows with these split counts")
+    ap.add_argument("--minicache", action="store_true",
+                    help="MiniCache's merged pair of layers in parts (decode, write), beside two 4-bit layers")
     ap.add_argument("--zipcache", action="store_true",
                     help="only ZipCache's attention of a layer in parts (kernel, probe scores and re-compression) "
                          "against the 4-bit preset's, a serving step's decode rows and prompt chunks")
@@ -545,6 +580,11 @@ def main() -> None:
         for name, hq, hkv, _ in SHAPES:
             for r in bench_host(hq, hkv):
                 print(f"{name:24s} {r['kernel']:42s} {r['host_us']:6.1f} us of host time a call")
+        return
+    if args.minicache:
+        for name, hq, hkv, d in SHAPES:
+            for r in bench_minicache_step(serving_lens(144, 900), hq, hkv, d):
+                print(f"{name:24s} {r['kernel']:80s} {r['ms'] * 1e3:8.1f} us")
         return
     if args.zipcache:
         for name, hq, hkv, d in SHAPES:
