@@ -184,6 +184,9 @@ def test_pairs_of_sliding_window_layers_merge_and_mixed_pairs_are_refused():
     windows = (512, 512, 512, 512, 512, None, 512, 512, 512, 512, 512, None)
     shape = ModelKVShape(12, H, D, torch.bfloat16, B, sliding_windows=windows)
     check_merge_fits(load_config({"merge": {"start_layer": 7}}), shape)  # (7, 8), (9, 10)
+    _, line = capacity_report(load_config({"merge": {"start_layer": 7}}), shape)
+    assert "mixes sliding-window and full-attention layers, for which vLLM pads pages" in line
+    assert "mixes" not in capacity_report(load_config("quant-k4v4"), shape)[1]  # one page size: nothing to pad
     with pytest.raises(KVCompressionConfigError,
                        match=r"merge pairs layers 5 and 6: full attention and a sliding window of 512"):
         check_merge_fits(load_config({"merge": {"start_layer": 5}}), shape)

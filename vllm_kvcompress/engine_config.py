@@ -136,6 +136,11 @@ def capacity_report(cfg: KVCompressionConfig, shape: ModelKVShape) -> tuple[floa
     dtype = str(shape.dtype).removeprefix("torch.")
     line = (f"kv-compression '{cfg.name}': {layers}; block of {shape.block_size} tokens takes "
             f"{ours:,} B over all layers instead of {dense:,} B in {dtype}: {ratio:.2f}x KV tokens in the same memory")
+    sizes = {f.page_bytes for f in formats}
+    if len(set(shape.sliding_windows)) > 1 and len(sizes) > 1:
+        line += (f"; but this model mixes sliding-window and full-attention layers, for which vLLM pads pages of "
+                 f"different sizes ({min(sizes):,} to {max(sizes):,} B) to a common size: expect fewer KV tokens "
+                 f"(vLLM's 'KV cache size' line counts them)")
     return ratio, line
 
 
