@@ -39,6 +39,18 @@ def program_rows(q_ptr, lens_ptr, group_rows_ptr, group_starts_ptr, scale, q_row
 
 
 @triton.jit
+def online_softmax_step(q, k, v, valid, m_i, l_i, acc):
+    """One online-softmax step of rows ``q`` [MP, D] (scaled to base 2) over tokens ``k``, ``v``
+    [T, D] (``valid`` [T]); a step may have no valid token."""
+    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
+
+
+@triton.jit
 def store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, live, out_row_stride, out_head_stride, lse_row_stride,
                D: tl.constexpr):
     """The rows' output (acc over l_i) and log-sum-exp (from base-2 m_i, l_i); a row of no history

@@ -6,7 +6,7 @@ KV head (or per group of a prompt chunk's tokens, which all read the same histor
 Per tile of tokens it dequantizes the shared directions through the pair's codec (raw 16-bit values,
 or min-max codes with statistics per channel or per token) and scales each token's K and V to the
 layer's own norm: ``x / |x| * norm``, as ``MergedPairFormat.decode``. A block's retained tokens are
-masked out of its tiles and read, exact, from the block's retention slots in a second pass. Besides
+masked out of its tiles and read, exact, from the block's retention slots after them. Besides
 the output it writes each row's log-sum-exp, so that the caller can merge what the pages do not hold
 yet (the step's own tokens: a pair's pages take them after both layers' attention).
 """
@@ -21,8 +21,8 @@ from vllm_kvcompress.formats.merged import MergedPairFormat
 from vllm_kvcompress.paged_torch import with_own_token
 from vllm_kvcompress.token_rows import TokenGroups
 
-from .addressing import code_unit_ptr
-from .history_rows import history_outputs, program_rows, store_rows
+from .addressing import code_grid, code_unit_ptr, load_units, unpack_codes
+from .history_rows import history_outputs, online_softmax_step, program_rows, store_rows
 
 _EPS = tl.constexpr(1e-6)  # as MergedPairFormat's restoration
 
@@ -38,11 +38,11 @@ def _restored(page, raw, t, valid, h, d, KV: tl.constexpr, LAYER: tl.constexpr, 
     if BITS == 16:  # raw values in the model dtype (the query's), token-major rows [B, H, D]
         rows = page + CODES + (t[:, None] * H + h) * ROW
         x = tl.load(rows.to(tl.pointer_type(raw.dtype.element_ty)) + d[None, :], mask=m, other=0.0).to(tl.float32)
-    else:
+    else:  # 2, 4 or 8 bits: a byte's codes, channel d at position d % (8 // BITS)
         PER: tl.constexpr = 8 // BITS
-        units = tl.load(code_unit_ptr(page, CODES, t[:, None], h, d[None, :] // PER, ROW, B, BITS, GROUP), mask=m,
-                        other=0).to(tl.int32)
-        codes = ((units >> ((d[None, :] % PER) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        width, _, _, shift = code_grid(d[None, :] % PER, BITS)
+        codes = unpack_codes(load_units(code_unit_ptr(page, CODES, t[:, None], h, d[None, :] // PER, ROW, B, BITS,
+                                                      GROUP), m, BITS), width, shift)
         half = tl.pointer_type(tl.float16)
         if GROUP > 0:  # statistics per token, head-major [H, B]
             scale = tl.load((page + SCALE).to(half) + h * B + t, mask=valid, other=0.0).to(tl.float32)[:, None]
@@ -55,18 +55,6 @@ def _restored(page, raw, t, valid, h, d, KV: tl.constexpr, LAYER: tl.constexpr, 
                    other=0.0).to(tl.float32)
     length = tl.sqrt(tl.sum(x * x, 1))
     return x * (norm / tl.maximum(length, _EPS))[:, None]
-
-
-@triton.jit
-def _step(q, k, v, valid, m_i, l_i, acc):
-    """One online-softmax step of rows ``q`` [MP, D] (scaled to base 2) over tokens ``k``, ``v``; a
-    step may have no valid token (a tile whose tokens are all retained, a block that retains none)."""
-    s = tl.where(valid[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
 
 
 @triton.jit
@@ -87,28 +75,26 @@ def _merged_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_pt
     l_i = tl.zeros([MP], tl.float32)
     acc = tl.zeros([MP, D], tl.float32)
     r = tl.arange(0, RP)
-    for start in range(0, length, TILE):  # the merged tokens
+    raw = tl.pointer_type(q_ptr.dtype.element_ty)
+    for start in range(0, length, B):  # a block at a time: its merged tokens, then its retained ones
         page = pages_ptr + tl.load(table_ptr + row * table_stride + start // B).to(tl.int64) * PAGE
-        t = start % B + tl.arange(0, TILE)
-        valid = start + tl.arange(0, TILE) < length
-        if R > 0:  # retained tokens are read from their slots below
-            kept_at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + r, mask=r < R, other=-1).to(tl.int32)
-            valid = valid & (tl.sum((t[:, None] == kept_at[None, :]).to(tl.int32), 1) == 0)
-        k = _restored(page, q_ptr, t, valid, h, d, 0, LAYER, K_BITS, K_CODES, K_ROW, K_SCALE, K_ZERO, K_GROUP, NORMS,
-                      B, H, D)
-        v = _restored(page, q_ptr, t, valid, h, d, 1, LAYER, V_BITS, V_CODES, V_ROW, V_SCALE, V_ZERO, V_GROUP, NORMS,
-                      B, H, D)
-        m_i, l_i, acc = _step(q, k, v, valid, m_i, l_i, acc)
-    if R > 0:
-        raw = tl.pointer_type(q_ptr.dtype.element_ty)
-        for start in range(0, length, B):  # each block's retained tokens, exact: [R, 2 layers, 2, H, D]
-            page = pages_ptr + tl.load(table_ptr + row * table_stride + start // B).to(tl.int64) * PAGE
-            kept_at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + r, mask=r < R, other=-1).to(tl.int32)
+        kept_at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + r, mask=r < R, other=-1).to(tl.int32)
+        for tile in range(start, tl.minimum(start + B, length), TILE):
+            t = tile % B + tl.arange(0, TILE)
+            valid = tile + tl.arange(0, TILE) < length
+            if R > 0:  # retained tokens are read from their slots below
+                valid = valid & (tl.sum((t[:, None] == kept_at[None, :]).to(tl.int32), 1) == 0)
+            k = _restored(page, q_ptr, t, valid, h, d, 0, LAYER, K_BITS, K_CODES, K_ROW, K_SCALE, K_ZERO, K_GROUP,
+                          NORMS, B, H, D)
+            v = _restored(page, q_ptr, t, valid, h, d, 1, LAYER, V_BITS, V_CODES, V_ROW, V_SCALE, V_ZERO, V_GROUP,
+                          NORMS, B, H, D)
+            m_i, l_i, acc = online_softmax_step(q, k, v, valid, m_i, l_i, acc)
+        if R > 0:  # exact, from the slots [R, 2 layers, 2 (K, V), H, D]
             valid = (kept_at >= 0) & (start + kept_at < length)
             kept = (page + KEPT).to(raw) + ((r[:, None] * 2 + LAYER) * 2 * H + h) * D + d[None, :]
             k = tl.load(kept, mask=valid[:, None], other=0.0).to(tl.float32)
             v = tl.load(kept + H * D, mask=valid[:, None], other=0.0).to(tl.float32)
-            m_i, l_i, acc = _step(q, k, v, valid, m_i, l_i, acc)
+            m_i, l_i, acc = online_softmax_step(q, k, v, valid, m_i, l_i, acc)
     store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, live, out_row_stride, out_head_stride, lse_row_stride, D)
 
 

@@ -19,7 +19,7 @@ from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .decode import _LOG2E
-from .history_rows import history_outputs, program_rows, store_rows
+from .history_rows import history_outputs, online_softmax_step, program_rows, store_rows
 
 
 @triton.jit
@@ -83,14 +83,8 @@ def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_p
         valid = start + tl.arange(0, TILE) < length
         k, v = _tile(page, h, t, valid, u, u * 4 + j, j * 2, B, R, D, U, K_SCALE, K_ZERO, V_SCALE, V_ZERO, K_HIGH,
                      V_HIGH, K_LOW, V_LOW, SLOT_OF, NONE)
-        s = tl.dot(q, tl.trans(tl.reshape(k, [TILE, D])))  # [MP, TILE], base 2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, tl.reshape(v, [TILE, D]))
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, tl.reshape(k, [TILE, D]), tl.reshape(v, [TILE, D]), valid, m_i, l_i,
+                                            acc)
     store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, live, out_row_stride, out_head_stride, lse_row_stride, D)
 
 
