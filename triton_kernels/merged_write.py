@@ -80,10 +80,10 @@ def write_pair_tokens(cache: torch.Tensor, fmt: MergedPairFormat, key_a: torch.T
     if n == 0:
         return
     x, merged, norms, distance = fmt.merge(key_a, value_a, key_b, value_b)
-    directions = merged.to(fmt.dtype)
-    write_tokens(cache, fmt.directions, directions[:, 0], directions[:, 1], slot_mapping, page_bytes=fmt.page_bytes)
-    _retain_kernel[(n,)](slot_mapping, n, distance.contiguous(), norms.to(torch.float16).contiguous(),
-                         x.to(fmt.dtype).contiguous(), cache, num_warps=4, **retain_constants(fmt))
+    write_tokens(cache, fmt.directions, merged[:, 0], merged[:, 1], slot_mapping, page_bytes=fmt.page_bytes)
+    # the retained vectors are copied in the pages' dtype (the new tokens' own, when serving)
+    _retain_kernel[(n,)](slot_mapping, n, distance, norms.contiguous(), x.to(fmt.dtype), cache, num_warps=4,
+                         **retain_constants(fmt))
 
 
 def retain_constants(fmt: MergedPairFormat) -> dict:

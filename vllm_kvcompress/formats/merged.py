@@ -86,14 +86,14 @@ class MergedPairFormat(SlottedPage):
 
     def merge(self, ka, va, kb, vb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Both layers' K and V [..., H, D] -> the vectors stacked [..., 2 layers, 2 (K, V), H, D]
-        (float32), the merged directions [..., 2 (K, V), H, D] rounded to the model dtype (what the
-        codecs take), the norms [..., 2 layers, 2, H] rounded to float16 (as stored), and each
-        token's distance [...]: the angle between the layers' directions, averaged over K, V and heads."""
-        x = torch.stack([torch.stack([ka, va], -3), torch.stack([kb, vb], -3)], -4).float()
-        norms = x.norm(dim=-1, keepdim=True).to(torch.float16).float()
-        unit = x / norms.clamp_min(_EPS)
+        (in their dtype), the merged directions [..., 2 (K, V), H, D] in the model dtype (what the
+        codecs take), the norms [..., 2 layers, 2, H] in float16 (as stored), and each token's
+        distance [...]: the angle between the layers' directions, averaged over K, V and heads."""
+        x = torch.stack([torch.stack([ka, va], -3), torch.stack([kb, vb], -3)], -4)
+        norms = x.float().norm(dim=-1, keepdim=True).to(torch.float16)
+        unit = x.float() / norms.float().clamp_min(_EPS)
         ua, ub = unit.unbind(-4)
-        merged = slerp(ua, ub, self.t).to(self.dtype).float()
+        merged = slerp(ua, ub, self.t).to(self.dtype)
         distance = torch.arccos((ua * ub).sum(-1).clamp(-1.0, 1.0)).mean(dim=(-2, -1))
         return x, merged, norms[..., 0], distance
 
@@ -104,9 +104,9 @@ class MergedPairFormat(SlottedPage):
         x, merged, norms, distance = self.merge(*(torch.where(valid[:, :, None, None], t, 0) for t in (ka, va, kb, vb)))
         pages = torch.zeros(N, self.page_bytes, dtype=torch.uint8, device=ka.device)
         r = self.regions
-        pages[:, :self.directions.codes_bytes] = self.directions.encode(merged[:, :, 0], merged[:, :, 1],
-                                                                       num_valid)[:, :self.directions.codes_bytes]
-        r.write(pages, "norms", norms.to(torch.float16))
+        k, v = merged.float().unbind(2)
+        pages[:, :self.directions.codes_bytes] = self.directions.encode(k, v, num_valid)[:, :self.directions.codes_bytes]
+        r.write(pages, "norms", norms)
         index = torch.full((N, max(self.retained, 1)), -1, dtype=torch.int16, device=ka.device)
         kept_distance = torch.full((N, max(self.retained, 1)), -1.0, device=ka.device)
         if self.retained:
@@ -137,7 +137,7 @@ class MergedPairFormat(SlottedPage):
         pages[:, :codes.codes_bytes] = codes.encode(k, v, filled, old, num_stored)[:, :codes.codes_bytes]
         r = self.regions
         stored_norms = r.view(old, "norms", torch.float16, (B, 2, 2, H))
-        stored_norms[which, offsets] = norms.to(torch.float16)
+        stored_norms[which, offsets] = norms
         r.write(pages, "norms", stored_norms)
         if not R:
             return pages
