@@ -20,6 +20,20 @@ def request_slots(table_row, block_size, positions):
     return table_row[positions // block_size].long() * block_size + positions % block_size
 
 
+def scattered_blocks(seq_lens, block_size, spare_blocks, gen):
+    """A block table that scatters each request's blocks over a cache of ``spare_blocks`` pages more
+    than they need (drawn from ``gen``): (number of pages, table [requests, most blocks] int32)."""
+    counts = [-(-L // block_size) for L in seq_lens]
+    num_blocks = sum(counts) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(max(counts), 1), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(counts):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    return num_blocks, table
+
+
 def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False, tokens=None):
     """Each request's tokens in scattered pages, behind a block table; ``spare_blocks`` pages more.
     With ``garbage``, spare pages and the unwritten rest of a last page hold random bytes (float16
@@ -27,17 +41,11 @@ def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False, tokens=None):
     vLLM's cache. ``tokens``, a list, receives each request's K and V [L, H, D]."""
     gen = torch.Generator().manual_seed(seed)
     B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
-    max_blocks = max(-(-L // B) for L in seq_lens)
     num_blocks = sum(-(-L // B) for L in seq_lens) + spare_blocks
     cache = (torch.randint(0, 256, (num_blocks, fmt.page_bytes), dtype=torch.uint8, generator=gen) if garbage
              else torch.zeros(num_blocks, fmt.page_bytes, dtype=torch.uint8))
-    perm = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    used = 0
+    _, table = scattered_blocks(seq_lens, B, spare_blocks, gen)
     for i, L in enumerate(seq_lens):
-        nb = -(-L // B)
-        table[i, :nb] = perm[used:used + nb]
-        used += nb
         k = torch.randn(L, H, D, generator=gen) + 0.3
         v = torch.randn(L, H, D, generator=gen) - 0.2
         slots = request_slots(table[i], B, torch.arange(L))

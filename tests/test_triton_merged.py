@@ -14,6 +14,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 import triton  # noqa: E402
 
+from paged_cases import request_slots, scattered_blocks  # noqa: E402
 from vllm_kvcompress import paged_torch  # noqa: E402
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
 from vllm_kvcompress.formats.merged import MergedPairFormat  # noqa: E402
@@ -43,20 +44,13 @@ def _pages(fmt, seq_lens, spare, seed):
     """Pages of both layers' random K/V and a block table that scatters each request's blocks."""
     g = torch.Generator().manual_seed(seed)
     B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
-    counts = [-(-L // B) for L in seq_lens]
-    total = sum(counts) + spare
-    order = torch.randperm(total, generator=g)
+    total, table = scattered_blocks(seq_lens, B, spare, g)
     cache = torch.zeros(total, fmt.page_bytes, dtype=torch.uint8)
-    table = torch.zeros(len(seq_lens), max(max(counts), 1), dtype=torch.int32)
-    used = 0
-    for i, (L, n) in enumerate(zip(seq_lens, counts)):
-        if not n:
-            continue
-        filled = torch.tensor([min(B, L - j * B) for j in range(n)])
-        blocks = order[used:used + n]
-        cache[blocks] = fmt.encode(*_pair_vectors(g, n, B, H, D), filled)
-        table[i, :n] = blocks.to(torch.int32)
-        used += n
+    for i, L in enumerate(seq_lens):
+        n = -(-L // B)
+        if n:
+            filled = torch.tensor([min(B, L - j * B) for j in range(n)])
+            cache[table[i, :n].long()] = fmt.encode(*_pair_vectors(g, n, B, H, D), filled)
     return cache, table
 
 
@@ -124,7 +118,7 @@ def test_steps_through_the_kernels_equal_attend_pair(codec, monkeypatch):
                 merged_prompt.merged_prompt(q, k, v, cache, fmt, layer, rows, D ** -0.5, got)
             torch.testing.assert_close(got.float(), want.float(), rtol=TOL, atol=TOL)
             new += [k, v]
-        slots = torch.cat([table[i, (L - m + torch.arange(m)) // B].long() * B + (L - m + torch.arange(m)) % B
+        slots = torch.cat([request_slots(table[i], B, L - m + torch.arange(m))
                            for i, (L, m) in enumerate(zip(lens, q_lens))]).to(DEVICE)
         paged_torch.write_pair_tokens(cache, fmt, *new, slots)
 
@@ -153,7 +147,7 @@ def test_triton_write_equals_append(codec):
     want, got = stale.clone(), stale.clone().to(DEVICE)
     lens = [0, 0, 0]
     for q_lens in ([40, 3, 17], [30, 64, 1], [1, 1, 1], [1, 5, 14], [1, 1, 1]):
-        slots = torch.cat([table[i, (L + torch.arange(m)) // B].long() * B + (L + torch.arange(m)) % B
+        slots = torch.cat([request_slots(table[i], B, L + torch.arange(m))
                            for i, (L, m) in enumerate(zip(lens, q_lens))])
         slots = torch.cat([slots, torch.tensor([-1])])  # a padding row
         lens = [L + m for L, m in zip(lens, q_lens)]

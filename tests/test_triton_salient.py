@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+from paged_cases import scattered_blocks  # noqa: E402
 from vllm_kvcompress.formats.salient import SalientTokensFormat  # noqa: E402
 from vllm_kvcompress.triton_kernels.salient_decode import salient_decode  # noqa: E402
 
@@ -22,20 +23,14 @@ def _pages(fmt, seq_lens, spare, seed):
     block table that scatters each request's blocks over the cache."""
     g = torch.Generator().manual_seed(seed)
     B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
-    counts = [-(-L // B) for L in seq_lens]
-    total = sum(counts) + spare
-    order = torch.randperm(total, generator=g)
+    total, table = scattered_blocks(seq_lens, B, spare, g)
     cache = torch.zeros(total, fmt.page_bytes, dtype=torch.uint8)
-    table = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32)
-    used = 0
-    for i, (L, n) in enumerate(zip(seq_lens, counts)):
+    for i, L in enumerate(seq_lens):
+        n = -(-L // B)
         filled = torch.tensor([min(B, L - j * B) for j in range(n)])
         k, v = torch.randn(n, B, H, D, generator=g), torch.randn(n, B, H, D, generator=g) * 2
         salient = torch.rand(n, B, H, generator=g).argsort(1) < torch.minimum(filled, torch.tensor(fmt.slots))[:, None, None]
-        blocks = order[used:used + n]
-        cache[blocks] = fmt.encode(k, v, filled, salient)
-        table[i, :n] = blocks.to(torch.int32)
-        used += n
+        cache[table[i, :n].long()] = fmt.encode(k, v, filled, salient)
     return cache, table
 
 
