@@ -34,6 +34,22 @@ def scattered_blocks(seq_lens, block_size, spare_blocks, gen):
     return num_blocks, table
 
 
+def encoded_pages(fmt, seq_lens, spare_blocks, seed, encode):
+    """Each request's blocks encoded at once by ``encode(gen, n, filled)`` (``n`` blocks, ``filled``
+    [n] tokens each; ``gen`` draws the values) into scattered pages of a zeroed cache, behind a
+    block table (formats with their own pages: ZipCache's, MiniCache's)."""
+    gen = torch.Generator().manual_seed(seed)
+    B = fmt.block_size
+    num_blocks, table = scattered_blocks(seq_lens, B, spare_blocks, gen)
+    cache = torch.zeros(num_blocks, fmt.page_bytes, dtype=torch.uint8)
+    for i, L in enumerate(seq_lens):
+        n = -(-L // B)
+        if n:
+            filled = torch.tensor([min(B, L - j * B) for j in range(n)])
+            cache[table[i, :n].long()] = encode(gen, n, filled)
+    return cache, table
+
+
 def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False, tokens=None):
     """Each request's tokens in scattered pages, behind a block table; ``spare_blocks`` pages more.
     With ``garbage``, spare pages and the unwritten rest of a last page hold random bytes (float16

@@ -12,9 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-import triton  # noqa: E402
-
-from paged_cases import request_slots, scattered_blocks  # noqa: E402
+from paged_cases import encoded_pages, request_slots  # noqa: E402
 from vllm_kvcompress import paged_torch  # noqa: E402
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
 from vllm_kvcompress.formats.merged import MergedPairFormat  # noqa: E402
@@ -42,16 +40,9 @@ def _pair_vectors(g, n, B, H, D):
 
 def _pages(fmt, seq_lens, spare, seed):
     """Pages of both layers' random K/V and a block table that scatters each request's blocks."""
-    g = torch.Generator().manual_seed(seed)
     B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
-    total, table = scattered_blocks(seq_lens, B, spare, g)
-    cache = torch.zeros(total, fmt.page_bytes, dtype=torch.uint8)
-    for i, L in enumerate(seq_lens):
-        n = -(-L // B)
-        if n:
-            filled = torch.tensor([min(B, L - j * B) for j in range(n)])
-            cache[table[i, :n].long()] = fmt.encode(*_pair_vectors(g, n, B, H, D), filled)
-    return cache, table
+    return encoded_pages(fmt, seq_lens, spare, seed,
+                         lambda g, n, filled: fmt.encode(*_pair_vectors(g, n, B, H, D), filled))
 
 
 @pytest.mark.parametrize("codec", list(CODECS))

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from paged_cases import scattered_blocks  # noqa: E402
+from paged_cases import encoded_pages  # noqa: E402
 from vllm_kvcompress.formats.salient import SalientTokensFormat  # noqa: E402
 from vllm_kvcompress.triton_kernels.salient_decode import salient_decode  # noqa: E402
 
@@ -21,17 +21,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _pages(fmt, seq_lens, spare, seed):
     """Pages of random K/V, each block's salient tokens drawn at random up to its slots, and a
     block table that scatters each request's blocks over the cache."""
-    g = torch.Generator().manual_seed(seed)
     B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
-    total, table = scattered_blocks(seq_lens, B, spare, g)
-    cache = torch.zeros(total, fmt.page_bytes, dtype=torch.uint8)
-    for i, L in enumerate(seq_lens):
-        n = -(-L // B)
-        filled = torch.tensor([min(B, L - j * B) for j in range(n)])
+
+    def encode(g, n, filled):
         k, v = torch.randn(n, B, H, D, generator=g), torch.randn(n, B, H, D, generator=g) * 2
         salient = torch.rand(n, B, H, generator=g).argsort(1) < torch.minimum(filled, torch.tensor(fmt.slots))[:, None, None]
-        cache[table[i, :n].long()] = fmt.encode(k, v, filled, salient)
-    return cache, table
+        return fmt.encode(k, v, filled, salient)
+
+    return encoded_pages(fmt, seq_lens, spare, seed, encode)
 
 
 def _assert_same_tokens(fmt, ours, cache, table, lens):
