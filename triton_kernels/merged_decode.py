@@ -13,10 +13,13 @@ yet (the step's own tokens: a pair's pages take them after both layers' attentio
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from vllm_kvcompress.formats.layout import page_layout
 from vllm_kvcompress.formats.merged import MergedPairFormat
 from vllm_kvcompress.paged_torch import with_own_token
 from vllm_kvcompress.token_rows import TokenGroups
@@ -98,12 +101,15 @@ def _merged_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_pt
     store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, live, out_row_stride, out_head_stride, lse_row_stride, D)
 
 
-def _tensor_constants(prefix: str, codec, base: int) -> dict:
-    lay = codec.tensor_layout(base)
-    return {f"{prefix}_BITS": lay.bits, f"{prefix}_CODES": lay.codes, f"{prefix}_ROW": lay.row_bytes,
-            f"{prefix}_SCALE": lay.scale, f"{prefix}_ZERO": lay.zero, f"{prefix}_GROUP": lay.token_group}
+def _codes_constants(fmt: MergedPairFormat) -> dict:
+    """K's and V's code regions, as the layer page the pair page begins with lays them out."""
+    lay = page_layout(fmt.directions)
+    return {f"{name}_{field}": value for name, t in (("K", lay.k), ("V", lay.v))
+            for field, value in (("BITS", t.bits), ("CODES", t.codes), ("ROW", t.row_bytes), ("SCALE", t.scale),
+                                 ("ZERO", t.zero), ("GROUP", t.token_group))}
 
 
+@functools.cache  # read at every launch
 def decode_constants(fmt: MergedPairFormat, layer: int, group: int, rows_per_program: int, grouped: bool) -> dict:
     """The decode kernel's compile-time constants for ``layer`` of ``fmt``'s pairs, ``group`` query
     heads a KV head and ``rows_per_program`` tokens a program."""
@@ -111,8 +117,8 @@ def decode_constants(fmt: MergedPairFormat, layer: int, group: int, rows_per_pro
     return dict(PAGE=fmt.page_bytes, B=fmt.block_size, H=fmt.k.num_heads, D=fmt.k.head_size, G=group,
                 MP=max(16, triton.next_power_of_2(rows_per_program * group)), GROUPED=grouped,
                 TILE=min(64, fmt.block_size), LAYER=layer, R=fmt.retained,
-                RP=max(16, triton.next_power_of_2(fmt.retained)), **_tensor_constants("K", fmt.k, at("k")),
-                **_tensor_constants("V", fmt.v, at("v")), NORMS=at("norms"), INDEX=at("index"), KEPT=at("kept"))
+                RP=max(16, triton.next_power_of_2(fmt.retained)), **_codes_constants(fmt), NORMS=at("norms"),
+                INDEX=at("index"), KEPT=at("kept"))
 
 
 def merged_decode(q: torch.Tensor, pages: torch.Tensor, fmt: MergedPairFormat, layer: int, block_table: torch.Tensor,

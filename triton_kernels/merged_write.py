@@ -13,6 +13,8 @@ token, as in the reference). No step waits on the host.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -86,6 +88,7 @@ def write_pair_tokens(cache: torch.Tensor, fmt: MergedPairFormat, key_a: torch.T
                          **retain_constants(fmt))
 
 
+@functools.cache  # read at every launch
 def retain_constants(fmt: MergedPairFormat) -> dict:
     """``_retain_kernel``'s compile-time constants for ``fmt``'s pages."""
     at = fmt.regions.start

@@ -11,6 +11,8 @@ gave the request's last block (its probe) without a second pass over the context
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -154,6 +156,7 @@ def salient_decode(q: torch.Tensor, pages: torch.Tensor, fmt: SalientTokensForma
     return out, lse
 
 
+@functools.cache  # read at every launch
 def page_constants(fmt: SalientTokensFormat) -> dict:
     """The decode kernels' compile-time constants for ``fmt``'s pages (the grouped kernel adds its rows')."""
     at = fmt.regions.start

@@ -345,18 +345,17 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         pages together."""
         t = q.shape[0]
         k, v = (x[:t].view(t, self.num_kv_heads, self.head_size) for x in (key, value))
-        layer_of_pair = self._pair_layer
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
-            self._decode_kernel(q[:nd], k[:nd], v[:nd], pages, fmt, layer_of_pair, md.decode_block_table,
+            self._decode_kernel(q[:nd], k[:nd], v[:nd], pages, fmt, self._pair_layer, md.decode_block_table,
                                 md.decode_seq_lens, self.scale, out[:nd])
         start = md.query_start_loc[nd]
         if start < t:
             if self._prompt_kernel is not None and md.token_rows is not None:
-                self._prompt_kernel(q[start:], k[start:], v[start:], pages, fmt, layer_of_pair, md.token_rows,
+                self._prompt_kernel(q[start:], k[start:], v[start:], pages, fmt, self._pair_layer, md.token_rows,
                                     self.scale, out[start:])
             else:
-                out[start:] = paged_torch.attend_pair(q[start:], pages, fmt, layer_of_pair,
+                out[start:] = paged_torch.attend_pair(q[start:], pages, fmt, self._pair_layer,
                                                       [x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:],
                                                       md.block_table[nd:], self.scale, k[start:], v[start:],
                                                       self.sliding_window)
