@@ -314,7 +314,8 @@ def _flash_salient_prompt(fmt: SalientTokensFormat, ctx: LayerContext) -> str | 
 MERGED_CODE_BITS = (2, 4, 8)  # the merged decode kernel's min-max codes (besides raw 16-bit values)
 
 
-def _merged_decode(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
+def _merged_pages(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
+    """Why the merged kernels (decode rows, prompt history, the pair's write) cannot serve these pages."""
     for name, codec in (("K", fmt.k), ("V", fmt.v)):
         if isinstance(codec, MinMaxCodec):
             if codec.bits not in MERGED_CODE_BITS:
@@ -332,7 +333,7 @@ def _merged_decode(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
 
 
 def _flash_merged_prompt(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
-    return _merged_decode(fmt, ctx) or _own_tokens_through_flash_attention(ctx)
+    return _merged_pages(fmt, ctx) or _own_tokens_through_flash_attention(ctx)
 
 
 def _always(fmt: KVPageFormat, ctx: LayerContext) -> None:
@@ -349,7 +350,7 @@ for _impl in (
     Implementation("decode", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_decode:salient_decode",
                    reads=(SalientTokensFormat,)),
     # MiniCache's decode rows: the history restored from the pair's pages, the new token's exact term merged
-    Implementation("decode", "cuda", "triton-merged", _merged_decode, f"{_TRITON}.merged_decode:decode_rows",
+    Implementation("decode", "cuda", "triton-merged", _merged_pages, f"{_TRITON}.merged_decode:decode_rows",
                    reads=(MergedPairFormat,)),
     Implementation("decode", "cuda", "torch", _always),
     Implementation("decode", "cpu", "torch", _always),
@@ -372,7 +373,7 @@ for _impl in (
     Implementation("write", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_write:write_decoded",
                    reads=(SalientTokensFormat,)),
     # MiniCache: both layers' tokens of a pair, merged, into the pair's pages (the second layer's write)
-    Implementation("write", "cuda", "triton-merged", _merged_decode, f"{_TRITON}.merged_write:write_pair_tokens",
+    Implementation("write", "cuda", "triton-merged", _merged_pages, f"{_TRITON}.merged_write:write_pair_tokens",
                    reads=(MergedPairFormat,)),
     Implementation("write", "cuda", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
     Implementation("write", "cpu", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
