@@ -423,9 +423,9 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
 
 def bench_minicache_step(lens: list[int], hq: int, hkv: int, d: int, block: int = 128) -> list[dict]:
     """A merged pair's attention for MiniCache's pages (``minicache-k4v4``) in parts, against two layers
-    of the 4-bit preset on the same decode rows of context ``lens``: each layer's decode (the kernel
-    and the new token's merge) and the pair's one write (the merge, the directions' codes, norms and
-    retention)."""
+    of the 4-bit preset on the same decode rows of context ``lens``: each layer's decode (the retained
+    tokens and the new one, then the layer decode kernel) and the pair's one write (the merge, the
+    directions' codes, norms and retention)."""
     from vllm_kvcompress.config import load_config
     from vllm_kvcompress.formats.merged import MergedPairFormat
     from vllm_kvcompress.triton_kernels.merged_decode import decode_rows
@@ -443,12 +443,18 @@ def bench_minicache_step(lens: list[int], hq: int, hkv: int, d: int, block: int 
     new = [torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     out = torch.empty_like(q)
     label = f"{n} decode rows"
-    decode_ms = _time_ms(lambda: decode_rows(q, *new[:2], cache, fmt, 1, table, seq_lens, d ** -0.5, out))
+    history = seq_lens - 1
+    decode_ms = _time_ms(lambda: decode_rows(q, *new[:2], cache, fmt, 1, table, history, d ** -0.5, max(lens), out))
     write_ms = _time_ms(lambda: write_pair_tokens(cache, fmt, *new, slots))
+    merge_ms = _time_ms(lambda: fmt.merge(*new))
+    compiled = torch.compile(fmt.merge, dynamic=True)
+    compiled_ms = _time_ms(lambda: compiled(*new))
     four_decode = bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens)["ms"]
     four_write = bench_write(4, n, hkv, d, block)["ms"]
-    return [{"kernel": f"minicache-k4v4 {label}: a layer's decode (kernel + new token)", "ms": decode_ms},
+    return [{"kernel": f"minicache-k4v4 {label}: a layer's decode (retained + kernel)", "ms": decode_ms},
             {"kernel": f"minicache-k4v4 {label}: the pair's write", "ms": write_ms},
+            {"kernel": f"minicache-k4v4 {label}: of which the merge (torch)", "ms": merge_ms},
+            {"kernel": f"minicache-k4v4 {label}: the merge through torch.compile", "ms": compiled_ms},
             {"kernel": f"minicache-k4v4 {label}: the pair (2 decodes + 1 write)", "ms": 2 * decode_ms + write_ms},
             {"kernel": f"quant-k4v4 {label}: 2 layers (2 decodes + 2 writes)", "ms": 2 * (four_decode + four_write)}]
 

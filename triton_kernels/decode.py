@@ -22,6 +22,7 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.formats.layout import page_layout
+from vllm_kvcompress.formats.merged import MergedLayer
 from vllm_kvcompress.launch_plans import LaunchPlans
 from vllm_kvcompress.token_rows import TokenGroups
 
@@ -153,7 +154,8 @@ def _decode_kernel(
     K_ZERO: tl.constexpr,
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
     V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_GROUP: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr,
-    ONE_ROW: tl.constexpr, ROW_QUERY: tl.constexpr, PRIOR: tl.constexpr,
+    ONE_ROW: tl.constexpr, ROW_QUERY: tl.constexpr, PRIOR: tl.constexpr, K_NORMS: tl.constexpr,
+    V_NORMS: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one token of a
     prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group starting at
@@ -181,6 +183,11 @@ def _decode_kernel(
     scales and zeros of all channels in one [2, D] load, V's of the tile's tokens in one [2, TILE]
     load, next to the codes. Narrower loads (a [D // KP] plane of scales) are not pipelined, and
     every iteration would wait for them.
+
+    K_NORMS / V_NORMS (>= 0: one layer of a MiniCache pair, ``formats.merged.MergedLayer``): byte
+    offsets of the layer's per-token K and V norms [H, BLOCK] float16, by which each token's logit
+    and probability are scaled (the codes hold unit directions); a negated norm marks a retained
+    token, left out here (``merged_decode`` attends to it exactly).
 
     ``half_ptr`` is the cache seen as float16 (scales and zeros are read through it, so that the
     compiler knows their alignment and vectorizes the loads).
@@ -229,7 +236,10 @@ def _decode_kernel(
         qc = qf
     stat = tl.arange(0, 2)[:, None]  # row 0: scale, row 1: zero
 
-    m = tl.full([GP], float("-inf"), tl.float32)
+    if K_NORMS >= 0:  # a tile may hold retained tokens only: from a finite floor, no step gives exp2(nan)
+        m = tl.full([GP], -1.0e30, tl.float32)
+    else:
+        m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc0 = tl.zeros([GP, DV], tl.float32)
     acc1 = acc0
@@ -241,6 +251,10 @@ def _decode_kernel(
         half = half_ptr + block_id * page_halves
         tok = (t % TPP) * TILE + tl.arange(0, TILE)
         valid = ((t // TPP) * BLOCK + tok)[None, :] < L
+        if K_NORMS >= 0:
+            nk = tl.load(half + K_NORMS // 2 + h * BLOCK + tok)
+            valid = valid & (nk.to(tl.int16, bitcast=True) >= 0)[None, :]
+            nk = nk.to(tl.float32)[None, :]
         if K_BITS == 16:
             k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
             s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d))) * q_scale
@@ -272,6 +286,11 @@ def _decode_kernel(
                 s1 = tl.max(s, 0)[None, :] + bias[:, None]
             else:
                 s += bias[:, None]
+        if K_NORMS >= 0:
+            if ROW_QUERY:
+                s1 = s1 * nk
+            else:
+                s = s * nk
         if ONE_ROW:
             # one query row (MHA): the softmax runs on the tile's one row of logits instead of GP
             # rows; without ROW_QUERY, the products' other rows have zero queries and are zero
@@ -290,14 +309,21 @@ def _decode_kernel(
             p = tl.exp2(s - m_new[:, None])
             l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
             m = m_new
+        if V_NORMS >= 0:  # past the context, a page's norms may be anything: zero probability stays zero
+            nv = tl.where(valid, tl.load(half + V_NORMS // 2 + h * BLOCK + tok).to(tl.float32)[None, :], 0.0)
         if V_BITS == 16:
             v_row = page + V_CODES + (tok[:, None] * H + h) * V_ROW
             if ONE_ROW:
                 p = tl.where(gmask, p1, 0.0)
+            if V_NORMS >= 0:
+                p = p * nv
             acc0 = acc0 * alpha + tl.dot(p.to(dtype), tl.load(v_row.to(tl.pointer_type(dtype)) + d))
         else:
             vstat = tl.load(half + h * BLOCK + V_SCALE // 2 + stat * ((V_ZERO - V_SCALE) // 2) + tok[None, :])
             vs, vz = _rows(vstat.to(tl.float32))
+            if V_NORMS >= 0:
+                vs = vs * tl.reshape(nv, (TILE,))
+                vz = vz * tl.reshape(nv, (TILE,))
             if ONE_ROW:
                 ps1 = (p1 * vs[None, :]).to(tl.float16)
                 if ROW_QUERY:
@@ -435,7 +461,7 @@ def rows_per_program(group: int, prompt_rows: int = PROMPT_ROWS) -> int:
     return max(1, max(prompt_rows, triton.next_power_of_2(group)) // group)
 
 
-def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, group_size: int | None,
+def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, tile: int, group_size: int | None,
                      asm_unpack: bool, ordered: bool, prior: bool = False) -> dict:
     """The decode kernel's compile-time constants for a page format, query heads per KV head,
     whether the context is split over programs, the tokens a program takes together (None: one
@@ -458,6 +484,8 @@ def kernel_constants(fmt: KVPageFormat, group: int, split: bool, tile: int, grou
         # compiled loop came out no faster (4/4 402.0 against 399.1, serving 131.2 against 128.1)
         ROW_QUERY=one_row and lay.k.bits == 2,
         PRIOR=prior,
+        K_NORMS=fmt.norms_at(0) if isinstance(fmt, MergedLayer) else -1,
+        V_NORMS=fmt.norms_at(1) if isinstance(fmt, MergedLayer) else -1,
     )
 
 
@@ -612,15 +640,17 @@ def _plannable(device: torch.device) -> bool:
     return device.type == "cuda" and not hooked()
 
 
-def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, num_splits: int | None = None,
-                 out: torch.Tensor | None = None, tile: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, programs_per_sm: int = PROGRAMS_PER_SM,
+def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | MergedLayer,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int,
+                 num_splits: int | None = None, out: torch.Tensor | None = None, tile: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 programs_per_sm: int = PROGRAMS_PER_SM,
                  groups: TokenGroups | None = None, row_order: torch.Tensor | None = None,
                  prior_lse: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
-    ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8;
+    ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8 (or a MiniCache pair's, read
+    for one of its layers: ``MergedLayer``);
     ``block_table`` [N, max_blocks] and ``seq_lens`` [N] (context length,
     the new token included) are int32 on the same device. ``groups`` (from ``token_rows`` with
     ``rows_per_program``): rows that one program takes together, of one context length. ``query``
@@ -689,7 +719,8 @@ def longest_first(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> to
     return out.copy_(order, non_blocking=True)
 
 
-def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype) -> None:
+def warm_up(cache: torch.Tensor, fmt: KVPageFormat | MergedLayer, num_query_heads: int,
+            query_dtype: torch.dtype) -> None:
     """Compile every decode-kernel variant a serving step may launch for this page format, split
     or not: decode rows in a given order, and prompt rows in groups continuing a prior attention
     (``prompt.paged_prompt``). vLLM's own warm-up (a large prefill, then decode-only CUDA graphs)

@@ -8,6 +8,7 @@ layer (``kernels.registry.plan``): a kernel, or the torch reference (``paged_tor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -97,6 +98,12 @@ class KVCompressMetadata:
     decode_max_seq_len: int           # at least the longest decode's context (0: no decodes)
     decode_row_order: torch.Tensor | None  # on CUDA, the decodes longest first (the kernel's row_order)
     token_rows: TokenRows | None  # on CUDA, the prefill chunks (after the decodes): rows over their history
+
+    @functools.cached_property
+    def decode_history_lens(self) -> torch.Tensor:
+        """Each decode's context before its new token: what a merged pair's pages hold during the step
+        (they take the step's tokens after both layers' attention). Made once a step."""
+        return self.decode_seq_lens - 1
 
 
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
@@ -343,12 +350,14 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         restored from the pair's pages (decodes and prompt chunks through the planned kernels where
         there are some); after the second layer's attention, both layers' new tokens go into the
         pages together."""
+        self._warm_up(pages, q.dtype)
         t = q.shape[0]
         k, v = (x[:t].view(t, self.num_kv_heads, self.head_size) for x in (key, value))
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
             self._decode_kernel(q[:nd], k[:nd], v[:nd], pages, fmt, self._pair_layer, md.decode_block_table,
-                                md.decode_seq_lens, self.scale, out[:nd])
+                                md.decode_history_lens, self.scale, md.decode_max_seq_len, out[:nd],
+                                row_order=md.decode_row_order)
         start = md.query_start_loc[nd]
         if start < t:
             if self._prompt_kernel is not None and md.token_rows is not None:

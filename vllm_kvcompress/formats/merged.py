@@ -3,17 +3,19 @@ group of layers).
 
 For each token and head, layer a's and layer b's vectors x_a, x_b are split into norms and unit
 directions; the page keeps SLERP(u_a, u_b, t) once (through the layer format's codec, 16-bit or
-quantized) and both layers' norms. Layer a is restored as direction times its norm, layer b
-likewise. The block's tokens whose two directions differ most (a share ``gamma`` of the block, by
-angular distance averaged over heads and over K and V) keep both layers' vectors unmerged in fixed
-retention slots, with their token offsets. The paper (Liu et al., 2024) merges per token over the
-whole vector and retains over the whole context; choices made here for fixed pages are in
-docs/formats.md.
+quantized) and both layers' norms. Layer a is restored as the stored direction times its norm,
+layer b likewise (a dequantized direction is not renormalized: a per-token factor folds into the
+decode kernel's products, a per-token length would not; docs/formats.md). The block's tokens
+whose two directions differ most (a share ``gamma`` of the block, by angular distance averaged
+over heads and over K and V) keep both layers' vectors unmerged in fixed retention slots, with
+their token offsets. The paper (Liu et al., 2024) merges per token over the whole vector and
+retains over the whole context; choices made here for fixed pages are in docs/formats.md.
 
-Page: K direction codes | V direction codes | norms [B, 2 layers, 2 (K, V), H] float16 | retained
-token offsets [R] int16 (-1: empty) | their distances [R] float32 | retained vectors [R, 2 layers,
-2 (K, V), H, D] in the model dtype. The codes lie as a ``KVPageFormat`` page's (``directions``), so
-new tokens are appended under the same codecs' append rule, by the same write kernels.
+Page: K direction codes | V direction codes | norms [2 layers, 2 (K, V), H, B] float16 (a retained
+token's negated) | retained token offsets [R] int16 (-1: empty) | their distances [R] float32 |
+retained vectors [R, 2 layers, 2 (K, V), H, D] in the model dtype. The codes lie as a
+``KVPageFormat`` page's (``directions``), so new tokens are appended under the same codecs' append
+rule, by the same write kernels.
 """
 
 from __future__ import annotations
@@ -42,6 +44,17 @@ def slerp(u: torch.Tensor, w: torch.Tensor, t: float) -> torch.Tensor:
     return a * u + b * w
 
 
+def _marked(norms: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Norms [N, 2, 2, H, B] as stored: negated (sign bit set, also for a zero norm) at the retained
+    tokens' offsets ``index`` [N, R] (-1: none), so that the decode kernel masks them where it reads
+    the norms anyway; positive elsewhere."""
+    N, B = norms.shape[0], norms.shape[-1]
+    index = index.long()
+    retained = torch.zeros(N, B + 1, dtype=torch.bool, device=norms.device)
+    retained.scatter_(1, torch.where(index >= 0, index, B), True)
+    return torch.where(retained[:, None, None, None, :B], -norms.abs(), norms.abs())
+
+
 @dataclass(frozen=True)
 class MergedPairFormat(SlottedPage):
     k: Codec  # the merged K directions
@@ -68,7 +81,7 @@ class MergedPairFormat(SlottedPage):
     @cached_property
     def regions(self) -> Regions:
         B, H, D, R = self.block_size, self.k.num_heads, self.k.head_size, self.retained
-        return Regions([("k", self.k.nbytes), ("v", self.v.nbytes), ("norms", B * 2 * 2 * H * 2),
+        return Regions([("k", self.k.nbytes), ("v", self.v.nbytes), ("norms", 2 * 2 * H * B * 2),
                         ("index", max(R, 1) * 2), ("distance", max(R, 1) * 4),
                         ("kept", R * 2 * 2 * H * D * self.dtype.itemsize)])
 
@@ -106,7 +119,6 @@ class MergedPairFormat(SlottedPage):
         r = self.regions
         k, v = merged.float().unbind(2)
         pages[:, :self.directions.codes_bytes] = self.directions.encode(k, v, num_valid)[:, :self.directions.codes_bytes]
-        r.write(pages, "norms", norms)
         index = torch.full((N, max(self.retained, 1)), -1, dtype=torch.int16, device=ka.device)
         kept_distance = torch.full((N, max(self.retained, 1)), -1.0, device=ka.device)
         if self.retained:
@@ -116,6 +128,7 @@ class MergedPairFormat(SlottedPage):
             kept_distance[:, :self.retained] = top.values
             kept = x.gather(1, chosen.clamp_min(0)[:, :, None, None, None, None].expand(N, self.retained, 2, 2, H, D))
             r.write(pages, "kept", kept.to(self.dtype))
+        r.write(pages, "norms", _marked(norms.permute(0, 2, 3, 4, 1), index))  # [N, B, 2, 2, H] -> [N, 2, 2, H, B]
         r.write(pages, "index", index)
         r.write(pages, "distance", kept_distance)
         return pages
@@ -133,13 +146,13 @@ class MergedPairFormat(SlottedPage):
         pages = old.clone()
         codes = self.directions
         k, v = codes.decode(old)
-        k[which, offsets], v[which, offsets] = merged[:, 0], merged[:, 1]
+        k[which, offsets], v[which, offsets] = merged[:, 0].to(k.dtype), merged[:, 1].to(v.dtype)
         pages[:, :codes.codes_bytes] = codes.encode(k, v, filled, old, num_stored)[:, :codes.codes_bytes]
         r = self.regions
-        stored_norms = r.view(old, "norms", torch.float16, (B, 2, 2, H))
-        stored_norms[which, offsets] = norms
-        r.write(pages, "norms", stored_norms)
+        stored_norms = r.view(old, "norms", torch.float16, (2, 2, H, B))
+        stored_norms[which, :, :, :, offsets] = norms
         if not R:
+            r.write(pages, "norms", stored_norms)
             return pages
         index = r.view(old, "index", torch.int16, (R,)).long()
         index = torch.where(index < num_stored[:, None], index, -1)  # a reused page's slots hold nothing yet
@@ -156,7 +169,9 @@ class MergedPairFormat(SlottedPage):
         new_x[which, offsets] = x
         pool = torch.cat([r.view(old, "kept", self.dtype, (R, 2, 2, H, D)).float(), new_x], 1)
         kept = pool.gather(1, ranked[:, :, None, None, None, None].expand(N, R, 2, 2, H, D))
-        r.write(pages, "index", torch.where(held, at.gather(1, ranked), -1).to(torch.int16))
+        index = torch.where(held, at.gather(1, ranked), -1)
+        r.write(pages, "norms", _marked(stored_norms, index))
+        r.write(pages, "index", index.to(torch.int16))
         r.write(pages, "distance", torch.where(held, candidates.gather(1, ranked), -1.0))
         r.write(pages, "kept", torch.where(held[:, :, None, None, None, None], kept, 0).to(self.dtype))
         return pages
@@ -166,9 +181,8 @@ class MergedPairFormat(SlottedPage):
         N, B, H, D, R = pages.shape[0], self.block_size, self.k.num_heads, self.k.head_size, self.retained
         r = self.regions
         k, v = self.directions.decode(pages)
-        norms = r.view(pages, "norms", torch.float16, (B, 2, 2, H, 1)).float()[:, :, layer]  # [N, B, 2, H, 1]
-        x = torch.stack([k, v], 2)
-        x = x / x.norm(dim=-1, keepdim=True).clamp_min(_EPS) * norms
+        norms = r.view(pages, "norms", torch.float16, (2, 2, H, B)).float()[:, layer].abs()  # [N, 2, H, B]
+        x = torch.stack([k, v], 2) * norms.permute(0, 3, 1, 2)[..., None]
         if R:
             index = r.view(pages, "index", torch.int16, (max(R, 1),))[:, :R].long()
             kept = r.view(pages, "kept", self.dtype, (R, 2, 2, H, D)).float()[:, :, layer]  # [N, R, 2, H, D]
@@ -176,3 +190,32 @@ class MergedPairFormat(SlottedPage):
             pages_of = torch.arange(N, device=pages.device)[:, None].expand(N, R)
             x[pages_of[held], index[held]] = kept[held]
         return x[:, :, 0], x[:, :, 1]
+
+
+@dataclass(frozen=True)
+class MergedLayer:
+    """Layer ``layer`` (0: the first) of a pair's pages as the layer decode kernel reads them: the
+    direction codes where a layer page keeps its codes, each token's K and V scaled by this layer's
+    norms, the retained tokens (norms stored negated) left out: they are attended exactly apart."""
+    pair: MergedPairFormat
+    layer: int
+
+    @property
+    def k(self) -> Codec:
+        return self.pair.k
+
+    @property
+    def v(self) -> Codec:
+        return self.pair.v
+
+    @property
+    def block_size(self) -> int:
+        return self.pair.block_size
+
+    @property
+    def page_bytes(self) -> int:
+        return self.pair.page_bytes
+
+    def norms_at(self, kv: int) -> int:
+        """Byte offset of this layer's K (``kv`` 0) or V (1) norms, [H, B] float16."""
+        return self.pair.regions.start("norms") + (self.layer * 2 + kv) * self.k.num_heads * self.block_size * 2

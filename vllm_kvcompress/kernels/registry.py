@@ -311,11 +311,12 @@ def _flash_salient_prompt(fmt: SalientTokensFormat, ctx: LayerContext) -> str | 
     return _salient_decode(fmt, ctx) or _own_tokens_through_flash_attention(ctx)
 
 
-MERGED_CODE_BITS = (2, 4, 8)  # the merged decode kernel's min-max codes (besides raw 16-bit values)
+MERGED_CODE_BITS = (2, 4, 8)  # the merged pages' min-max codes the kernels serve (besides raw 16-bit values)
 
 
 def _merged_pages(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
-    """Why the merged kernels (decode rows, prompt history, the pair's write) cannot serve these pages."""
+    """Why the merged kernels (decode rows, prompt history, the pair's write) cannot serve these pages:
+    the history is read by the layer decode kernel (``MergedLayer``)."""
     for name, codec in (("K", fmt.k), ("V", fmt.v)):
         if isinstance(codec, MinMaxCodec):
             if codec.bits not in MERGED_CODE_BITS:
@@ -325,11 +326,9 @@ def _merged_pages(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
         elif not isinstance(codec, UncompressedCodec):
             return f"{name} in codec {codec.name!r} (the kernel reads {', '.join(KERNEL_CODECS)})"
     d = fmt.k.head_size
-    if d & (d - 1) or d < 16:
+    if d < 16:
         return f"head size {d} (powers of two from 16)"
-    if ctx.sliding_window is not None:
-        return "sliding-window layer (the kernel reads whole contexts)"
-    return _sixteen_bit_queries(ctx)
+    return _triton_decode(fmt.directions, ctx) or _sixteen_bit_queries(ctx)
 
 
 def _flash_merged_prompt(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
@@ -349,9 +348,10 @@ for _impl in (
     Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode"),
     Implementation("decode", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_decode:salient_decode",
                    reads=(SalientTokensFormat,)),
-    # MiniCache's decode rows: the history restored from the pair's pages, the new token's exact term merged
+    # MiniCache's decode rows: the retained tokens and the new one exactly, then the merged directions
+    # through the layer decode kernel
     Implementation("decode", "cuda", "triton-merged", _merged_pages, f"{_TRITON}.merged_decode:decode_rows",
-                   reads=(MergedPairFormat,)),
+                   warm_up=f"{_TRITON}.merged_decode:warm_up", reads=(MergedPairFormat,)),
     Implementation("decode", "cuda", "torch", _always),
     Implementation("decode", "cpu", "torch", _always),
     # a chunk's own tokens through FlashAttention, its history as grouped rows of the Triton decode:
@@ -362,7 +362,8 @@ for _impl in (
     Implementation("prompt", "cuda", "flash-attention+triton-salient", _flash_salient_prompt,
                    f"{_TRITON}.salient_prompt:salient_prompt", reads=(SalientTokensFormat,)),
     Implementation("prompt", "cuda", "flash-attention+triton-merged", _flash_merged_prompt,
-                   f"{_TRITON}.merged_prompt:merged_prompt", reads=(MergedPairFormat,)),
+                   f"{_TRITON}.merged_prompt:merged_prompt", warm_up=f"{_TRITON}.merged_decode:warm_up",
+                   reads=(MergedPairFormat,)),
     Implementation("prompt", "cuda", "torch", _always),
     Implementation("prompt", "cpu", "torch", _always),
     Implementation("write", "cuda", "cuda", _cuda_write, "vllm_kvcompress.cuda_write:write_tokens",
