@@ -166,7 +166,7 @@ class MergedPairFormat(SlottedPage):
         ranked = by_offset.gather(1, order)[:, :R]
         held = candidates.gather(1, ranked) >= 0
         new_x = torch.zeros(N, B, 2, 2, H, D, device=old.device)
-        new_x[which, offsets] = x
+        new_x[which, offsets] = x.float()
         pool = torch.cat([r.view(old, "kept", self.dtype, (R, 2, 2, H, D)).float(), new_x], 1)
         kept = pool.gather(1, ranked[:, :, None, None, None, None].expand(N, R, 2, 2, H, D))
         index = torch.where(held, at.gather(1, ranked), -1)
