@@ -142,20 +142,20 @@ def test_triton_write_equals_append(codec):
     fmt = MergedPairFormat.from_layer_format(CODECS[codec], 0.6, 0.1, DTYPE, B, H, D)
     g = torch.Generator().manual_seed(3)
     table = torch.arange(3 * 4, dtype=torch.int32).view(3, 4).flip(1)
-    stale = fmt.encode(*_pair_vectors(g, 12, B, H, D), torch.full((12,), B))
-    want, got = stale.clone(), stale.clone().to(DEVICE)
+    stale = fmt.encode(*_pair_vectors(g, 12, B, H, D), torch.full((12,), B)).to(DEVICE)
+    want, got = stale.clone(), stale.clone()  # on one device: both merge with the same arithmetic
     lens = [0, 0, 0]
     for q_lens in ([40, 3, 17], [30, 64, 1], [1, 1, 1], [1, 5, 14], [1, 1, 1]):
         slots = torch.cat([request_slots(table[i], B, L + torch.arange(m))
                            for i, (L, m) in enumerate(zip(lens, q_lens))])
         slots = torch.cat([slots, torch.tensor([-1])])  # a padding row
         lens = [L + m for L, m in zip(lens, q_lens)]
-        new = [x.to(DTYPE) for x in _pair_vectors(g, 1, slots.shape[0], H, D)]
-        paged_torch.write_pair_tokens(want, fmt, *(x[0] for x in new), slots)
-        write_pair_tokens(got, fmt, *(x[0].to(DEVICE) for x in new), slots.to(DEVICE))
+        new = [x[0].to(DEVICE, DTYPE) for x in _pair_vectors(g, 1, slots.shape[0], H, D)]
+        paged_torch.write_pair_tokens(want, fmt, *new, slots.to(DEVICE))
+        write_pair_tokens(got, fmt, *new, slots.to(DEVICE))
         for i, L in enumerate(lens):
             blocks = table[i, :-(-L // B)].long()
-            ours, theirs = got.cpu()[blocks], want[blocks]
+            ours, theirs = got.cpu()[blocks], want.cpu()[blocks]
             for a, b in zip(fmt.directions.decode(ours), fmt.directions.decode(theirs)):
                 assert torch.equal(a.flatten(0, 1)[:L], b.flatten(0, 1)[:L])
             norms = [fmt.regions.view(p, "norms", torch.float16, (2, 2, H, B)).movedim(-1, 1).flatten(0, 1)[:L]
