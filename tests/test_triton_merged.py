@@ -130,20 +130,47 @@ def _retained(fmt, pages):
     return [{(int(i), float(d)) for i, d in zip(*row) if i >= 0} for row in zip(index, distance)]
 
 
+def test_merge_kernel_equals_merge():
+    """``pair_merge`` against ``MergedPairFormat.merge`` on tokens whose layers' directions are close,
+    far apart, equal (SLERP's linear case), opposite, or zero: the same vectors, norms to float16's
+    rounding, directions and distances to float32's (its arccos is a polynomial)."""
+    from vllm_kvcompress.triton_kernels.pair_merge import merge_pair
+
+    H, D = 3, 64
+    fmt = MergedPairFormat.from_layer_format(CODECS["k4v4"], 0.6, 0.1, DTYPE, 32, H, D)
+    g = torch.Generator().manual_seed(2)
+    ka, va, kb, vb = (x[0] for x in _pair_vectors(g, 1, 40, H, D))
+    kb[:4], vb[:4] = 2.5 * ka[:4], 0.5 * va[:4]    # equal directions
+    kb[4:8], vb[4:8] = -ka[4:8], -va[4:8]          # opposite
+    ka[8], vb[9] = 0.0, 0.0                        # zero vectors
+    tokens = [x.to(DEVICE, DTYPE) for x in (ka, va, kb, vb)]
+    got, want = merge_pair(fmt, *tokens), fmt.merge(*tokens)
+    assert torch.equal(got[0], want[0].to(fmt.dtype))
+    torch.testing.assert_close(got[2].float(), want[2].float(), rtol=1e-3, atol=1e-3)
+    tol = 1e-5 if DTYPE == torch.float32 else 1e-2  # bfloat16 directions: one rounding step
+    torch.testing.assert_close(got[1].float(), want[1].float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("codec", ["16-bit", "k4v4"])
-def test_triton_write_equals_append(codec):
+def test_triton_write_equals_append(codec, monkeypatch):
     """Steps of three requests' prompt chunks and decoded tokens, written by ``merged_write`` and by
     the torch reference (``MergedPairFormat.append``: the held and new tokens ranked at once) into
     pages that held another request's tokens before: the same direction codes and norms, the same
-    retained tokens with their distances (in whatever slots), the same restored layers."""
+    retained tokens with their distances (in whatever slots), the same restored layers. Both merge
+    through the merge kernel (checked against the reference's merge above), so that the pages can
+    be compared bit for bit."""
     from vllm_kvcompress.triton_kernels.merged_write import write_pair_tokens
+    from vllm_kvcompress.triton_kernels.pair_merge import merge_pair
+
 
     H, D, B = 2, 64, 32
     fmt = MergedPairFormat.from_layer_format(CODECS[codec], 0.6, 0.1, DTYPE, B, H, D)
     g = torch.Generator().manual_seed(3)
     table = torch.arange(3 * 4, dtype=torch.int32).view(3, 4).flip(1)
     stale = fmt.encode(*_pair_vectors(g, 12, B, H, D), torch.full((12,), B)).to(DEVICE)
-    want, got = stale.clone(), stale.clone()  # on one device: both merge with the same arithmetic
+    want, got = stale.clone(), stale.clone()
+    monkeypatch.setattr(MergedPairFormat, "merge", merge_pair)
     lens = [0, 0, 0]
     for q_lens in ([40, 3, 17], [30, 64, 1], [1, 1, 1], [1, 5, 14], [1, 1, 1]):
         slots = torch.cat([request_slots(table[i], B, L + torch.arange(m))
@@ -171,11 +198,15 @@ _MERGED_KERNELS = """
 import torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats.merged import MergedLayer, MergedPairFormat
-from vllm_kvcompress.triton_kernels import decode, merged_decode as retained, merged_write as write
+from vllm_kvcompress.triton_kernels import decode, merged_decode as retained, merged_write as write, pair_merge
 
 fmt = MergedPairFormat.from_layer_format(LayerFormat(**%s), 0.6, 0.05, torch.bfloat16, 128, 8, 128)
 compile_for_h100(write._retain_kernel, {"slot_ptr": "*i64", "n": "i32", "distance_ptr": "*fp32", "norms_ptr": "*fp16",
                                         "x_ptr": "*bf16", "cache_ptr": "*u8"}, write.retain_constants(fmt))
+merge_runtime = {name: "*bf16" for name in ("ka_ptr", "va_ptr", "kb_ptr", "vb_ptr", "x_ptr", "merged_ptr")}
+merge_runtime |= dict(norms_ptr="*fp16", distance_ptr="*fp32", ka_stride="i32", va_stride="i32", kb_stride="i32",
+                      vb_stride="i32", t="fp32")
+compile_for_h100(pair_merge._merge_kernel, merge_runtime, dict(H=8, HP=8, D=128))
 pointers = ("q_ptr", "key_ptr", "value_ptr", "out_ptr")
 runtime = {name: "*bf16" for name in pointers} | dict(pages_ptr="*u8", table_ptr="*i32", lens_ptr="*i32",
                                                       lse_ptr="*fp32", group_rows_ptr="*i32", group_starts_ptr="*i32",

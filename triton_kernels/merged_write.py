@@ -1,8 +1,8 @@
 """MiniCache's write on the GPU: a pair's new tokens into their shared pages, as
 ``MergedPairFormat.append`` writes them.
 
-The merge itself (norms, SLERP of the directions, each token's distance) is a few batched torch
-operations over the step's tokens. The merged directions then go through the layer write kernel
+The merge itself (norms, SLERP of the directions, each token's distance) is one kernel over the
+step's tokens (``pair_merge``). The merged directions then go through the layer write kernel
 (``write.write_tokens``): the pair page begins with a layer page's codes, so the codecs' append rule
 is the layer pages' own. ``_retain_kernel`` writes the norms and updates the retention slots: the
 program of a block's first new token of the step walks the block's new tokens in order, writes
@@ -22,6 +22,7 @@ import triton.language as tl
 
 from vllm_kvcompress.formats.merged import MergedPairFormat
 
+from .pair_merge import merge_pair
 from .write import write_tokens
 
 _COPY = 1024  # elements of a retained token's vectors copied at a time
@@ -105,11 +106,9 @@ def write_pair_tokens(cache: torch.Tensor, fmt: MergedPairFormat, key_a: torch.T
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    x, merged, norms, distance = fmt.merge(key_a, value_a, key_b, value_b)
+    x, merged, norms, distance = merge_pair(fmt, key_a, value_a, key_b, value_b)
     write_tokens(cache, fmt.directions, merged[:, 0], merged[:, 1], slot_mapping, page_bytes=fmt.page_bytes)
-    # the retained vectors are copied in the pages' dtype (the new tokens' own, when serving)
-    _retain_kernel[(n,)](slot_mapping, n, distance, norms.contiguous(), x.to(fmt.dtype), cache, num_warps=4,
-                         **retain_constants(fmt))
+    _retain_kernel[(n,)](slot_mapping, n, distance, norms, x, cache, num_warps=4, **retain_constants(fmt))
 
 
 @functools.cache  # read at every launch
