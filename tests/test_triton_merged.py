@@ -194,6 +194,20 @@ def test_triton_write_equals_append(codec, monkeypatch):
                     assert torch.equal(a.flatten(0, 1)[:L], b.flatten(0, 1)[:L])
 
 
+def test_warm_ups_write_nothing():
+    """The decode and write warm-ups (every kernel a serving step launches, compiled before serving)
+    run over a live cache and leave its pages as they were."""
+    from vllm_kvcompress.triton_kernels import merged_decode, merged_write
+
+    fmt = MergedPairFormat.from_layer_format(CODECS["k4v4"], 0.6, 0.1, DTYPE, 32, 2, 64)
+    cache = torch.randint(0, 256, (3, fmt.page_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    cache = cache.to(DEVICE)
+    before = cache.clone()
+    merged_decode.warm_up(cache, fmt, 4, DTYPE)
+    merged_write.warm_up(cache, fmt, DTYPE)
+    assert torch.equal(cache, before)
+
+
 _MERGED_KERNELS = """
 import torch
 from vllm_kvcompress.config import LayerFormat
@@ -202,7 +216,7 @@ from vllm_kvcompress.triton_kernels import decode, merged_decode as retained, me
 
 fmt = MergedPairFormat.from_layer_format(LayerFormat(**%s), 0.6, 0.05, torch.bfloat16, 128, 8, 128)
 compile_for_h100(write._retain_kernel, {"slot_ptr": "*i64", "n": "i32", "distance_ptr": "*fp32", "norms_ptr": "*fp16",
-                                        "x_ptr": "*bf16", "cache_ptr": "*u8"}, write.retain_constants(fmt))
+                                        "x_ptr": "*bf16", "cache_ptr": "*u8"}, write.retain_variant(fmt).constants)
 merge_runtime = {name: "*bf16" for name in ("ka_ptr", "va_ptr", "kb_ptr", "vb_ptr", "x_ptr", "merged_ptr")}
 merge_runtime |= dict(norms_ptr="*fp16", distance_ptr="*fp32", ka_stride="i32", va_stride="i32", kb_stride="i32",
                       vb_stride="i32", t="fp32")
@@ -214,7 +228,7 @@ runtime = {name: "*bf16" for name in pointers} | dict(pages_ptr="*u8", table_ptr
 runtime |= {name: "i32" for name in retained._retained_kernel.arg_names if name.endswith("_stride")}
 for layer, group, rows, grouped, own in ((0, 1, 1, False, True), (1, 4, 16, True, False)):
     compile_for_h100(retained._retained_kernel, runtime,
-                     retained.retained_constants(fmt, layer, group, rows, grouped, own, not own))
+                     retained.retained_variant(fmt, layer, group, rows, grouped, own, not own).constants)
 layer_runtime = dict(q_ptr="*bf16", cache_ptr="*u8", half_ptr="*fp16", block_table_ptr="*i32", seq_lens_ptr="*i32",
                      group_rows_ptr="*i32", group_start_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
                      lse_ptr="*fp32", sm_scale="fp32")

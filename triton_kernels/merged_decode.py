@@ -24,9 +24,10 @@ from vllm_kvcompress.token_rows import TokenGroups
 from .decode import _LOG2E, paged_decode, rows_per_program
 from .decode import warm_up as warm_up_layer
 from .history_rows import online_softmax_step, program_rows, store_rows
+from .launch import Variant, launch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["lse_head_stride"])  # the step's row count: no compile in the middle of serving
 def _retained_kernel(q_ptr, key_ptr, value_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_ptr, group_rows_ptr,
                      group_starts_ptr, scale, q_row_stride, q_head_stride, key_row_stride, value_row_stride,
                      table_stride, out_row_stride, out_head_stride, lse_head_stride, PAGE: tl.constexpr,
@@ -78,16 +79,17 @@ def _retained_kernel(q_ptr, key_ptr, value_ptr, pages_ptr, table_ptr, lens_ptr, 
                lse_head_stride, D)
 
 
-@functools.cache  # read at every launch
-def retained_constants(fmt: MergedPairFormat, layer: int, group: int, rows: int, grouped: bool, own: bool,
-                       prior: bool) -> dict:
-    """``_retained_kernel``'s compile-time constants for ``layer`` of ``fmt``'s pairs, ``group`` query
-    heads a KV head and ``rows`` tokens a program."""
+@functools.cache  # one Variant a configuration: launch keeps its compiled kernel by it
+def retained_variant(fmt: MergedPairFormat, layer: int, group: int, rows: int, grouped: bool, own: bool,
+                     prior: bool) -> Variant:
+    """``_retained_kernel`` for ``layer`` of ``fmt``'s pairs, ``group`` query heads a KV head and
+    ``rows`` tokens a program."""
     at = fmt.regions.start
-    return dict(PAGE=fmt.page_bytes, B=fmt.block_size, H=fmt.k.num_heads, D=fmt.k.head_size, G=group,
-                MP=max(16, triton.next_power_of_2(rows * group)), GROUPED=grouped, LAYER=layer, R=fmt.retained,
-                RP=max(16, triton.next_power_of_2(fmt.retained)), INDEX=at("index"), KEPT=at("kept"), OWN=own,
-                PRIOR=prior)
+    return Variant(_retained_kernel, dict(
+        PAGE=fmt.page_bytes, B=fmt.block_size, H=fmt.k.num_heads, D=fmt.k.head_size, G=group,
+        MP=max(16, triton.next_power_of_2(rows * group)), GROUPED=grouped, LAYER=layer, R=fmt.retained,
+        RP=max(16, triton.next_power_of_2(fmt.retained)), INDEX=at("index"), KEPT=at("kept"), OWN=own, PRIOR=prior),
+        {"num_warps": 4})
 
 
 def retained_attention(q: torch.Tensor, pages: torch.Tensor, fmt: MergedPairFormat, layer: int,
@@ -105,13 +107,13 @@ def retained_attention(q: torch.Tensor, pages: torch.Tensor, fmt: MergedPairForm
     if lse.stride(1) != 1 or (own is not None and any(x.stride(1) != d or x.stride(2) != 1 for x in own)):
         raise ValueError("lse: rows contiguous; key, value: heads and channels contiguous within a row")
     heads = fmt.k.num_heads
-    key, value = own if own is not None else (q, q)
-    _retained_kernel[(n if groups is None else groups.starts.shape[0], heads)](
-        q, key, value, pages, block_table, seq_lens, out, lse, None if groups is None else groups.rows,
-        None if groups is None else groups.starts, scale, q.stride(0), q.stride(1), key.stride(0), value.stride(0),
-        block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), num_warps=4,
-        **retained_constants(fmt, layer, hq // heads, 1 if groups is None else groups.size, groups is not None,
-                             own is not None, prior))
+    key, value = own if own is not None else (q, q)  # q: a pointer the kernel never reads
+    rows, starts = (seq_lens, seq_lens) if groups is None else (groups.rows, groups.starts)
+    variant = retained_variant(fmt, layer, hq // heads, 1 if groups is None else groups.size, groups is not None,
+                               own is not None, prior)
+    launch(variant, (n if groups is None else groups.starts.shape[0], heads),
+           (q, key, value, pages, block_table, seq_lens, out, lse, rows, starts, scale, q.stride(0), q.stride(1),
+            key.stride(0), value.stride(0), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0)))
 
 
 def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor, fmt: MergedPairFormat,

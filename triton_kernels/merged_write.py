@@ -22,6 +22,7 @@ import triton.language as tl
 
 from vllm_kvcompress.formats.merged import MergedPairFormat
 
+from .launch import Variant, launch
 from .pair_merge import merge_pair
 from .write import write_tokens
 
@@ -43,7 +44,7 @@ def _load_norms(page, NORMS: tl.constexpr, offset, e, NH: tl.constexpr, B: tl.co
     return tl.load((page + NORMS).to(tl.pointer_type(tl.float16)) + e * B + offset, mask=e < NH, other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # the step's token count: no compile in the middle of serving
 def _retain_kernel(slot_ptr, n, distance_ptr, norms_ptr, x_ptr, cache_ptr, PAGE: tl.constexpr, B: tl.constexpr,
                    R: tl.constexpr, RP: tl.constexpr, NH: tl.constexpr, NHP: tl.constexpr, X: tl.constexpr,
                    COPY: tl.constexpr, NORMS: tl.constexpr, INDEX: tl.constexpr, DISTANCE: tl.constexpr,
@@ -108,14 +109,25 @@ def write_pair_tokens(cache: torch.Tensor, fmt: MergedPairFormat, key_a: torch.T
         return
     x, merged, norms, distance = merge_pair(fmt, key_a, value_a, key_b, value_b)
     write_tokens(cache, fmt.directions, merged[:, 0], merged[:, 1], slot_mapping, page_bytes=fmt.page_bytes)
-    _retain_kernel[(n,)](slot_mapping, n, distance, norms, x, cache, num_warps=4, **retain_constants(fmt))
+    launch(retain_variant(fmt), (n,), (slot_mapping, n, distance, norms, x, cache))
 
 
-@functools.cache  # read at every launch
-def retain_constants(fmt: MergedPairFormat) -> dict:
-    """``_retain_kernel``'s compile-time constants for ``fmt``'s pages."""
+@functools.cache  # one Variant a format: launch keeps its compiled kernel by it
+def retain_variant(fmt: MergedPairFormat) -> Variant:
+    """``_retain_kernel`` for ``fmt``'s pages."""
     at = fmt.regions.start
     nh, x = 2 * 2 * fmt.k.num_heads, 2 * 2 * fmt.k.num_heads * fmt.k.head_size  # a token's norms and vectors
-    return dict(PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.retained, RP=triton.next_power_of_2(max(fmt.retained, 2)),
-                NH=nh, NHP=triton.next_power_of_2(nh), X=x, COPY=min(_COPY, triton.next_power_of_2(x)),
-                NORMS=at("norms"), INDEX=at("index"), DISTANCE=at("distance"), KEPT=at("kept"))
+    return Variant(_retain_kernel, dict(
+        PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.retained, RP=triton.next_power_of_2(max(fmt.retained, 2)),
+        NH=nh, NHP=triton.next_power_of_2(nh), X=x, COPY=min(_COPY, triton.next_power_of_2(x)),
+        NORMS=at("norms"), INDEX=at("index"), DISTANCE=at("distance"), KEPT=at("kept")), {"num_warps": 4})
+
+
+def warm_up(cache: torch.Tensor, fmt: MergedPairFormat, dtype: torch.dtype) -> None:
+    """Compile what a pair's write launches (the merge, both variants of the layer write, the
+    retention kernel) before serving. One token with no slot (-1): nothing is written."""
+    x = torch.zeros(1, fmt.k.num_heads, fmt.k.head_size, dtype=dtype, device=cache.device)
+    nowhere = torch.full((1,), -1, dtype=torch.int64, device=cache.device)
+    for dealt in (False, True):
+        write_tokens(cache, fmt.directions, x, x, nowhere, dealt=dealt, page_bytes=fmt.page_bytes)
+    write_pair_tokens(cache, fmt, x, x, x, x, nowhere)

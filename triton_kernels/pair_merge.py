@@ -9,11 +9,15 @@ and the angle between them, averaged over heads and over K and V (the token's di
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from vllm_kvcompress.formats.merged import MergedPairFormat
+
+from .launch import Variant, launch
 
 _EPS = tl.constexpr(1e-6)  # as MergedPairFormat's
 _NEAR = tl.constexpr(1e-4)  # as slerp's: below this sine the two directions coincide and mix linearly
@@ -92,7 +96,12 @@ def merge_pair(fmt: MergedPairFormat, ka: torch.Tensor, va: torch.Tensor, kb: to
     norms = torch.empty(n, 2, 2, heads, dtype=torch.float16, device=dev)
     distance = torch.empty(n, dtype=torch.float32, device=dev)
     if n:
-        _merge_kernel[(n,)](ka, va, kb, vb, x, merged, norms, distance, ka.stride(0), va.stride(0), kb.stride(0),
-                            vb.stride(0), fmt.t, H=heads, HP=triton.next_power_of_2(heads), D=d,
-                            num_warps=8 if heads * d >= 2048 else 4)
+        launch(_variant(heads, d), (n,), (ka, va, kb, vb, x, merged, norms, distance, ka.stride(0), va.stride(0),
+                                         kb.stride(0), vb.stride(0), fmt.t))
     return x, merged, norms, distance
+
+
+@functools.cache  # one Variant a shape: launch keeps its compiled kernel by it
+def _variant(heads: int, head_size: int) -> Variant:
+    return Variant(_merge_kernel, dict(H=heads, HP=triton.next_power_of_2(heads), D=head_size),
+                   {"num_warps": 8 if heads * head_size >= 2048 else 4})

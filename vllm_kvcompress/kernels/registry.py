@@ -375,7 +375,7 @@ for _impl in (
                    reads=(SalientTokensFormat,)),
     # MiniCache: both layers' tokens of a pair, merged, into the pair's pages (the second layer's write)
     Implementation("write", "cuda", "triton-merged", _merged_pages, f"{_TRITON}.merged_write:write_pair_tokens",
-                   reads=(MergedPairFormat,)),
+                   warm_up=f"{_TRITON}.merged_write:warm_up", reads=(MergedPairFormat,)),
     Implementation("write", "cuda", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
     Implementation("write", "cpu", "torch", _always, "vllm_kvcompress.paged_torch:write_tokens"),
 ):
