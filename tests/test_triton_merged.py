@@ -17,9 +17,9 @@ from vllm_kvcompress import paged_torch  # noqa: E402
 from vllm_kvcompress.config import LayerFormat  # noqa: E402
 from vllm_kvcompress.formats.merged import MergedLayer, MergedPairFormat  # noqa: E402
 from vllm_kvcompress.token_rows import token_rows  # noqa: E402
-from vllm_kvcompress.triton_kernels import merged_prompt  # noqa: E402
+from vllm_kvcompress.triton_kernels import merged_prompt, prompt  # noqa: E402
 from vllm_kvcompress.triton_kernels.decode import paged_decode  # noqa: E402
-from vllm_kvcompress.triton_kernels.merged_decode import decode_rows, retained_attention  # noqa: E402
+from vllm_kvcompress.triton_kernels.merged_decode import decode_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
@@ -52,24 +52,21 @@ def _pages(fmt, seq_lens, spare, seed):
 @pytest.mark.parametrize("layer", [0, 1])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_history_equals_attention_over_the_restored_pages(codec, HQ, block, layer, splits):
-    """The two passes over a pair's pages (the retained tokens exactly, then the layer decode kernel
-    over the merged directions scaled by the layer's norms, the retained ones left out, continuing
-    from the first) against attention over ``MergedPairFormat.decode``'s layer: MHA (one row a
-    program) and GQA, the context whole or split."""
+    """The layer decode kernel over a pair's pages (``MergedLayer``: the merged directions scaled by
+    the layer's norms, the retained tokens left out of their tiles and attended exactly from their
+    slots) against attention over ``MergedPairFormat.decode``'s layer: MHA (one row a program) and
+    GQA, the context whole or split."""
     H, D = 2, 64
     fmt = MergedPairFormat.from_layer_format(CODECS[codec], 0.6, 0.1, DTYPE, block, H, D)
     seq_lens = [1, 17, block, 3 * block - 5]
     cache, table = _pages(fmt, seq_lens, 3, seed=HQ + block + layer)
     index = fmt.regions.view(cache, "index", torch.int16, (fmt.retained,))
-    assert (index >= 0).any(1).sum() >= 4  # tokens are retained: the first pass is exercised
+    assert (index >= 0).any(1).sum() >= 4  # tokens are retained: their exact step is exercised
     q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(5)).to(DEVICE, DTYPE)
     scale = D ** -0.5
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out = torch.zeros_like(q)
-    lse = torch.empty(HQ, len(seq_lens), device=DEVICE)
-    retained_attention(q, cache.to(DEVICE), fmt, layer, table.to(DEVICE), lens, scale, out, lse)
-    paged_decode(q, cache.to(DEVICE), MergedLayer(fmt, layer), table.to(DEVICE), lens, scale, max(seq_lens),
-                 num_splits=splits, out=out, prior_lse=lse)
+    out = paged_decode(q, cache.to(DEVICE), MergedLayer(fmt, layer), table.to(DEVICE), lens, scale, max(seq_lens),
+                       num_splits=splits)
     for i, L in enumerate(seq_lens):
         k, v = (x.flatten(0, 1)[:L] for x in fmt.decode(cache[table[i, :-(-L // block)].long()], layer))
         logits = torch.einsum("hd,khd->hk", q[i].float().cpu(), k.repeat_interleave(HQ // H, 1)) * scale
@@ -81,15 +78,15 @@ def test_history_equals_attention_over_the_restored_pages(codec, HQ, block, laye
 @pytest.mark.parametrize("codec", ["16-bit", "k4v4"])
 def test_steps_through_the_kernels_equal_attend_pair(codec, monkeypatch):
     """Steps of both layers of a pair over three requests, prompt chunks (``merged_prompt``: own
-    attention, history rows in groups of 5, merged) and decode rows (``decode_rows``: history from the
-    pages, the new token's exact term merged), against ``paged_torch.attend_pair`` on the same pages;
+    attention, then history rows in groups of 5 continuing from it) and decode rows (``decode_rows``:
+    the new token's exact term, then the history from the pages), against ``paged_torch.attend_pair`` on the same pages;
     after each step the second layer's write takes both layers' tokens. The steps cover a first
     chunk, chunks with history across block boundaries, one-token chunks and decodes that open a
     fresh block. On the CPU a torch causal attention stands in for FlashAttention."""
     from test_triton_prompt import torch_own_chunk_attention
 
     if DEVICE == "cpu":
-        monkeypatch.setattr(merged_prompt, "own_chunk_attention", torch_own_chunk_attention)
+        monkeypatch.setattr(prompt, "own_chunk_attention", torch_own_chunk_attention)
     H, HQ, D, B = 2, 4, 64, 32
     fmt = MergedPairFormat.from_layer_format(CODECS[codec], 0.6, 0.1, DTYPE, B, H, D)
     g = torch.Generator().manual_seed(11)
@@ -212,7 +209,7 @@ _MERGED_KERNELS = """
 import torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats.merged import MergedLayer, MergedPairFormat
-from vllm_kvcompress.triton_kernels import decode, merged_decode as retained, merged_write as write, pair_merge
+from vllm_kvcompress.triton_kernels import decode, merged_decode, merged_write as write, pair_merge
 
 fmt = MergedPairFormat.from_layer_format(LayerFormat(**%s), 0.6, 0.05, torch.bfloat16, 128, 8, 128)
 compile_for_h100(write._retain_kernel, {"slot_ptr": "*i64", "n": "i32", "distance_ptr": "*fp32", "norms_ptr": "*fp16",
@@ -221,14 +218,11 @@ merge_runtime = {name: "*bf16" for name in ("ka_ptr", "va_ptr", "kb_ptr", "vb_pt
 merge_runtime |= dict(norms_ptr="*fp16", distance_ptr="*fp32", ka_stride="i32", va_stride="i32", kb_stride="i32",
                       vb_stride="i32", t="fp32")
 compile_for_h100(pair_merge._merge_kernel, merge_runtime, dict(H=8, HP=8, D=128))
-pointers = ("q_ptr", "key_ptr", "value_ptr", "out_ptr")
-runtime = {name: "*bf16" for name in pointers} | dict(pages_ptr="*u8", table_ptr="*i32", lens_ptr="*i32",
-                                                      lse_ptr="*fp32", group_rows_ptr="*i32", group_starts_ptr="*i32",
-                                                      scale="fp32")
-runtime |= {name: "i32" for name in retained._retained_kernel.arg_names if name.endswith("_stride")}
-for layer, group, rows, grouped, own in ((0, 1, 1, False, True), (1, 4, 16, True, False)):
-    compile_for_h100(retained._retained_kernel, runtime,
-                     retained.retained_variant(fmt, layer, group, rows, grouped, own, not own).constants)
+compile_for_h100(merged_decode._own_token_kernel, dict(q_ptr="*bf16", key_ptr="*bf16", value_ptr="*bf16",
+                                                  out_ptr="*bf16", lse_ptr="*fp32", scale="fp32",
+                                                  **{name: "i32" for name in merged_decode._own_token_kernel.arg_names
+                                                     if name.endswith("_stride")}),
+                 merged_decode._own_token_variant(128, 4).constants)
 layer_runtime = dict(q_ptr="*bf16", cache_ptr="*u8", half_ptr="*fp16", block_table_ptr="*i32", seq_lens_ptr="*i32",
                      group_rows_ptr="*i32", group_start_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
                      lse_ptr="*fp32", sm_scale="fp32")

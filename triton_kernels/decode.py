@@ -141,6 +141,47 @@ def _f32(ptr):
     return tl.load(ptr).to(tl.float32)
 
 
+@triton.jit
+def _retained_tokens(page, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H: tl.constexpr,
+                     D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
+                     ROW_QUERY: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr,
+                     KEPT: tl.constexpr, LAYER: tl.constexpr):
+    """One more step of the online softmax (``m``, ``l``, the output's planes): a MiniCache pair's
+    retained tokens of the block that starts at token ``first``, exact, from the block's slots
+    [R, 2 layers, 2 (K, V), H, D] in the model dtype (``q``'s)."""
+    dtype = q.dtype
+    r = tl.arange(0, RP)
+    kept_at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + r, mask=r < R, other=-1).to(tl.int32)
+    held = (kept_at >= 0) & (first + kept_at < L)
+    d = tl.arange(0, D)[None, :]
+    rows = (page + KEPT).to(tl.pointer_type(dtype)) + ((r[:, None] * 2 + LAYER) * 2 * H + h) * D + d
+    k = tl.load(rows, mask=held[:, None], other=0.0)
+    s = tl.dot(tl.broadcast_to(q, (GP, D)), tl.trans(k)) * q_scale
+    valid = held[None, :]
+    if ONE_ROW:  # one query row: its logits alone (ROW_QUERY: every row is the query's)
+        s1 = tl.where(valid, (tl.max(s, 0) if ROW_QUERY else tl.sum(s, 0))[None, :], float("-inf"))
+        m_new = tl.maximum(m, tl.max(s1, 1))
+        alpha = tl.exp2(m - m_new)[:, None]
+        p1 = tl.exp2(s1 - tl.max(m_new, 0))
+        l = l * tl.reshape(alpha, (GP,)) + tl.sum(p1, 1)
+        p = tl.where(gmask, p1, 0.0)
+    else:
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)[:, None]
+        p = tl.exp2(s - m_new[:, None])
+        l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
+    v0, v1, v2, v3 = _split_planes(tl.load(rows + H * D, mask=held[:, None], other=0.0), VP)
+    p = p.to(dtype)
+    acc0 = acc0 * alpha + tl.dot(p, v0)
+    if VP > 1:
+        acc1 = acc1 * alpha + tl.dot(p, v1)
+    if VP > 2:
+        acc2 = acc2 * alpha + tl.dot(p, v2)
+        acc3 = acc3 * alpha + tl.dot(p, v3)
+    return m_new, l, acc0, acc1, acc2, acc3
+
+
 # Values that change from step to step, or that ``warm_up`` cannot know, are not specialized on
 # (divisibility by 16, equality to 1): each specialization would be compiled in the middle of serving.
 @triton.jit(do_not_specialize=["bt_stride", "blocks_per_split", "num_splits", "lse_head_stride"])
@@ -155,7 +196,8 @@ def _decode_kernel(
     V_BITS: tl.constexpr, VP: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_SCALE: tl.constexpr,
     V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_GROUP: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr,
     ONE_ROW: tl.constexpr, ROW_QUERY: tl.constexpr, PRIOR: tl.constexpr, K_NORMS: tl.constexpr,
-    V_NORMS: tl.constexpr,
+    V_NORMS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr, KEPT: tl.constexpr,
+    LAYER: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one token of a
     prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group starting at
@@ -187,7 +229,9 @@ def _decode_kernel(
     K_NORMS / V_NORMS (>= 0: one layer of a MiniCache pair, ``formats.merged.MergedLayer``): byte
     offsets of the layer's per-token K and V norms [H, BLOCK] float16, by which each token's logit
     and probability are scaled (the codes hold unit directions); a negated norm marks a retained
-    token, left out here (``merged_decode`` attends to it exactly).
+    token, left out of its tile: R > 0, the block's retained tokens (``_retained_tokens``, layer
+    LAYER of the pair's slots at KEPT, their offsets at INDEX) are attended exactly once a block,
+    after its first tile.
 
     ``half_ptr`` is the cache seen as float16 (scales and zeros are read through it, so that the
     compiler knows their alignment and vectorizes the loads).
@@ -354,6 +398,11 @@ def _decode_kernel(
                 if VP > 2:
                     acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_BITS), c2)
                     acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_BITS), c3)
+        if R > 0:
+            if t % TPP == 0:
+                m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
+                    page, (t // TPP) * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP, VP,
+                    ONE_ROW, ROW_QUERY, R, RP, INDEX, KEPT, LAYER)
 
     if not SPLIT:
         dst = out_ptr + ((row0 + r) * out_stride + head * D)[:, None] + dv * VP
@@ -484,9 +533,18 @@ def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, t
         # compiled loop came out no faster (4/4 402.0 against 399.1, serving 131.2 against 128.1)
         ROW_QUERY=one_row and lay.k.bits == 2,
         PRIOR=prior,
-        K_NORMS=fmt.norms_at(0) if isinstance(fmt, MergedLayer) else -1,
-        V_NORMS=fmt.norms_at(1) if isinstance(fmt, MergedLayer) else -1,
+        **_merged_constants(fmt),
     )
+
+
+def _merged_constants(fmt: KVPageFormat | MergedLayer) -> dict:
+    """Where a MiniCache pair's layer keeps its norms and retained tokens (none for a layer page)."""
+    if not isinstance(fmt, MergedLayer):
+        return dict(K_NORMS=-1, V_NORMS=-1, R=0, RP=16, INDEX=0, KEPT=0, LAYER=0)
+    at = fmt.pair.regions.start
+    return dict(K_NORMS=fmt.norms_at(0), V_NORMS=fmt.norms_at(1), R=fmt.pair.retained,
+                RP=max(16, triton.next_power_of_2(fmt.pair.retained)), INDEX=at("index"), KEPT=at("kept"),
+                LAYER=fmt.layer)
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """The query rows of a history kernel's program, and its output: shared by the kernels that read
-their own page formats (``salient_decode``, ``merged_decode``).
+their own page formats (``salient_decode``).
 
 A program takes the G query heads of one KV head, of one decode token or of each token of a group
 of a prompt chunk's tokens (``token_rows``), which share one history and one block-table row. It
@@ -52,14 +52,14 @@ def online_softmax_step(q, k, v, valid, m_i, l_i, acc):
 
 @triton.jit
 def store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, live, out_row_stride, out_head_stride, lse_row_stride,
-               lse_head_stride, D: tl.constexpr):
+               D: tl.constexpr):
     """The rows' output (acc over l_i) and log-sum-exp (from base-2 m_i, l_i); a row of no history
     gets 0 and -inf."""
     d = tl.arange(0, D)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + token[:, None] * out_row_stride + head[:, None] * out_head_stride + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=live[:, None])
-    tl.store(lse_ptr + token * lse_row_stride + head * lse_head_stride, (m_i + tl.log2(l_i)) / _LOG2E, mask=live)
+    tl.store(lse_ptr + token * lse_row_stride + head, (m_i + tl.log2(l_i)) / _LOG2E, mask=live)
 
 
 def history_outputs(q: torch.Tensor, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

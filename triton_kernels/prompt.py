@@ -15,13 +15,14 @@ import functools
 import torch
 
 from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.formats.merged import MergedLayer
 from vllm_kvcompress.token_rows import TokenRows
 
 from .decode import paged_decode
 
 
 def paged_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                 fmt: KVPageFormat, rows: TokenRows, sm_scale: float, out: torch.Tensor) -> torch.Tensor:
+                 fmt: KVPageFormat | MergedLayer, rows: TokenRows, sm_scale: float, out: torch.Tensor) -> torch.Tensor:
     """``query`` [T, Hq, D] and the chunks' new ``key``/``value`` [T, H, D], the chunks laid out by
     ``rows`` (``token_rows``); the attention goes to ``out`` [T, Hq, D]."""
     lse = own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out)

@@ -87,8 +87,7 @@ def _salient_decode_kernel(q_ptr, pages_ptr, table_ptr, lens_ptr, out_ptr, lse_p
                      V_HIGH, K_LOW, V_LOW, SLOT_OF, NONE)
         m_i, l_i, acc = online_softmax_step(q, tl.reshape(k, [TILE, D]), tl.reshape(v, [TILE, D]), valid, m_i, l_i,
                                             acc)
-    store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, live, out_row_stride, out_head_stride, lse_row_stride, 1,
-               D)
+    store_rows(out_ptr, lse_ptr, acc, m_i, l_i, token, head, live, out_row_stride, out_head_stride, lse_row_stride, D)
 
 
 @triton.jit
