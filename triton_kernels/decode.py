@@ -142,6 +142,20 @@ def _f32(ptr):
 
 
 @triton.jit
+def _softmax_step(s, valid, m, l, GP: tl.constexpr, ONE_ROW: tl.constexpr):
+    """Logits ``s`` in base 2 (ONE_ROW: the one query row's, [1, T]) into the running maxima ``m``
+    and sums ``l`` [GP]: (the new m and l, the earlier terms' factor [GP, 1], the probabilities)."""
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)[:, None]
+    if ONE_ROW:
+        p = tl.exp2(s - tl.max(m_new, 0))
+    else:
+        p = tl.exp2(s - m_new[:, None])
+    return m_new, l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
 def _retained_tokens(page, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H: tl.constexpr,
                      D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
                      ROW_QUERY: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr,
@@ -159,18 +173,11 @@ def _retained_tokens(page, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc
     s = tl.dot(tl.broadcast_to(q, (GP, D)), tl.trans(k)) * q_scale
     valid = held[None, :]
     if ONE_ROW:  # one query row: its logits alone (ROW_QUERY: every row is the query's)
-        s1 = tl.where(valid, (tl.max(s, 0) if ROW_QUERY else tl.sum(s, 0))[None, :], float("-inf"))
-        m_new = tl.maximum(m, tl.max(s1, 1))
-        alpha = tl.exp2(m - m_new)[:, None]
-        p1 = tl.exp2(s1 - tl.max(m_new, 0))
-        l = l * tl.reshape(alpha, (GP,)) + tl.sum(p1, 1)
+        m, l, alpha, p1 = _softmax_step((tl.max(s, 0) if ROW_QUERY else tl.sum(s, 0))[None, :], valid, m, l, GP,
+                                        True)
         p = tl.where(gmask, p1, 0.0)
     else:
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)[:, None]
-        p = tl.exp2(s - m_new[:, None])
-        l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
+        m, l, alpha, p = _softmax_step(s, valid, m, l, GP, False)
     v0, v1, v2, v3 = _split_planes(tl.load(rows + H * D, mask=held[:, None], other=0.0), VP)
     p = p.to(dtype)
     acc0 = acc0 * alpha + tl.dot(p, v0)
@@ -179,7 +186,7 @@ def _retained_tokens(page, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc
     if VP > 2:
         acc2 = acc2 * alpha + tl.dot(p, v2)
         acc3 = acc3 * alpha + tl.dot(p, v3)
-    return m_new, l, acc0, acc1, acc2, acc3
+    return m, l, acc0, acc1, acc2, acc3
 
 
 # Values that change from step to step, or that ``warm_up`` cannot know, are not specialized on
@@ -340,19 +347,9 @@ def _decode_kernel(
             # rows; without ROW_QUERY, the products' other rows have zero queries and are zero
             if not ROW_QUERY:
                 s1 = tl.sum(s, 0)[None, :]
-            s1 = tl.where(valid, s1, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s1, 1))
-            alpha = tl.exp2(m - m_new)[:, None]
-            p1 = tl.exp2(s1 - tl.max(m_new, 0))
-            l = l * tl.reshape(alpha, (GP,)) + tl.sum(p1, 1)
-            m = m_new
+            m, l, alpha, p1 = _softmax_step(s1, valid, m, l, GP, True)
         else:
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)[:, None]
-            p = tl.exp2(s - m_new[:, None])
-            l = l * tl.reshape(alpha, (GP,)) + tl.sum(p, 1)
-            m = m_new
+            m, l, alpha, p = _softmax_step(s, valid, m, l, GP, False)
         if V_NORMS >= 0:  # past the context, a page's norms may be anything: zero probability stays zero
             nv = tl.where(valid, tl.load(half + V_NORMS // 2 + h * BLOCK + tok).to(tl.float32)[None, :], 0.0)
         if V_BITS == 16:
