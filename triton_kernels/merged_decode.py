@@ -23,7 +23,7 @@ from .decode import warm_up as warm_up_layer
 from .launch import Variant, launch
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["lse_head_stride"])  # the step's row count: no compile in the middle of serving
 def _own_token_kernel(q_ptr, key_ptr, value_ptr, out_ptr, lse_ptr, scale, q_row_stride, key_row_stride,
                       value_row_stride, out_row_stride, lse_head_stride, D: tl.constexpr, G: tl.constexpr,
                       GP: tl.constexpr):
