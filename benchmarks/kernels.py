@@ -423,8 +423,8 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
 
 def bench_minicache_step(lens: list[int], hq: int, hkv: int, d: int, block: int = 128) -> list[dict]:
     """A merged pair's attention for MiniCache's pages (``minicache-k4v4``) in parts, against two layers
-    of the 4-bit preset on the same decode rows of context ``lens``: each layer's decode (the retained
-    tokens and the new one, then the layer decode kernel) and the pair's one write (the merge, the
+    of the 4-bit preset on the same decode rows of context ``lens``: each layer's decode (its own new
+    token, then the layer decode kernel over the pair's pages) and the pair's one write (the merge, the
     directions' codes, norms and retention)."""
     from vllm_kvcompress.config import load_config
     from vllm_kvcompress.formats.merged import MergedPairFormat
@@ -451,7 +451,7 @@ def bench_minicache_step(lens: list[int], hq: int, hkv: int, d: int, block: int 
     torch_merge_ms = _time_ms(lambda: fmt.merge(*new))
     four_decode = bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens)["ms"]
     four_write = bench_write(4, n, hkv, d, block)["ms"]
-    return [{"kernel": f"minicache-k4v4 {label}: a layer's decode (retained + kernel)", "ms": decode_ms},
+    return [{"kernel": f"minicache-k4v4 {label}: a layer's decode (own token + kernel)", "ms": decode_ms},
             {"kernel": f"minicache-k4v4 {label}: the pair's write", "ms": write_ms},
             {"kernel": f"minicache-k4v4 {label}: of which the merge (kernel)", "ms": merge_ms},
             {"kernel": f"minicache-k4v4 {label}: the reference's merge (torch)", "ms": torch_merge_ms},

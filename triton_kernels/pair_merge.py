@@ -15,12 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvcompress.formats.merged import MergedPairFormat
+from vllm_kvcompress.formats.merged import NORM_EPS, SLERP_NEAR, MergedPairFormat
 
 from .launch import Variant, launch
 
-_EPS = tl.constexpr(1e-6)  # as MergedPairFormat's
-_NEAR = tl.constexpr(1e-4)  # as slerp's: below this sine the two directions coincide and mix linearly
+_EPS = tl.constexpr(NORM_EPS)
+_NEAR = tl.constexpr(SLERP_NEAR)
 
 
 @triton.jit

@@ -30,7 +30,8 @@ from .codecs import Codec, TensorSpec
 from .layout import Regions, SlottedPage
 from .page import KVPageFormat, codec_for
 
-_EPS = 1e-6
+NORM_EPS = 1e-6  # the least norm a direction is divided by
+SLERP_NEAR = 1e-4  # below this sine of their angle, two directions are taken as one and mixed linearly
 
 
 def slerp(u: torch.Tensor, w: torch.Tensor, t: float) -> torch.Tensor:
@@ -38,9 +39,9 @@ def slerp(u: torch.Tensor, w: torch.Tensor, t: float) -> torch.Tensor:
     cos = (u * w).sum(-1, keepdim=True).clamp(-1.0, 1.0)
     omega = torch.arccos(cos)
     sin = torch.sin(omega)
-    near = sin < 1e-4
-    a = torch.where(near, 1.0 - t, torch.sin((1.0 - t) * omega) / sin.clamp_min(1e-4))
-    b = torch.where(near, t, torch.sin(t * omega) / sin.clamp_min(1e-4))
+    near = sin < SLERP_NEAR
+    a = torch.where(near, 1.0 - t, torch.sin((1.0 - t) * omega) / sin.clamp_min(SLERP_NEAR))
+    b = torch.where(near, t, torch.sin(t * omega) / sin.clamp_min(SLERP_NEAR))
     return a * u + b * w
 
 
@@ -104,7 +105,7 @@ class MergedPairFormat(SlottedPage):
         distance [...]: the angle between the layers' directions, averaged over K, V and heads."""
         x = torch.stack([torch.stack([ka, va], -3), torch.stack([kb, vb], -3)], -4)
         norms = x.float().norm(dim=-1, keepdim=True).to(torch.float16)
-        unit = x.float() / norms.float().clamp_min(_EPS)
+        unit = x.float() / norms.float().clamp_min(NORM_EPS)
         ua, ub = unit.unbind(-4)
         merged = slerp(ua, ub, self.t).to(self.dtype)
         distance = torch.arccos((ua * ub).sum(-1).clamp(-1.0, 1.0)).mean(dim=(-2, -1))
@@ -196,7 +197,7 @@ class MergedPairFormat(SlottedPage):
 class MergedLayer:
     """Layer ``layer`` (0: the first) of a pair's pages as the layer decode kernel reads them: the
     direction codes where a layer page keeps its codes, each token's K and V scaled by this layer's
-    norms, the retained tokens (norms stored negated) left out: they are attended exactly apart."""
+    norms; the retained tokens (norms stored negated) from their slots, exact."""
     pair: MergedPairFormat
     layer: int
 

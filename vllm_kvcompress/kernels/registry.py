@@ -348,8 +348,7 @@ for _impl in (
     Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode"),
     Implementation("decode", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_decode:salient_decode",
                    reads=(SalientTokensFormat,)),
-    # MiniCache's decode rows: the retained tokens and the new one exactly, then the merged directions
-    # through the layer decode kernel
+    # MiniCache's decode rows: the new token exactly, then the pair's pages through the layer decode kernel
     Implementation("decode", "cuda", "triton-merged", _merged_pages, f"{_TRITON}.merged_decode:decode_rows",
                    warm_up=f"{_TRITON}.merged_decode:warm_up", reads=(MergedPairFormat,)),
     Implementation("decode", "cuda", "torch", _always),
