@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from reference_quant import fake_quant
+from reference_quant import fake_quant, fake_quant_with_outliers
 from tiny_models import CORPUS
 
 WORDS = CORPUS.replace(".", " .").split()
@@ -69,17 +69,23 @@ def prompt_logprobs(llm, prompts) -> list[torch.Tensor]:
 
 
 def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, block: int,
-                              chunk: int) -> list[torch.Tensor]:
+                              chunk: int, outliers: int = 0) -> list[torch.Tensor]:
     """Hugging Face Llama run as the engine runs a prompt in chunks of ``chunk`` tokens (a multiple
     of ``block``): each chunk attends to its own K/V exactly and to earlier chunks' K/V through the
-    format's arithmetic."""
+    format's arithmetic (with ``outliers``, each block's most deviant tokens kept exact)."""
     import torch.nn.functional as F
     from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
 
     def chunked_quantized_attention(module, query, key, value, attention_mask, **kwargs):
         # query [batch, heads, seq, head]; key/value [batch, kv_heads, seq, head] after RoPE, as vLLM stores them
-        kq = torch.stack([fake_quant(kb.transpose(0, 1), k_bits, "channel", block).transpose(0, 1) for kb in key])
-        vq = torch.stack([fake_quant(vb.transpose(0, 1), v_bits, "token", block).transpose(0, 1) for vb in value])
+        if outliers:
+            both = [fake_quant_with_outliers(kb.transpose(0, 1), vb.transpose(0, 1), k_bits, v_bits, block, outliers)
+                    for kb, vb in zip(key, value)]
+            kq = torch.stack([k.transpose(0, 1) for k, _, _ in both])
+            vq = torch.stack([v.transpose(0, 1) for _, v, _ in both])
+        else:
+            kq = torch.stack([fake_quant(kb.transpose(0, 1), k_bits, "channel", block).transpose(0, 1) for kb in key])
+            vq = torch.stack([fake_quant(vb.transpose(0, 1), v_bits, "token", block).transpose(0, 1) for vb in value])
         outs = []
         for a in range(0, key.shape[2], chunk):
             b = min(a + chunk, key.shape[2])

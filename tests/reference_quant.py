@@ -87,3 +87,36 @@ def appended_channel_quant(pieces: list[torch.Tensor], bits: int) -> tuple[torch
         kept += int(fits.sum())
         reencoded += int((~fits).sum())
     return codes * (scale * (top / levels)) + zero, kept, reencoded
+
+
+def fake_quant_with_outliers(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, block: int,
+                             count: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Outlier tokens, stated from docs/formats.md: k, v [seq, H, D], each block written whole.
+    Per block and head, the ``count`` tokens whose K has the largest z-score in any channel (mean and
+    population standard deviation over the block's tokens, 1e-6 added to it) stay exact; K's grid per
+    channel spans the block's other tokens only (an outlier's value may lie off it) and V is coded per
+    token. A block of ``count`` tokens or fewer keeps none. Returns k, v as read back and the chosen
+    offsets, [block][head] -> sorted list."""
+    out_k, out_v = fake_quant(k, k_bits, "channel", block).clone(), fake_quant(v, v_bits, "token", block).clone()
+    chosen = []
+    k_levels = _levels(k.shape[-1], k_bits)
+    for start in range(0, k.shape[0], block):
+        blk = k[start:start + block].float()
+        n = blk.shape[0]
+        per_head = []
+        for h in range(blk.shape[1]):
+            if n <= count:
+                per_head.append([])
+                continue
+            x = blk[:, h]  # [n, D]
+            z = ((x - x.mean(0)).abs() / (x.std(0, unbiased=False) + 1e-6)).max(1).values
+            keep = sorted(int(i) for i in torch.argsort(z, descending=True)[:count])
+            others = [i for i in range(n) if i not in keep]
+            zero, step = _grid(x[others], 0, k_bits, k_levels)
+            out_k[start:start + n, h] = _quant(x, zero, step, k_levels) * step + zero
+            for i in keep:
+                out_k[start + i, h] = k[start + i, h].float()
+                out_v[start + i, h] = v[start + i, h].float()
+            per_head.append(keep)
+        chosen.append(per_head)
+    return out_k, out_v, chosen

@@ -57,6 +57,7 @@ def test_every_preset_runs_the_torch_reference_on_the_cpu(preset):
     (FOUR, H100, KernelPolicy(reference_only=True), ("torch", "torch", "torch")),
     (LayerFormat(k_bits=8, v_bits=8), H100, AUTO, ("triton", "flash-attention+triton", "cuda")),
     (LayerFormat(k_bits=3, v_bits=3), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
+    (LayerFormat(k_bits=4, v_bits=4, outlier_tokens=1), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
     (LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
     (LayerFormat(k_bits=4, v_bits=4, rpc_fraction=0.1, rpc_tokens=16), H100, AUTO, ("torch", "torch", "torch")),
     (LayerFormat(k_bits=4, v_bits=4, k_axis="token"), H100, AUTO, ("torch", "torch", "cuda")),
@@ -147,6 +148,7 @@ def test_merged_pairs_go_through_their_own_kernels_only(preset):
     (LayerFormat(k_bits=4, v_bits=8), 128, 128, 4, torch.bfloat16, "V not at 2 or 4 bits"),
     (LayerFormat(k_bits=4, v_bits=2), 128, 128, 4, torch.bfloat16, "the same width only"),
     (LayerFormat(k_bits=4, v_bits=4, v_channel_scaling=True), 128, 128, 4, torch.bfloat16, "ZipCache"),
+    (LayerFormat(k_bits=4, v_bits=4, outlier_tokens=1), 128, 128, 4, torch.bfloat16, "outlier tokens"),
 ])
 def test_cuda_decode_names_what_it_cannot_read(layer_format, block, head_size, query_heads, dtype, reason):
     plan = _plan(layer_format, query_heads=query_heads, dtype=dtype, block=block, head_size=head_size)
@@ -162,6 +164,7 @@ def test_cuda_decode_names_what_it_cannot_read(layer_format, block, head_size, q
     (LayerFormat(k_bits=16, v_bits=4), 64, "K kept at 16 bits"),
     (LayerFormat(k_bits=4, v_bits=4, rpc_tokens=8, rpc_fraction=0.1), 64, "recent 16-bit window"),
     (FOUR, 80, "head size 80"),
+    (LayerFormat(k_bits=4, v_bits=4, outlier_tokens=1), 64, "outlier tokens"),
 ])
 def test_cuda_write_names_what_it_cannot_write_and_cuda_is_refused(layer_format, head_size, why):
     """auto passes the format to another kernel and says why; KVCOMPRESS_WRITE=cuda is refused."""

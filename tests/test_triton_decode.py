@@ -19,7 +19,9 @@ from vllm_kvcompress.triton_kernels.decode import paged_decode  # noqa: E402
 from paged_cases import PACKED_FORMATS, fill_pages, format_id  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FORMATS = PACKED_FORMATS + [LayerFormat(k_bits=16, v_bits=4), LayerFormat(k_bits=8, v_bits=16), LayerFormat()]
+FORMATS = PACKED_FORMATS + [LayerFormat(k_bits=16, v_bits=4), LayerFormat(k_bits=8, v_bits=16), LayerFormat(),
+                            LayerFormat(k_bits=3, v_bits=2, outlier_tokens=1),
+                            LayerFormat(k_bits=2, v_bits=2, outlier_tokens=2)]
 
 
 @pytest.mark.parametrize("layer_format", FORMATS, ids=format_id)
@@ -39,6 +41,37 @@ def test_decode_equals_reference_small(layer_format, num_splits, block, tile, HQ
                        num_splits=num_splits, tile=tile)
     # fp16 tensor-core products of (q * scale) with integer codes: ~1e-3 relative
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("HQ", [4, 2], ids=["GQA", "MHA"])
+def test_outlier_tokens_are_read_from_their_slots(num_splits, HQ):
+    """Pages whose first token is a strong outlier (an attention sink): the kernel reads each block's
+    outliers exactly from their slots and leaves them out of the codes, as the reference does. The
+    codes alone (the outliers' rows repeat another token's) give a clearly different answer."""
+    B, H, D = 16, 2, 64
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=2, v_bits=2, outlier_tokens=2), dtype, B, H, D)
+    seq_lens = [40, 17, 33]
+    gen = torch.Generator().manual_seed(num_splits)
+    cache, table = fill_pages(fmt, seq_lens, 2, seed=7)
+    q = torch.randn(len(seq_lens), HQ, D, generator=gen).to(dtype)
+    k_sink = 4 * torch.randn(len(seq_lens), H, D, generator=gen)
+    for i in range(len(seq_lens)):  # rewrite each request's first block with a sink at token 0
+        pages = cache[table[i, :1].long()]
+        k, v = fmt.decode(pages)
+        k[0, 0] = k_sink[i] + (q[i].float().reshape(H, -1, D).mean(1) * 3)  # a key the query attends to
+        cache[table[i, :1].long()] = fmt.encode(k, v, torch.tensor([B]))
+    assert (fmt.outlier_index(cache[table[:, 0].long()])[:, :, 0] == 0).all()
+    args = (list(range(len(seq_lens) + 1)), seq_lens, table, D ** -0.5)
+    ref = paged_torch.attend(q.float(), cache, fmt, *args)
+    got = paged_decode(q.to(DEVICE), cache.to(DEVICE), fmt, table.to(DEVICE),
+                       torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), D ** -0.5, max(seq_lens),
+                       num_splits=num_splits)
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    codes_only = KVPageFormat(fmt.k, fmt.v, B, dtype)  # the same codes, no slots
+    plain = paged_torch.attend(q.float(), cache[:, :codes_only.codes_bytes], codes_only, *args)
+    assert (plain - ref).abs().max() > 0.2
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])

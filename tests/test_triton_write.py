@@ -19,7 +19,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = PACKED_FORMATS + [
     LayerFormat(k_bits=16, v_bits=4), LayerFormat(), LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"),
     LayerFormat(k_bits=3, v_bits=2, v_axis="channel", v_channel_scaling=True), LayerFormat(k_only=True),
-    LayerFormat(k_bits=8, k_only=True)]
+    LayerFormat(k_bits=8, k_only=True), LayerFormat(k_bits=3, v_bits=2, outlier_tokens=1),
+    LayerFormat(k_bits=2, v_bits=2, outlier_tokens=2)]
 
 
 @pytest.mark.parametrize("dealt", [False, True], ids=["shares", "dealt"])
@@ -52,25 +53,55 @@ def test_write_matches_reference_bytes_in_token_groups(bits, dealt):
     ])
 
 
-def _steps_match_reference(layer_format, dealt, B, steps):
+@pytest.mark.parametrize("dealt", [False, True], ids=["shares", "dealt"])
+def test_outlier_choice_matches_reference_over_stale_pages(dealt):
+    """Pages that held another request's tokens (random bytes, stale outlier offsets among them):
+    a prompt's blocks choose their outliers, sinks at their first tokens among them; a block begun
+    by a decode's single token keeps none; both write paths agree on every page they touch."""
+    B = 16
+    _steps_match_reference(LayerFormat(k_bits=3, v_bits=2, outlier_tokens=1), dealt, B, [
+        torch.cat([torch.arange(3 * B, 3 * B + 16), torch.arange(5 * B, 5 * B + 5), torch.arange(1 * B, 1 * B + 1)]),
+        torch.tensor([5 * B + 5, 1 * B + 1]),
+        torch.tensor([6 * B, 7 * B]),
+        torch.cat([torch.arange(6 * B + 1, 6 * B + 9), torch.arange(7 * B + 1, 7 * B + 3)]),
+    ], stale=True, sinks=True)
+
+
+def _steps_match_reference(layer_format, dealt, B, steps, stale=False, sinks=False):
     """Writes ``steps`` (each a step's slots) with the kernel and with the reference: identical
-    pages decoded wherever a step wrote."""
+    pages decoded wherever a step wrote. ``stale``: the pages start as random bytes; ``sinks``: a
+    token written at a block's offset 0 has a K far from the others'."""
     H, D = 2, 64
     fmt = KVPageFormat.from_layer_format(layer_format, torch.float32, B, H, D)
     gen = torch.Generator().manual_seed(0)
     ref = torch.zeros(8, fmt.page_bytes, dtype=torch.uint8)
+    if stale:
+        ref = torch.randint(0, 256, ref.shape, dtype=torch.uint8, generator=gen)
     ours = ref.clone().to(DEVICE)
     for slots in steps:
         k = torch.randn(len(slots), H, D, generator=gen) * 2 + 0.5
         v = torch.randn(len(slots), H, D, generator=gen) - 0.3
+        if sinks:
+            k[slots % B == 0] += 10
         paged_torch.write_tokens(ref, fmt, k, v, slots)
         write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), dealt=dealt)
+    used = [1, 3, 5, 6, 7]
+    if fmt.outliers:
+        assert torch.equal(fmt.outlier_index(ours.cpu()[used]), fmt.outlier_index(ref[used]))
+        if sinks:  # the prompt's full block keeps its sink; the blocks begun by a decode keep none
+            assert fmt.outlier_index(ref[[3]])[0, :, 0].tolist() == [0, 0]
+            assert (fmt.outlier_index(ref[[1, 6, 7]]) == -1).all()
     kr, vr = fmt.decode(ref)
     ko, vo = fmt.decode(ours.cpu())
-    used = [1, 3, 5, 6, 7]
-    torch.testing.assert_close(ko[used], kr[used], rtol=0, atol=1e-6)
+    rows = torch.zeros(ref.shape[0], B, dtype=torch.bool)
+    if stale:  # rows no step wrote hold the other request's bytes, which only the reference re-encodes
+        written = torch.cat(steps)
+        rows.view(-1)[written[written >= 0]] = True
+    else:
+        rows[used] = True
+    torch.testing.assert_close(ko[rows], kr[rows], rtol=0, atol=1e-6)
     if vr is not None:
-        torch.testing.assert_close(vo[used], vr[used], rtol=0, atol=1e-6)
+        torch.testing.assert_close(vo[rows], vr[rows], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("bits,fills,chunk_channels,append_units,dealt", [

@@ -156,19 +156,31 @@ def _softmax_step(s, valid, m, l, GP: tl.constexpr, ONE_ROW: tl.constexpr):
 
 
 @triton.jit
+def _kept_offsets(page, h, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr, HEAD_INDEX: tl.constexpr):
+    """[RP] int32 offsets in the block of its kept tokens (-1: none): head h's outliers (HEAD_INDEX,
+    [H, R] int16) or a MiniCache pair's retained tokens ([R] int16, all heads)."""
+    r = tl.arange(0, RP)
+    at = (page + INDEX).to(tl.pointer_type(tl.int16)) + r
+    if HEAD_INDEX:
+        at += h * R
+    return tl.load(at, mask=r < R, other=-1).to(tl.int32)
+
+
+@triton.jit
 def _retained_tokens(page, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H: tl.constexpr,
                      D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
                      ROW_QUERY: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr,
-                     KEPT: tl.constexpr, LAYER: tl.constexpr):
-    """One more step of the online softmax (``m``, ``l``, the output's planes): a MiniCache pair's
-    retained tokens of the block that starts at token ``first``, exact, from the block's slots
-    [R, 2 layers, 2 (K, V), H, D] in the model dtype (``q``'s)."""
+                     KEPT: tl.constexpr, LAYER: tl.constexpr, LAYERS: tl.constexpr, HEAD_INDEX: tl.constexpr):
+    """One more step of the online softmax (``m``, ``l``, the output's planes): the kept tokens of the
+    block that starts at token ``first``, exact, from the block's slots [R, LAYERS, 2 (K, V), H, D]
+    in the model dtype (``q``'s): a layer page's outliers (LAYERS 1) or a MiniCache pair's retained
+    tokens (LAYERS 2, layer LAYER's)."""
     dtype = q.dtype
     r = tl.arange(0, RP)
-    kept_at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + r, mask=r < R, other=-1).to(tl.int32)
+    kept_at = _kept_offsets(page, h, R, RP, INDEX, HEAD_INDEX)
     held = (kept_at >= 0) & (first + kept_at < L)
     d = tl.arange(0, D)[None, :]
-    rows = (page + KEPT).to(tl.pointer_type(dtype)) + ((r[:, None] * 2 + LAYER) * 2 * H + h) * D + d
+    rows = (page + KEPT).to(tl.pointer_type(dtype)) + ((r[:, None] * LAYERS + LAYER) * 2 * H + h) * D + d
     k = tl.load(rows, mask=held[:, None], other=0.0)
     s = tl.dot(tl.broadcast_to(q, (GP, D)), tl.trans(k)) * q_scale
     valid = held[None, :]
@@ -204,7 +216,7 @@ def _decode_kernel(
     V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_GROUP: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr,
     ONE_ROW: tl.constexpr, ROW_QUERY: tl.constexpr, PRIOR: tl.constexpr, K_NORMS: tl.constexpr,
     V_NORMS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr, KEPT: tl.constexpr,
-    LAYER: tl.constexpr,
+    LAYER: tl.constexpr, LAYERS: tl.constexpr, HEAD_INDEX: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one token of a
     prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group starting at
@@ -236,9 +248,10 @@ def _decode_kernel(
     K_NORMS / V_NORMS (>= 0: one layer of a MiniCache pair, ``formats.merged.MergedLayer``): byte
     offsets of the layer's per-token K and V norms [H, BLOCK] float16, by which each token's logit
     and probability are scaled (the codes hold unit directions); a negated norm marks a retained
-    token, left out of its tile: R > 0, the block's retained tokens (``_retained_tokens``, layer
-    LAYER of the pair's slots at KEPT, their offsets at INDEX) are attended exactly once a block,
-    after its first tile.
+    token, left out of its tile. R > 0: the block's kept tokens (``_retained_tokens``: a pair's
+    retained tokens, layer LAYER of its slots at KEPT, their offsets at INDEX; or, HEAD_INDEX, a
+    layer page's outlier tokens, ``formats.outliers``, each head's own, left out of their tiles by
+    offset) are attended exactly once a block, after its first tile.
 
     ``half_ptr`` is the cache seen as float16 (scales and zeros are read through it, so that the
     compiler knows their alignment and vectorizes the loads).
@@ -287,7 +300,7 @@ def _decode_kernel(
         qc = qf
     stat = tl.arange(0, 2)[:, None]  # row 0: scale, row 1: zero
 
-    if K_NORMS >= 0:  # a tile may hold retained tokens only: from a finite floor, no step gives exp2(nan)
+    if R > 0:  # a tile may hold kept tokens only: from a finite floor, no step gives exp2(nan)
         m = tl.full([GP], -1.0e30, tl.float32)
     else:
         m = tl.full([GP], float("-inf"), tl.float32)
@@ -306,6 +319,9 @@ def _decode_kernel(
             nk = tl.load(half + K_NORMS // 2 + h * BLOCK + tok)
             valid = valid & (nk.to(tl.int16, bitcast=True) >= 0)[None, :]
             nk = nk.to(tl.float32)[None, :]
+        if HEAD_INDEX:  # the block's outlier tokens are read from their slots, not from the codes
+            kept = _kept_offsets(page, h, R, RP, INDEX, HEAD_INDEX)
+            valid = valid & (tl.sum((tok[None, :] == kept[:, None]).to(tl.int32), 0) == 0)[None, :]
         if K_BITS == 16:
             k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
             s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d))) * q_scale
@@ -399,7 +415,7 @@ def _decode_kernel(
             if t % TPP == 0:
                 m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
                     page, (t // TPP) * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP, VP,
-                    ONE_ROW, ROW_QUERY, R, RP, INDEX, KEPT, LAYER)
+                    ONE_ROW, ROW_QUERY, R, RP, INDEX, KEPT, LAYER, LAYERS, HEAD_INDEX)
 
     if not SPLIT:
         dst = out_ptr + ((row0 + r) * out_stride + head * D)[:, None] + dv * VP
@@ -530,18 +546,23 @@ def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, t
         # compiled loop came out no faster (4/4 402.0 against 399.1, serving 131.2 against 128.1)
         ROW_QUERY=one_row and lay.k.bits == 2,
         PRIOR=prior,
-        **_merged_constants(fmt),
+        **_kept_constants(fmt),
     )
 
 
-def _merged_constants(fmt: KVPageFormat | MergedLayer) -> dict:
-    """Where a MiniCache pair's layer keeps its norms and retained tokens (none for a layer page)."""
-    if not isinstance(fmt, MergedLayer):
-        return dict(K_NORMS=-1, V_NORMS=-1, R=0, RP=16, INDEX=0, KEPT=0, LAYER=0)
-    at = fmt.pair.regions.start
-    return dict(K_NORMS=fmt.norms_at(0), V_NORMS=fmt.norms_at(1), R=fmt.pair.retained,
-                RP=max(16, triton.next_power_of_2(fmt.pair.retained)), INDEX=at("index"), KEPT=at("kept"),
-                LAYER=fmt.layer)
+def _kept_constants(fmt: KVPageFormat | MergedLayer) -> dict:
+    """Where a page keeps tokens exact: a MiniCache pair's layer its norms and retained tokens, a
+    layer page its outlier tokens (none: R 0)."""
+    none = dict(K_NORMS=-1, V_NORMS=-1, R=0, RP=16, INDEX=0, KEPT=0, LAYER=0, LAYERS=1, HEAD_INDEX=False)
+    if isinstance(fmt, MergedLayer):
+        at = fmt.pair.regions.start
+        return none | dict(K_NORMS=fmt.norms_at(0), V_NORMS=fmt.norms_at(1), R=fmt.pair.retained,
+                           RP=max(16, triton.next_power_of_2(fmt.pair.retained)), INDEX=at("index"), KEPT=at("kept"),
+                           LAYER=fmt.layer, LAYERS=2)
+    if fmt.outliers:
+        return none | dict(R=fmt.outliers, RP=max(16, triton.next_power_of_2(fmt.outliers)), INDEX=fmt.codes_bytes,
+                           KEPT=fmt.outlier_values_at, HEAD_INDEX=True)
+    return none
 
 
 @functools.cache

@@ -22,6 +22,9 @@ launch for K and V (V in the first of a token's K shares):
   slot load.
 - ZipCache channel scales (V): the block's last new token re-encodes the whole
   block, as every row's statistics depend on the block-wide channel scales.
+- outlier tokens (``formats.outliers``): ``outlier_select`` first chooses the
+  outliers of the blocks this step opens and hands this kernel copies of K and V
+  in which their rows repeat another token's, so the grids are the others'.
 
 Values sit in registers as ``[ROWS, UNITS, PER]``: token, storage unit (a byte,
 or a 32-bit word for 3 bits) and position inside the unit; channel
@@ -42,6 +45,7 @@ from vllm_kvcompress.formats.codecs import EPS, WIDEN_MARGIN
 
 from .addressing import code_grid, code_unit_ptr, load_units, unpack_codes
 from .launch import Variant, launch
+from .outlier_select import choose_outliers
 
 # where statistics are per channel: channels re-encoded together, and programs a block's chunks are
 # dealt out to (so the program of a token that widened many channels, or of a prefill block, does
@@ -466,6 +470,8 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
         return
     if dealt is None:
         dealt = n * fmt.k.num_heads > DEALT_PROGRAMS
+    if fmt.outliers:
+        key, value = choose_outliers(cache, fmt, key, value, slot_mapping)
     variant, shares = _write_variant(fmt, chunk_channels, spread, append_units, num_warps, dealt)
     if fmt.v is None:  # K-only pages: nothing reads V's arguments
         value = key

@@ -45,6 +45,10 @@ class LayerFormat(BaseModel):
         description="KVmix recent pivotal context: share of the newest tokens read at 16 bits")
     rpc_tokens: int = Field(
         0, ge=0, description="cap on the recent window in tokens (16-bit copies kept per page); 0 = no window")
+    outlier_tokens: int = Field(
+        0, ge=0, le=8,
+        description="tokens a block and KV head keeps exact, outside the block's statistics: the most deviant K "
+                    "of the block's first write (the attention sink among them)")
     k_codec: str | None = Field(
         None, description="a registered codec (formats.CODECS) that stores K; default: raw at 16 bits, minmax below")
     v_codec: str | None = Field(None, description="likewise for V")
@@ -57,6 +61,12 @@ class LayerFormat(BaseModel):
             raise ValueError(f"k_only stores no V, so v_bits = {self.v_bits} has no meaning (leave it at 16)")
         if self.k_only and self.has_recent_window:
             raise ValueError("k_only cannot be combined with a recent window (rpc_fraction)")
+        if self.outlier_tokens:
+            if self.k_bits == 16:
+                raise ValueError(f"outlier_tokens = {self.outlier_tokens} needs quantized K (k_bits below 16)")
+            if self.k_only or self.has_recent_window:
+                raise ValueError(f"outlier_tokens = {self.outlier_tokens} cannot be combined with "
+                                 f"{'k_only' if self.k_only else 'a recent window (rpc_fraction)'} (allowed: 0)")
         return self
 
     @property
@@ -74,8 +84,10 @@ class LayerFormat(BaseModel):
             return f"K{self.k_bits}/{self.k_axis} only (V = K W_KV)"
         scaling = "+chscale" if self.v_channel_scaling and self.v_bits != 16 else ""
         window = f" +{self.rpc_fraction:.0%} recent (<= {self.rpc_tokens}) at 16-bit" if self.has_recent_window else ""
+        outliers = f" +{self.outlier_tokens} outlier token(s) a block at 16-bit" if self.outlier_tokens else ""
         k_codec, v_codec = (f"[{c}]" if c else "" for c in (self.k_codec, self.v_codec))
-        return f"K{self.k_bits}/{self.k_axis}{k_codec} V{self.v_bits}/{self.v_axis}{v_codec}{scaling}{window}"
+        return (f"K{self.k_bits}/{self.k_axis}{k_codec} V{self.v_bits}/{self.v_axis}{v_codec}{scaling}{window}"
+                f"{outliers}")
 
 
 def _overrides_of(model: type[BaseModel]) -> type[BaseModel]:

@@ -69,6 +69,9 @@ class MergedPairFormat(SlottedPage):
     def from_layer_format(cls, fmt, t: float, gamma: float, dtype: torch.dtype, block_size: int, num_kv_heads: int,
                           head_size: int) -> "MergedPairFormat":
         """The pair's page when both layers have the layer format ``fmt`` (its codecs store the directions)."""
+        if fmt.outlier_tokens:
+            raise ValueError(f"outlier_tokens = {fmt.outlier_tokens} cannot be combined with 'merge' (merged pairs "
+                             "keep their own retained tokens; allowed: 0)")
         shape = (dtype, block_size, num_kv_heads, head_size)
         k = codec_for("k_codec", TensorSpec(fmt.k_bits, fmt.k_axis, codec=fmt.k_codec), *shape)
         v = codec_for("v_codec", TensorSpec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling, fmt.v_codec), *shape)

@@ -1,7 +1,9 @@
 """A KV page: the bytes one layer keeps for one block of tokens.
 
-The page is K's codec region followed by V's (none for K-only pages), then, with a recent window
-(KVmix's RPC), 16-bit copies of the page's newest ``window_cap`` tokens; padded
+The page is K's codec region followed by V's (none for K-only pages), then, with outlier tokens,
+their offsets [H, count] int16 and values [count, K heads then V heads, D] in the model dtype
+(``outliers``), or, with a recent window (KVmix's RPC), 16-bit copies of the page's newest
+``window_cap`` tokens; padded
 so that vLLM can see it as ``block_size`` equal token slots (``slot_bytes``
 each). ``encode``/``decode`` work on whole blocks; the backend gathers and
 scatters pages.
@@ -22,8 +24,9 @@ from functools import cached_property
 
 import torch
 
+from . import outliers as outlier_tokens
 from .codecs import Codec, TensorSpec, UncompressedCodec, make_codec
-from .layout import slot_bytes
+from .layout import REGION_ALIGN, slot_bytes
 
 
 def codec_for(field: str, spec: TensorSpec, *shape) -> Codec:
@@ -41,6 +44,7 @@ class KVPageFormat:
     dtype: torch.dtype
     recent: UncompressedCodec | None = None  # ring of 16-bit copies: K's heads, then V's
     window_fraction: float = 0.0
+    outliers: int = 0  # tokens a block and KV head keeps exact, outside the statistics (``outliers``)
 
     @classmethod
     def from_layer_format(cls, fmt, dtype: torch.dtype, block_size: int, num_kv_heads: int,
@@ -50,7 +54,10 @@ class KVPageFormat:
         v = None if fmt.k_only else codec_for("v_codec", TensorSpec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling,
                                                                  fmt.v_codec), *shape)
         if not fmt.has_recent_window:
-            return cls(k, v, block_size, dtype)
+            if fmt.outlier_tokens >= block_size:
+                raise ValueError(f"outlier_tokens = {fmt.outlier_tokens} must be below the block size "
+                                 f"({block_size} tokens)")
+            return cls(k, v, block_size, dtype, outliers=fmt.outlier_tokens)
         if fmt.rpc_tokens >= block_size:
             raise ValueError(f"rpc_tokens = {fmt.rpc_tokens} must be below the block size ({block_size} tokens)")
         recent = UncompressedCodec(dtype, fmt.rpc_tokens, 2 * num_kv_heads, head_size)
@@ -61,7 +68,7 @@ class KVPageFormat:
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.k, self.v, self.block_size, self.dtype, self.recent, self.window_fraction))
+        return hash((self.k, self.v, self.block_size, self.dtype, self.recent, self.window_fraction, self.outliers))
 
     def __getstate__(self) -> dict:
         """Without the kept hash and sizes: a hash holds only in the process that computed it."""
@@ -79,11 +86,24 @@ class KVPageFormat:
     def codes_bytes(self) -> int:
         return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
 
+    @property
+    def outlier_values_at(self) -> int:
+        """Byte offset of the outliers' values (their offsets [H, count] int16 start at ``codes_bytes``)."""
+        index_bytes = self.k.num_heads * self.outliers * 2
+        return self.codes_bytes + -(-index_bytes // REGION_ALIGN) * REGION_ALIGN
+
+    @property
+    def outlier_bytes(self) -> int:
+        if not self.outliers:
+            return 0
+        values = self.outliers * 2 * self.k.num_heads * self.k.head_size * self.dtype.itemsize
+        return self.outlier_values_at - self.codes_bytes + values
+
     @cached_property  # read by every kernel launch
     def slot_bytes(self) -> int:
         """Bytes per token slot as vLLM sees it (page rounded up to whole slots of the dtype)."""
         recent = 0 if self.recent is None else self.recent.nbytes
-        return slot_bytes(self.codes_bytes + recent, self.block_size, self.dtype)
+        return slot_bytes(self.codes_bytes + self.outlier_bytes + recent, self.block_size, self.dtype)
 
     @cached_property
     def page_bytes(self) -> int:
@@ -103,15 +123,64 @@ class KVPageFormat:
         k_stored = v_stored = None
         if stored is not None:
             k_stored, v_stored = stored[:, :self.k.nbytes], stored[:, self.k.nbytes:self.codes_bytes]
+        if self.outliers:
+            index = self._outlier_index(k, num_valid, stored, num_stored)
+            self._write_outliers(pages, index, k, v)
+            k, v = self._codec_rows(k, v, index, k_stored, v_stored, num_stored)
         pages[:, :self.k.nbytes] = self.k.encode(k, num_valid, k_stored, num_stored)
         if self.v is not None:
             pages[:, self.k.nbytes:self.codes_bytes] = self.v.encode(v, num_valid, v_stored, num_stored)
         return pages
 
+    def outlier_index(self, pages: torch.Tensor) -> torch.Tensor:
+        """[N, H, count] int64: the offsets of each block's outlier tokens by head (``outliers.NONE``: unused)."""
+        H = self.k.num_heads
+        raw = pages[:, self.codes_bytes:self.codes_bytes + H * self.outliers * 2].contiguous()
+        return raw.view(torch.int16).reshape(-1, H, self.outliers).long()
+
+    def _outlier_values(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [N, count, H, D] float32 of the outlier slots."""
+        H, D, at = self.k.num_heads, self.k.head_size, self.outlier_values_at
+        raw = pages[:, at:at + self.outliers * 2 * H * D * self.dtype.itemsize].contiguous()
+        kv = raw.view(self.dtype).reshape(-1, self.outliers, 2 * H, D).float()
+        return kv[:, :, :H], kv[:, :, H:]
+
+    def _outlier_index(self, k, num_valid, stored, num_stored) -> torch.Tensor:
+        """A block's first write chooses its outliers; an append keeps the stored ones."""
+        chosen = outlier_tokens.choose(k, num_valid, self.outliers)
+        if stored is None:
+            return chosen
+        return torch.where((num_stored == 0)[:, None, None], chosen, self.outlier_index(stored))
+
+    def _write_outliers(self, pages: torch.Tensor, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        H, D, at = self.k.num_heads, self.k.head_size, self.outlier_values_at
+        pages[:, self.codes_bytes:self.codes_bytes + H * self.outliers * 2] = \
+            index.to(torch.int16).flatten(1).contiguous().view(torch.uint8)
+        kv = torch.cat([outlier_tokens.gather(k, index), outlier_tokens.gather(v, index)], dim=2).to(self.dtype)
+        pages[:, at:at + kv[0].numel() * self.dtype.itemsize] = kv.contiguous().view(torch.uint8).reshape(
+            pages.shape[0], -1)
+
+    def _codec_rows(self, k, v, index, k_stored, v_stored, num_stored):
+        """What the codecs code: an outlier's row repeats another token's in a block's first write
+        (``outliers.fill_rows``) and its stored codes' values in an append, so that its codes never
+        enter a grid (a kernel that appends requantizes stored codes, not the exact values)."""
+        k_in, v_in = outlier_tokens.fill_rows(k, index), outlier_tokens.fill_rows(v, index)
+        if k_stored is None:
+            return k_in, v_in
+        appended = (num_stored > 0)[:, None, None, None]
+        is_outlier = outlier_tokens.outlier_rows(index, self.block_size)[..., None] & appended
+        k_in = torch.where(is_outlier, self.k.decode(k_stored), k_in)
+        v_in = torch.where(is_outlier, self.v.decode(v_stored), v_in)
+        return k_in, v_in
+
     def decode(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """pages [N, page_bytes] -> k, v float32 [N, B, H, D] (v None for K-only pages)."""
         k = self.k.decode(pages[:, :self.k.nbytes])
         v = None if self.v is None else self.v.decode(pages[:, self.k.nbytes:self.codes_bytes])
+        if self.outliers:
+            index = self.outlier_index(pages)
+            exact_k, exact_v = self._outlier_values(pages)
+            k, v = outlier_tokens.scatter(k, index, exact_k), outlier_tokens.scatter(v, index, exact_v)
         return k, v
 
     def decode_recent(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

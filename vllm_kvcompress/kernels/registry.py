@@ -228,6 +228,8 @@ def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
             return f"{name} with ZipCache channel scales"
     if fmt.k.bits != fmt.v.bits:
         return f"K at {fmt.k.bits} bits and V at {fmt.v.bits} (the same width only)"
+    if fmt.outliers:
+        return "outlier tokens (the Triton kernel reads them)"
     group, rest = divmod(ctx.num_query_heads, fmt.k.num_heads)
     groups = CUDA_DECODE_GROUPS[fmt.k.bits]
     if rest or group not in groups:
@@ -282,6 +284,8 @@ def _triton_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
 def _cuda_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     if fmt.recent is not None:
         return "recent 16-bit window (KVmix RPC)"
+    if fmt.outliers:
+        return "outlier tokens (the Triton write chooses them)"
     for name, codec in (("K", fmt.k), ("V", fmt.v)):
         if codec is None:
             continue
