@@ -1,0 +1,129 @@
+"""What keeping a few tokens of each block exact does to low-bit pages, on a real model and text.
+
+A torch fake quantization of the Hugging Face model's cache, run chunk by chunk as the engine runs
+a prompt (``benchmarks.kivi.KiviModel``): each chunk attends to its own K/V exactly and to earlier
+chunks' through blocks of 128 tokens, K per channel and V per token with float16 statistics. Kept
+tokens are left out of K's statistics and read back exactly (``--kept-bits 8``: coded per token on
+8 bits instead). Perplexity over the quality benchmark's windows (``--ppl-windows`` of 2,048
+tokens); one line per setting.
+
+    python benchmarks/experiments/outliers.py --model-dir models/smollm2-135m-instruct --text essays \\
+        3/2/0 3/2/1/deviant 3/2/1/first-token 3/2/1/block-start 3/2/1/deviant/narrow3 ...
+
+A setting is ``K/V/COUNT[/RULE][/OPTIONS]``: RULE ``deviant`` (each block's COUNT tokens of largest
+per-channel z-score, ``formats.outliers``' rule), ``first-token`` (the sequence's first COUNT
+tokens), ``block-start`` (each block's first COUNT). OPTIONS: ``narrow3`` (3 bits in KVmix's word
+layout, every 11th channel on a 2-bit grid, as the pages store them; else dense 3 bits),
+``vscale`` (V channels divided by sqrt(max |v|) first, ZipCache's), ``vgroup64`` (V statistics per
+64 channels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+def _grid_codes(x: torch.Tensor, ref: torch.Tensor, dim: int, bits: int, narrow3: bool) -> torch.Tensor:
+    """``x`` quantized on the min-max grid of ``ref`` along ``dim`` (float16 statistics)."""
+    top = torch.full((x.shape[-1],), float(2 ** bits - 1))
+    if narrow3 and bits == 3:
+        top[torch.arange(x.shape[-1]) % 11 == 10] = 3.0
+    if dim != -2:  # per token: levels along the token axis are all the same
+        top = top.max()
+    lo, hi = ref.amin(dim, keepdim=True), ref.amax(dim, keepdim=True)
+    zero = lo.half().float()
+    step = ((hi - zero) / (2 ** bits - 1)).half().float().clamp_min(1e-8) * ((2 ** bits - 1) / top)
+    return torch.minimum(torch.floor((x - zero) / step + 0.5).clamp(min=0), top) * step + zero
+
+
+@dataclass
+class Setting:
+    k_bits: int
+    v_bits: int
+    count: int
+    rule: str = "deviant"
+    options: tuple[str, ...] = ()
+    kept_bits: int = 16
+    block: int = 128
+
+    @classmethod
+    def parse(cls, text: str, kept_bits: int) -> "Setting":
+        k, v, count, *rest = text.split("/")
+        rule = rest[0] if rest and rest[0] in ("deviant", "first-token", "block-start") else "deviant"
+        return cls(int(k), int(v), int(count), rule, tuple(r for r in rest if r != rule), kept_bits)
+
+    def _kept(self, k: torch.Tensor, start: int) -> torch.Tensor:
+        """[H, n] bool: the block's tokens kept (k [H, n, D] from token ``start``)."""
+        keep = torch.zeros(k.shape[:2], dtype=torch.bool)
+        if self.rule == "first-token" and start == 0:
+            keep[:, :self.count] = True
+        elif self.rule == "block-start":
+            keep[:, :self.count] = True
+        elif self.rule == "deviant" and k.shape[1] > self.count:
+            z = ((k - k.mean(1, keepdim=True)).abs() / (k.std(1, keepdim=True, unbiased=False) + 1e-6)).amax(-1)
+            keep.scatter_(1, z.topk(self.count, 1).indices, True)
+        return keep
+
+    def _v(self, v: torch.Tensor) -> torch.Tensor:
+        if "vscale" in self.options:
+            c = v.abs().amax(-2, keepdim=True).clamp_min(1e-6).sqrt().half().float()
+            return _grid_codes(v / c, v / c, -1, self.v_bits, False) * c
+        if "vgroup64" in self.options and v.shape[-1] > 64:
+            g = v.unflatten(-1, (v.shape[-1] // 64, 64))
+            return _grid_codes(g, g, -1, self.v_bits, False).flatten(-2)
+        return _grid_codes(v, v, -1, self.v_bits, "narrow3" in self.options)
+
+    def cached(self, module, query, key, value, scale):
+        """The keys and values a chunk's attention reads: cached blocks through the format."""
+        n = key.shape[2] - query.shape[2]
+        k_out, v_out = key.clone(), value.clone()
+        for a in range(0, n, self.block):
+            b = min(a + self.block, n)
+            k, v = key[0, :, a:b].float(), value[0, :, a:b].float()
+            keep = self._kept(k, a)[..., None]
+            others = torch.where(keep, k.masked_fill(keep, float("nan")).nanmedian(1, keepdim=True).values, k)
+            qk = _grid_codes(k, others, -2, self.k_bits, "narrow3" in self.options)
+            qv = self._v(v)
+            exact_k, exact_v = k, v
+            if self.kept_bits == 8:
+                exact_k, exact_v = _grid_codes(k, k, -1, 8, False), _grid_codes(v, v, -1, 8, False)
+            k_out[0, :, a:b] = torch.where(keep, exact_k, qk).to(key.dtype)
+            v_out[0, :, a:b] = torch.where(keep, exact_v, qv).to(value.dtype)
+        return k_out, v_out
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    from benchmarks.kivi import KiviModel
+    from benchmarks.quality import Sizes, perplexity_at, prepare_data
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("settings", nargs="+")
+    parser.add_argument("--model-dir", default="models/smollm2-135m-instruct")
+    parser.add_argument("--text", default="essays", choices=["essays", "code"])
+    parser.add_argument("--ppl-windows", type=int, default=4)
+    parser.add_argument("--kept-bits", type=int, default=16, choices=[8, 16])
+    args = parser.parse_args()
+    sizes = Sizes(contexts=(1024, 2048), ppl_windows=args.ppl_windows, greedy_prompts=0, needle=(), gsm8k=0)
+    data = prepare_data(AutoTokenizer.from_pretrained(args.model_dir), sizes, text=args.text)
+    model = KiviModel(args.model_dir, sizes.chunk)
+
+    def perplexity(spec) -> float:
+        with model.using(spec):
+            return perplexity_at([model.window_logprobs(w, 1)[0] for w in data.windows], 2048)
+
+    base = perplexity(None)
+    print(f"{args.text}: 16-bit perplexity @2k {base:.3f}", flush=True)
+    for text in args.settings:
+        start = time.time()
+        ppl = perplexity(Setting.parse(text, args.kept_bits))
+        print(f"{text}: {ppl:.3f} ({100 * (ppl / base - 1):+.2f}%, {time.time() - start:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
