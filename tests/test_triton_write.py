@@ -57,20 +57,22 @@ def test_write_matches_reference_bytes_in_token_groups(bits, dealt):
 def test_outlier_choice_matches_reference_over_stale_pages(dealt):
     """Pages that held another request's tokens (random bytes, stale outlier offsets among them):
     a prompt's blocks choose their outliers, sinks at their first tokens among them; a block begun
-    by a decode's single token keeps none; both write paths agree on every page they touch."""
+    by a decode's single token keeps none; both write paths agree on every page they touch. K and V
+    come as views into one fused QKV row, as the attention layer hands them over."""
     B = 16
     _steps_match_reference(LayerFormat(k_bits=3, v_bits=2, outlier_tokens=1), dealt, B, [
         torch.cat([torch.arange(3 * B, 3 * B + 16), torch.arange(5 * B, 5 * B + 5), torch.arange(1 * B, 1 * B + 1)]),
         torch.tensor([5 * B + 5, 1 * B + 1]),
         torch.tensor([6 * B, 7 * B]),
         torch.cat([torch.arange(6 * B + 1, 6 * B + 9), torch.arange(7 * B + 1, 7 * B + 3)]),
-    ], stale=True, sinks=True)
+    ], stale=True, sinks=True, fused=True)
 
 
-def _steps_match_reference(layer_format, dealt, B, steps, stale=False, sinks=False):
+def _steps_match_reference(layer_format, dealt, B, steps, stale=False, sinks=False, fused=False):
     """Writes ``steps`` (each a step's slots) with the kernel and with the reference: identical
     pages decoded wherever a step wrote. ``stale``: the pages start as random bytes; ``sinks``: a
-    token written at a block's offset 0 has a K far from the others'."""
+    token written at a block's offset 0 has a K far from the others'; ``fused``: the kernel reads K
+    and V as views into one [N, 3H, D] tensor."""
     H, D = 2, 64
     fmt = KVPageFormat.from_layer_format(layer_format, torch.float32, B, H, D)
     gen = torch.Generator().manual_seed(0)
@@ -84,7 +86,11 @@ def _steps_match_reference(layer_format, dealt, B, steps, stale=False, sinks=Fal
         if sinks:
             k[slots % B == 0] += 10
         paged_torch.write_tokens(ref, fmt, k, v, slots)
-        write_tokens(ours, fmt, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), dealt=dealt)
+        key, value = k.to(DEVICE), v.to(DEVICE)
+        if fused:
+            qkv = torch.cat([key, value, key], dim=1)
+            key, value = qkv[:, :H], qkv[:, H:2 * H]
+        write_tokens(ours, fmt, key, value, slots.to(DEVICE), dealt=dealt)
     used = [1, 3, 5, 6, 7]
     if fmt.outliers:
         assert torch.equal(fmt.outlier_index(ours.cpu()[used]), fmt.outlier_index(ref[used]))

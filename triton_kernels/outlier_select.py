@@ -26,7 +26,7 @@ from .launch import Variant, launch
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _select_kernel(k_ptr, v_ptr, k_out_ptr, v_out_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_stride,
-                   v_stride, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr,
+                   v_stride, out_stride, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr,
                    CP: tl.constexpr, INDEX: tl.constexpr, VALUES: tl.constexpr, EPS: tl.constexpr):
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -66,9 +66,8 @@ def _select_kernel(k_ptr, v_ptr, k_out_ptr, v_out_ptr, slot_ptr, cache_ptr, num_
             fill = i + tl.min(tl.where(is_new & ~chosen, t, BLOCK), 0)  # the first new token kept in the codes
             k_fill = tl.load(k_ptr + fill * k_stride + h * D + d)
             v_fill = tl.load(v_ptr + fill * v_stride + h * D + d)
-            out = j[:, None] * k_stride + h * D + d
+            out = j[:, None] * out_stride + h * D + d
             tl.store(k_out_ptr + out, tl.broadcast_to(k_fill, [BLOCK, D]), mask=chosen[:, None])
-            out = j[:, None] * v_stride + h * D + d
             tl.store(v_out_ptr + out, tl.broadcast_to(v_fill, [BLOCK, D]), mask=chosen[:, None])
 
 
@@ -82,12 +81,14 @@ def _variant(fmt: KVPageFormat) -> Variant:
 def choose_outliers(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
                     slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the outliers of the blocks this step writes first (``key``/``value`` [N, H, D], new
-    tokens at ``slot_mapping``) into their pages, and return the K and V the write kernel codes: the
-    outliers' rows replaced (copies; the step's own K and V stay exact for its attention)."""
-    key, value = key.contiguous(), value.contiguous()
-    k_out, v_out = key.clone(), value.clone()
+    tokens at ``slot_mapping``; row-strided views allowed) into their pages, and return the K and V
+    the write kernel codes: contiguous copies with the outliers' rows replaced (the step's own K and
+    V stay exact for its attention)."""
+    key, value = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (key, value))
+    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device).copy_(key)
+    v_out = torch.empty(value.shape, dtype=value.dtype, device=value.device).copy_(value)
     n = slot_mapping.shape[0]
     if n:
-        launch(_variant(fmt), (n, fmt.k.num_heads),
-               (key, value, k_out, v_out, slot_mapping, cache, n, fmt.page_bytes, key.stride(0), value.stride(0)))
+        launch(_variant(fmt), (n, fmt.k.num_heads), (key, value, k_out, v_out, slot_mapping, cache, n, fmt.page_bytes,
+                                                     key.stride(0), value.stride(0), k_out.stride(0)))
     return k_out, v_out
