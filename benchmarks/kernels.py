@@ -11,6 +11,7 @@ now that a token which fits its grids writes one row).
     python benchmarks/kernels.py --prompts   # prompt chunks after history: FlashAttention bf16 against ours
     python benchmarks/kernels.py --zipcache  # ZipCache's attention of a layer in parts, beside the 4-bit preset's
     python benchmarks/kernels.py --minicache  # MiniCache's merged pair in parts, beside two 4-bit layers
+    python benchmarks/kernels.py --presets quant-k3v2-o1 quant-k4v4  # presets' decode rows and write
     ncu ... python benchmarks/kernels.py --profile 4 32 32     # one decode launch per repeat, for a profiler
     ncu ... python benchmarks/kernels.py --profile-write 4 32  # the decode step's cache write only
 """
@@ -459,6 +460,40 @@ def bench_minicache_step(lens: list[int], hq: int, hkv: int, d: int, block: int 
             {"kernel": f"quant-k4v4 {label}: 2 layers (2 decodes + 2 writes)", "ms": 2 * (four_decode + four_write)}]
 
 
+def bench_preset_step(preset: str, lens: list[int], hq: int, hkv: int, d: int, block: int = 128) -> list[dict]:
+    """A preset's decode rows of context ``lens`` and a decode step's cache write through the Triton
+    kernels (and the CUDA ones where they serve the format): a layer's parts, for formats the 4-bit
+    preset's figures compare with (``quant-k3v2-o1``'s outlier tokens, 3-bit codes)."""
+    from vllm_kvcompress.config import load_config
+    from vllm_kvcompress.formats import KVPageFormat
+    from vllm_kvcompress.kernels import registry
+    from vllm_kvcompress.policy import KernelPolicy
+    from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode
+    from vllm_kvcompress.triton_kernels.write import write_tokens
+
+    fmt = KVPageFormat.from_layer_format(load_config(preset).default, torch.bfloat16, block, hkv, d)
+    cache, table = _pages(fmt, len(lens), max(lens))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16)
+    out, order = torch.empty_like(q), longest_first(seq_lens)
+    label = f"{preset} {len(lens)} decode rows"
+    rows = [{"kernel": f"{label}: Triton decode", "ms": _time_ms(lambda: paged_decode(
+        q, cache, fmt, table, seq_lens, d ** -0.5, max(lens), out=out, row_order=order))}]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    writes = [("Triton", write_tokens)]
+    device = registry.Device.of("cuda", torch.cuda.get_device_capability())
+    if registry.plan(fmt, registry.LayerContext(device, torch.bfloat16, hq), KernelPolicy()).write.name == "cuda":
+        from vllm_kvcompress.cuda_write import write_tokens as cuda_write_tokens
+        writes.append(("CUDA", cuda_write_tokens))
+    for name, write in writes:
+        pages, slots = _appending_pages(write, fmt, len(lens), 0, gen)
+        saved = pages.clone()
+        k, v = (torch.randn(len(lens), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+        rows.append({"kernel": f"{label}: {name} write of a decode step",
+                     "ms": _time_after_ms(lambda: pages.copy_(saved), lambda: write(pages, fmt, k, v, slots))})
+    return rows
+
+
 def _host_us(fn, calls: int = 40, reps: int = 7) -> float:
     """Host microseconds per call of ``fn``: the GPU sleeps meanwhile, so launches only queue (40
     calls of a few launches stay below the launch queue's depth, where the host would block)."""
@@ -572,6 +607,8 @@ def main() -> None:
                          "CUDA kernels, needs nvcc): a serving step's 144 rows and a run's tail of 3 and 8 rows")
     ap.add_argument("--step-splits", nargs="*", type=int, default=[], metavar="SPLITS",
                     help="with --step: also the MHA decode alone of 3 to 40 rows with these split counts")
+    ap.add_argument("--presets", nargs="*", default=[], metavar="PRESET",
+                    help="only these presets' decode rows and decode-step write (Triton, and CUDA where it serves)")
     ap.add_argument("--minicache", action="store_true",
                     help="MiniCache's merged pair of layers in parts (decode, write), beside two 4-bit layers")
     ap.add_argument("--zipcache", action="store_true",
@@ -586,6 +623,12 @@ def main() -> None:
         for name, hq, hkv, _ in SHAPES:
             for r in bench_host(hq, hkv):
                 print(f"{name:24s} {r['kernel']:42s} {r['host_us']:6.1f} us of host time a call")
+        return
+    if args.presets:
+        for name, hq, hkv, d in SHAPES:
+            for preset in args.presets:
+                for r in bench_preset_step(preset, serving_lens(144, 900), hq, hkv, d):
+                    print(f"{name:24s} {r['kernel']:64s} {r['ms'] * 1e3:8.1f} us")
         return
     if args.minicache:
         for name, hq, hkv, d in SHAPES:
