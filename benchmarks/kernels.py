@@ -61,10 +61,16 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def _format(bits: int, hkv: int, d: int, block: int):
-    from vllm_kvcompress.config import LayerFormat
+def _format(bits: int | str, hkv: int, d: int, block: int):
+    """K and V at ``bits``, or a preset's default layer format where ``bits`` names one."""
+    from vllm_kvcompress.config import LayerFormat, load_config
     from vllm_kvcompress.formats import KVPageFormat
-    return KVPageFormat.from_layer_format(LayerFormat(k_bits=bits, v_bits=bits), torch.bfloat16, block, hkv, d)
+    layer = load_config(bits).default if isinstance(bits, str) else LayerFormat(k_bits=bits, v_bits=bits)
+    return KVPageFormat.from_layer_format(layer, torch.bfloat16, block, hkv, d)
+
+
+def _name(bits: int | str) -> str:
+    return bits if isinstance(bits, str) else f"k{bits}v{bits}"
 
 
 def _pages(fmt, num_seqs: int, ctx: int, seed: int = 0, encode=None):
@@ -120,7 +126,7 @@ def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, bl
     order = None if as_drawn else longest_first(seq_lens)
     ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out, row_order=order,
                                        **tuning))
-    name = f"ours k{bits}v{bits}" + " CUDA" * cuda + " as drawn" * as_drawn + "".join(f" {k}={v}" for k, v in tuning.items())
+    name = f"ours {_name(bits)}" + " CUDA" * cuda + " as drawn" * as_drawn + "".join(f" {k}={v}" for k, v in tuning.items())
     return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
@@ -242,7 +248,7 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
 
     ms = _time_after_ms(lambda: cache.copy_(saved), run, reps=max(20, 100 // steps)) / steps
     nbytes = 2 * num_seqs * fmt.page_bytes
-    label = (f"write k{bits}v{bits}" + (f" {steps} steps in a row" if steps > 1 else "") + (" CUDA" if cuda else "")
+    label = (f"write {_name(bits)}" + (f" {steps} steps in a row" if steps > 1 else "") + (" CUDA" if cuda else "")
              + (f" chunk {chunk_channels}" if chunk_channels else "") + (f" spread {spread}" if spread else "")
              + (f" warps {num_warps}" if num_warps else "") + ("" if dealt is None else f" dealt={dealt}"))
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
@@ -461,36 +467,18 @@ def bench_minicache_step(lens: list[int], hq: int, hkv: int, d: int, block: int 
 
 
 def bench_preset_step(preset: str, lens: list[int], hq: int, hkv: int, d: int, block: int = 128) -> list[dict]:
-    """A preset's decode rows of context ``lens`` and a decode step's cache write through the Triton
-    kernels (and the CUDA ones where they serve the format): a layer's parts, for formats the 4-bit
-    preset's figures compare with (``quant-k3v2-o1``'s outlier tokens, 3-bit codes)."""
-    from vllm_kvcompress.config import load_config
-    from vllm_kvcompress.formats import KVPageFormat
+    """A preset's decode rows of context ``lens`` (Triton) and a decode step's cache write (Triton, and
+    CUDA where it serves the format): for formats the 4-bit preset's figures compare with
+    (``quant-k3v2-o1``'s outlier tokens, 3-bit codes)."""
     from vllm_kvcompress.kernels import registry
     from vllm_kvcompress.policy import KernelPolicy
-    from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode
-    from vllm_kvcompress.triton_kernels.write import write_tokens
 
-    fmt = KVPageFormat.from_layer_format(load_config(preset).default, torch.bfloat16, block, hkv, d)
-    cache, table = _pages(fmt, len(lens), max(lens))
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16)
-    out, order = torch.empty_like(q), longest_first(seq_lens)
-    label = f"{preset} {len(lens)} decode rows"
-    rows = [{"kernel": f"{label}: Triton decode", "ms": _time_ms(lambda: paged_decode(
-        q, cache, fmt, table, seq_lens, d ** -0.5, max(lens), out=out, row_order=order))}]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    writes = [("Triton", write_tokens)]
+    rows = [bench_ours(preset, len(lens), hq, hkv, d, max(lens), block, lens=lens),
+            bench_write(preset, len(lens), hkv, d, block)]
     device = registry.Device.of("cuda", torch.cuda.get_device_capability())
-    if registry.plan(fmt, registry.LayerContext(device, torch.bfloat16, hq), KernelPolicy()).write.name == "cuda":
-        from vllm_kvcompress.cuda_write import write_tokens as cuda_write_tokens
-        writes.append(("CUDA", cuda_write_tokens))
-    for name, write in writes:
-        pages, slots = _appending_pages(write, fmt, len(lens), 0, gen)
-        saved = pages.clone()
-        k, v = (torch.randn(len(lens), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-        rows.append({"kernel": f"{label}: {name} write of a decode step",
-                     "ms": _time_after_ms(lambda: pages.copy_(saved), lambda: write(pages, fmt, k, v, slots))})
+    context = registry.LayerContext(device, torch.bfloat16, hq)
+    if registry.plan(_format(preset, hkv, d, block), context, KernelPolicy()).write.name == "cuda":
+        rows.append(bench_write(preset, len(lens), hkv, d, block, cuda=True))
     return rows
 
 
@@ -628,7 +616,7 @@ def main() -> None:
         for name, hq, hkv, d in SHAPES:
             for preset in args.presets:
                 for r in bench_preset_step(preset, serving_lens(144, 900), hq, hkv, d):
-                    print(f"{name:24s} {r['kernel']:64s} {r['ms'] * 1e3:8.1f} us")
+                    print(f"{name:24s} {preset:16s} {r['kernel']:40s} {r['ms'] * 1e3:8.1f} us")
         return
     if args.minicache:
         for name, hq, hkv, d in SHAPES:

@@ -117,8 +117,8 @@ runtime |= {name: "i32" for name in decode._decode_kernel.arg_names if name not 
 for group, split, rows in ((1, False, None), (4, True, None), (4, False, 16)):
     compile_for_h100(decode._decode_kernel, runtime,
                      decode.kernel_constants(fmt, group, split, 128, rows, True, rows is None, rows is not None))
-select = dict(k_ptr="*bf16", v_ptr="*bf16", k_out_ptr="*bf16", v_out_ptr="*bf16", slot_ptr="*i64", cache_ptr="*u8",
-              num_tokens="i32", page_bytes="i32", k_stride="i32", v_stride="i32", out_stride="i32")
+select = dict(k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64", cache_ptr="*u8", num_tokens="i32", page_bytes="i32",
+              k_stride="i32", v_stride="i32")
 compile_for_h100(outlier_select._select_kernel, select, outlier_select._variant(fmt).constants)
 """
 

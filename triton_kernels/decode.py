@@ -167,17 +167,16 @@ def _kept_offsets(page, h, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexp
 
 
 @triton.jit
-def _retained_tokens(page, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H: tl.constexpr,
-                     D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
-                     ROW_QUERY: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr,
-                     KEPT: tl.constexpr, LAYER: tl.constexpr, LAYERS: tl.constexpr, HEAD_INDEX: tl.constexpr):
+def _retained_tokens(page, kept_at, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3,
+                     H: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
+                     ROW_QUERY: tl.constexpr, RP: tl.constexpr, KEPT: tl.constexpr, LAYER: tl.constexpr,
+                     LAYERS: tl.constexpr):
     """One more step of the online softmax (``m``, ``l``, the output's planes): the kept tokens of the
-    block that starts at token ``first``, exact, from the block's slots [R, LAYERS, 2 (K, V), H, D]
-    in the model dtype (``q``'s): a layer page's outliers (LAYERS 1) or a MiniCache pair's retained
-    tokens (LAYERS 2, layer LAYER's)."""
+    block that starts at token ``first`` (their offsets ``kept_at``, ``_kept_offsets``), exact, from
+    the block's slots [R, LAYERS, 2 (K, V), H, D] in the model dtype (``q``'s): a layer page's
+    outliers (LAYERS 1) or a MiniCache pair's retained tokens (LAYERS 2, layer LAYER's)."""
     dtype = q.dtype
     r = tl.arange(0, RP)
-    kept_at = _kept_offsets(page, h, R, RP, INDEX, HEAD_INDEX)
     held = (kept_at >= 0) & (first + kept_at < L)
     d = tl.arange(0, D)[None, :]
     rows = (page + KEPT).to(tl.pointer_type(dtype)) + ((r[:, None] * LAYERS + LAYER) * 2 * H + h) * D + d
@@ -319,8 +318,9 @@ def _decode_kernel(
             nk = tl.load(half + K_NORMS // 2 + h * BLOCK + tok)
             valid = valid & (nk.to(tl.int16, bitcast=True) >= 0)[None, :]
             nk = nk.to(tl.float32)[None, :]
-        if HEAD_INDEX:  # the block's outlier tokens are read from their slots, not from the codes
+        if R > 0:
             kept = _kept_offsets(page, h, R, RP, INDEX, HEAD_INDEX)
+        if HEAD_INDEX:  # the block's outlier tokens are read from their slots, not from the codes
             valid = valid & (tl.sum((tok[None, :] == kept[:, None]).to(tl.int32), 0) == 0)[None, :]
         if K_BITS == 16:
             k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
@@ -414,8 +414,8 @@ def _decode_kernel(
         if R > 0:
             if t % TPP == 0:
                 m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
-                    page, (t // TPP) * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP, VP,
-                    ONE_ROW, ROW_QUERY, R, RP, INDEX, KEPT, LAYER, LAYERS, HEAD_INDEX)
+                    page, kept, (t // TPP) * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP,
+                    VP, ONE_ROW, ROW_QUERY, RP, KEPT, LAYER, LAYERS)
 
     if not SPLIT:
         dst = out_ptr + ((row0 + r) * out_stride + head * D)[:, None] + dv * VP

@@ -24,6 +24,7 @@ from vllm_kvcompress.formats.merged import MergedPairFormat
 
 from .launch import Variant, launch
 from .pair_merge import merge_pair
+from .write import warm_up as warm_up_layer_write
 from .write import write_tokens
 
 _COPY = 1024  # elements of a retained token's vectors copied at a time
@@ -126,8 +127,6 @@ def retain_variant(fmt: MergedPairFormat) -> Variant:
 def warm_up(cache: torch.Tensor, fmt: MergedPairFormat, dtype: torch.dtype) -> None:
     """Compile what a pair's write launches (the merge, both variants of the layer write, the
     retention kernel) before serving. One token with no slot (-1): nothing is written."""
+    warm_up_layer_write(cache, fmt.directions, dtype, page_bytes=fmt.page_bytes)
     x = torch.zeros(1, fmt.k.num_heads, fmt.k.head_size, dtype=dtype, device=cache.device)
-    nowhere = torch.full((1,), -1, dtype=torch.int64, device=cache.device)
-    for dealt in (False, True):
-        write_tokens(cache, fmt.directions, x, x, nowhere, dealt=dealt, page_bytes=fmt.page_bytes)
-    write_pair_tokens(cache, fmt, x, x, x, x, nowhere)
+    write_pair_tokens(cache, fmt, x, x, x, x, torch.full((1,), -1, dtype=torch.int64, device=cache.device))

@@ -2,13 +2,13 @@
 
 Before the write kernel (``write.write_tokens``), one program per (new token, KV head) whose token
 opens a block (offset 0: the block's first write is in this step) counts the block's new tokens.
-With no more than ``count`` of them it marks the block as keeping none; otherwise it scores them as
-``outliers.deviation`` does (each token's largest z-score over K's channels, mean and population
-standard deviation of the block's new tokens per channel, IEEE division and square root), keeps the
-``count`` highest (lowest offset first among equals), stores their offsets and exact K and V in the
-page's slots, and writes their rows in the copies of K and V that the write kernel codes as the
-first new token of the block that is not an outlier (``outliers.fill_rows``). Blocks a step appends
-to keep their outliers: their programs do nothing.
+With no more than ``count`` of them it marks the block as keeping none (a recycled page holds
+another request's offsets); otherwise it scores them as ``outliers.deviation`` does (each token's
+largest z-score over K's channels, mean and population standard deviation of the block's new tokens
+per channel, IEEE division and square root), keeps the ``count`` highest (lowest offset first among
+equals) and stores their offsets and exact K and V in the page's slots. The write kernel then
+leaves those rows out of K's statistics. Blocks a step appends to keep their outliers: their
+programs do nothing.
 """
 
 from __future__ import annotations
@@ -20,14 +20,17 @@ import triton
 import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.formats.outliers import DEVIATION_EPS
 
 from .launch import Variant, launch
 
+_EPS = tl.constexpr(DEVIATION_EPS)
+
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _select_kernel(k_ptr, v_ptr, k_out_ptr, v_out_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_stride,
-                   v_stride, out_stride, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr,
-                   CP: tl.constexpr, INDEX: tl.constexpr, VALUES: tl.constexpr, EPS: tl.constexpr):
+def _select_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_stride, v_stride, H: tl.constexpr,
+                   D: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr, CP: tl.constexpr, INDEX: tl.constexpr,
+                   VALUES: tl.constexpr):
     i = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -49,46 +52,32 @@ def _select_kernel(k_ptr, v_ptr, k_out_ptr, v_out_ptr, slot_ptr, cache_ptr, num_
             mean = tl.math.div_rn(tl.sum(k, 0), n.to(tl.float32) + tl.zeros([D], tl.float32))
             dev = tl.where(rows, k - mean[None, :], 0.0)
             var = tl.math.div_rn(tl.sum(dev * dev, 0), n.to(tl.float32) + tl.zeros([D], tl.float32))
-            std = tl.math.sqrt_rn(var) + EPS
+            std = tl.math.sqrt_rn(var) + _EPS
             z = tl.max(tl.math.div_rn(tl.abs(dev), std[None, :] + tl.zeros_like(dev)), 1)
             score = tl.where(is_new, z, float("-inf"))
-            chosen = t < 0
             values = (page + VALUES).to(k_ptr.dtype)
+            dd = tl.arange(0, D)
             for c in tl.static_range(COUNT):
                 top = tl.max(score, 0)
                 at = tl.min(tl.where(score == top, t, BLOCK), 0)  # the lowest offset among equals
                 tl.store(index + c, at.to(tl.int16))
-                chosen = chosen | (t == at)
                 score = tl.where(t == at, float("-inf"), score)
-                dd = tl.arange(0, D)
                 tl.store(values + (c * 2 * H + h) * D + dd, tl.load(k_ptr + (i + at) * k_stride + h * D + dd))
                 tl.store(values + (c * 2 * H + H + h) * D + dd, tl.load(v_ptr + (i + at) * v_stride + h * D + dd))
-            fill = i + tl.min(tl.where(is_new & ~chosen, t, BLOCK), 0)  # the first new token kept in the codes
-            k_fill = tl.load(k_ptr + fill * k_stride + h * D + d)
-            v_fill = tl.load(v_ptr + fill * v_stride + h * D + d)
-            out = j[:, None] * out_stride + h * D + d
-            tl.store(k_out_ptr + out, tl.broadcast_to(k_fill, [BLOCK, D]), mask=chosen[:, None])
-            tl.store(v_out_ptr + out, tl.broadcast_to(v_fill, [BLOCK, D]), mask=chosen[:, None])
 
 
 @functools.cache
 def _variant(fmt: KVPageFormat) -> Variant:
     return Variant(_select_kernel, dict(H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size,
-                                        COUNT=fmt.outliers, CP=triton.next_power_of_2(fmt.outliers), INDEX=fmt.codes_bytes, VALUES=fmt.outlier_values_at,
-                                        EPS=1e-6), {"num_warps": 4})
+                                        COUNT=fmt.outliers, CP=triton.next_power_of_2(fmt.outliers),
+                                        INDEX=fmt.codes_bytes, VALUES=fmt.outlier_values_at), {"num_warps": 4})
 
 
 def choose_outliers(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    slot_mapping: torch.Tensor) -> None:
     """Choose the outliers of the blocks this step writes first (``key``/``value`` [N, H, D], new
-    tokens at ``slot_mapping``; row-strided views allowed) into their pages, and return the K and V
-    the write kernel codes: contiguous copies with the outliers' rows replaced (the step's own K and
-    V stay exact for its attention)."""
-    key, value = (x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous() for x in (key, value))
-    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device).copy_(key)
-    v_out = torch.empty(value.shape, dtype=value.dtype, device=value.device).copy_(value)
+    tokens at ``slot_mapping``; row-strided views, as for the write) and store them in their pages."""
     n = slot_mapping.shape[0]
     if n:
-        launch(_variant(fmt), (n, fmt.k.num_heads), (key, value, k_out, v_out, slot_mapping, cache, n, fmt.page_bytes,
-                                                     key.stride(0), value.stride(0), k_out.stride(0)))
-    return k_out, v_out
+        launch(_variant(fmt), (n, fmt.k.num_heads),
+               (key, value, slot_mapping, cache, n, fmt.page_bytes, key.stride(0), value.stride(0)))

@@ -23,8 +23,8 @@ launch for K and V (V in the first of a token's K shares):
 - ZipCache channel scales (V): the block's last new token re-encodes the whole
   block, as every row's statistics depend on the block-wide channel scales.
 - outlier tokens (``formats.outliers``): ``outlier_select`` first chooses the
-  outliers of the blocks this step opens and hands this kernel copies of K and V
-  in which their rows repeat another token's, so the grids are the others'.
+  outliers of the blocks this step opens and stores their offsets; the block's
+  encoding leaves those rows out of K's statistics (their codes are never read).
 
 Values sit in registers as ``[ROWS, UNITS, PER]``: token, storage unit (a byte,
 or a 32-bit word for 3 bits) and position inside the unit; channel
@@ -118,10 +118,13 @@ def _store_units(ptr, packed, mask, BITS: tl.constexpr):
 def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units_ok,
                  D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr,
                  PER: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr,
-                 ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr):
+                 ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr,
+                 KEPT: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
     """Encode rows ``t`` (block offsets, [ROWS]) of storage units ``units`` ([UC], those where
     ``units_ok``) of one head's tensor. Row r takes its values from source row ``j[r]`` where
-    ``is_new[r]``, else from the page; statistics cover the rows where ``valid[r]``."""
+    ``is_new[r]``, else from the page; statistics cover the rows where ``valid[r]``. KEPT >= 0
+    (statistics per channel): the page's outlier offsets [H, KC] int16 there; new rows among them
+    stay out of the statistics."""
     t2 = t[:, None]
     u2 = units[None, :]
     unit_ok = units_ok[None, :, None] & (u2[:, :, None] * VALS < D)
@@ -137,6 +140,12 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     stored = valid & (is_new == 0)
     newm = is_new & ch_ok
     oldm = stored & ch_ok
+    stat_new = newm
+    if KEPT >= 0:
+        c = tl.arange(0, KCP)
+        kept = tl.load((page + KEPT).to(tl.pointer_type(tl.int16)) + h * KC + c, mask=c < KC, other=-1).to(tl.int32)
+        is_kept = tl.sum((t2 == kept[None, :]).to(tl.int32), 1) > 0
+        stat_new = newm & (is_kept == 0)[:, None, None]
     x_new = tl.load(src_ptr + j[:, None, None] * src_stride + h * D + ch, mask=newm, other=0.0).to(tl.float32)
 
     # earlier tokens, decoded from the page (a new row's stored bytes are not read: with statistics
@@ -164,8 +173,8 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         x = tl.math.div_rn(x, cs.to(tl.float32) + tl.zeros_like(x))
     if PER_CHANNEL and CS < 0:  # new rows, widened to span the stored grid where there is one
         has_old = tl.max(stored.to(tl.int32)) > 0
-        mn = tl.min(tl.where(newm, x, float("inf")), 0)[None, :, :]
-        mx = tl.max(tl.where(newm, x, float("-inf")), 0)[None, :, :]
+        mn = tl.min(tl.where(stat_new, x, float("inf")), 0)[None, :, :]
+        mx = tl.max(tl.where(stat_new, x, float("-inf")), 0)[None, :, :]
         lo, hi = _widened_span(mn, mx, zero, zero + scale * full_top)
         mn = tl.where(has_old, lo, mn)
         mx = tl.where(has_old, hi, mx)
@@ -304,13 +313,13 @@ def _encode_chunks(src_ptr, src_stride, t, j, is_new, last, first, step, page, h
                    BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UNITS: tl.constexpr,
                    PER: tl.constexpr, UC: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
                    SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                   GROUP: tl.constexpr):
+                   GROUP: tl.constexpr, KEPT: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
     """Encode the block's rows up to offset ``last`` (``_block_window``'s t, j, is_new), for the
     chunks of UC units starting at unit ``first``, every ``step`` units (channels are independent)."""
     for unit in range(first, UNITS, step):
         units = unit + tl.arange(0, UC)
         _encode_rows(src_ptr, src_stride, t, j, is_new, t <= last, page, h, units, units < UNITS, D,
-                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL, GROUP)
+                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL, GROUP, KEPT, KC, KCP)
 
 
 @triton.jit
@@ -319,13 +328,13 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, OWN: tl.constexpr,
                   CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr,
                   PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, AG: tl.constexpr, RT: tl.constexpr,
-                  DEAL: tl.constexpr):
+                  DEAL: tl.constexpr, KEPT: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
     """Token i's write of one tensor (K or V) for head h, as share ``share`` of ``shares``. Where
     statistics are per channel, the block's chunks of UC units are dealt out over the shares (share
     s takes every shares-th chunk, OWN units in all), so a block's re-encoding runs in that many
     programs at once; a decoding token's widened units are requantized AG units and RT rows at a
     time. With DEAL > 1 (a prefill's write, one share), the chunks are dealt out over the programs
-    of the block's last DEAL new tokens instead."""
+    of the block's last DEAL new tokens instead. KEPT >= 0: the page's outlier offsets (``_encode_rows``)."""
     blk = slot // BLOCK
     off = slot % BLOCK
     if BITS == 16:  # the model's own values
@@ -349,7 +358,7 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                 else:
                     _encode_chunks(src_ptr, src_stride, t, j, is_new, last, (rank * shares + share) * UC,
                                    dealers * shares * UC, page, h, D, BLOCK, BITS, VALS, UNITS, PER, UC, CODES, ROW,
-                                   SCALE, ZERO, CS, PER_CHANNEL, GROUP)
+                                   SCALE, ZERO, CS, PER_CHANNEL, GROUP, KEPT, KC, KCP)
     elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
         nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
         if (nxt < 0) | (nxt // BLOCK != blk):
@@ -360,13 +369,14 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
             else:
                 t, j, is_new = _block_window(slot_ptr, num_tokens, i, off, blk, BLOCK)
                 _encode_chunks(src_ptr, src_stride, t, j, is_new, off, share * UC, shares * UC, page, h, D, BLOCK,
-                               BITS, VALS, UNITS, PER, UC, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL, GROUP)
+                               BITS, VALS, UNITS, PER, UC, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL, GROUP, KEPT, KC,
+                               KCP)
     else:  # statistics per token: only its own row changes
         one = tl.arange(0, 1)
         all_units = tl.arange(0, UNITS)
         _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, all_units,
                      all_units < UNITS, D, BLOCK, BITS, VALS, UNITS, PER, CODES, ROW, SCALE, ZERO, CS,
-                     PER_CHANNEL, GROUP)
+                     PER_CHANNEL, GROUP, -1, 0, 1)
 
 
 # a step's token count is not specialized on (1, multiples of 16): no compile in the middle of serving
@@ -377,11 +387,12 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_s
                   K_UC: tl.constexpr, K_OWN: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr,
                   K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, K_CS: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
                   K_GROUP: tl.constexpr, K_AG: tl.constexpr, K_RT: tl.constexpr, K_DEAL: tl.constexpr,
-                  HAS_V: tl.constexpr,
+                  K_KEPT: tl.constexpr, K_KC: tl.constexpr, K_KCP: tl.constexpr, HAS_V: tl.constexpr,
                   V_BITS: tl.constexpr, V_VALS: tl.constexpr, V_UNITS: tl.constexpr, V_PER: tl.constexpr,
                   V_UC: tl.constexpr, V_OWN: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr,
                   V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
-                  V_GROUP: tl.constexpr, V_AG: tl.constexpr, V_RT: tl.constexpr, V_DEAL: tl.constexpr):
+                  V_GROUP: tl.constexpr, V_AG: tl.constexpr, V_RT: tl.constexpr, V_DEAL: tl.constexpr,
+                  V_KEPT: tl.constexpr, V_KC: tl.constexpr, V_KCP: tl.constexpr):
     """Program (token i, head h, share s) writes K as share s of the grid's third axis, and, in
     share 0, V (one launch for both: V's own launch cost a decode step of 144 requests 15.6 us on
     an H200, MHA 4/4)."""
@@ -393,12 +404,12 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_s
         page = cache_ptr + (slot // BLOCK) * page_bytes
         _write_tensor(k_ptr, k_stride, slot_ptr, num_tokens, i, h, share, tl.num_programs(2), slot, page, H, D, BLOCK,
                       K_BITS, K_VALS, K_UNITS, K_PER, K_UC, K_OWN, K_CODES, K_ROW, K_SCALE, K_ZERO, K_CS,
-                      K_PER_CHANNEL, K_GROUP, K_AG, K_RT, K_DEAL)
+                      K_PER_CHANNEL, K_GROUP, K_AG, K_RT, K_DEAL, K_KEPT, K_KC, K_KCP)
         if HAS_V:
             if share == 0:
                 _write_tensor(v_ptr, v_stride, slot_ptr, num_tokens, i, h, 0, 1, slot, page, H, D, BLOCK,
                               V_BITS, V_VALS, V_UNITS, V_PER, V_UC, V_OWN, V_CODES, V_ROW, V_SCALE, V_ZERO, V_CS,
-                              V_PER_CHANNEL, V_GROUP, V_AG, V_RT, V_DEAL)
+                              V_PER_CHANNEL, V_GROUP, V_AG, V_RT, V_DEAL, V_KEPT, V_KC, V_KCP)
 
 
 def _geometry(bits: int, d: int) -> tuple[int, int, int]:
@@ -424,10 +435,12 @@ def _tensor_constants(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channel
             shares = min(spread, units // chunk)
     gathered = max(chunk, min(units, triton.next_power_of_2(append_units))) if dealt else chunk
     rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread in a chunk
+    # outlier tokens leave the statistics per channel (K's); per token, a row's statistics are its own
+    kept = fmt.codes_bytes if fmt.outliers and per_channel and lay.channel_scale < 0 else -1
     return dict(BITS=lay.bits, VALS=vals, UNITS=units, PER=per, UC=chunk, OWN=units // shares, CODES=lay.codes,
                 ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale, PER_CHANNEL=per_channel,
-                GROUP=lay.token_group,
-                AG=gathered, RT=rows_per_tile, DEAL=deal), shares
+                GROUP=lay.token_group, AG=gathered, RT=rows_per_tile, DEAL=deal, KEPT=kept, KC=fmt.outliers,
+                KCP=triton.next_power_of_2(max(fmt.outliers, 1))), shares
 
 
 @functools.cache
@@ -471,7 +484,7 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
     if dealt is None:
         dealt = n * fmt.k.num_heads > DEALT_PROGRAMS
     if fmt.outliers:
-        key, value = choose_outliers(cache, fmt, key, value, slot_mapping)
+        choose_outliers(cache, fmt, key, value, slot_mapping)
     variant, shares = _write_variant(fmt, chunk_channels, spread, append_units, num_warps, dealt)
     if fmt.v is None:  # K-only pages: nothing reads V's arguments
         value = key
@@ -479,12 +492,12 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
            (key, value, slot_mapping, cache, n, page_bytes or fmt.page_bytes, key.stride(0), value.stride(0)))
 
 
-def warm_up(cache: torch.Tensor, fmt: KVPageFormat, dtype: torch.dtype) -> None:
+def warm_up(cache: torch.Tensor, fmt: KVPageFormat, dtype: torch.dtype, page_bytes: int | None = None) -> None:
     """Compile both variants a serving step may launch (shares or dealt, by the step's size): vLLM's
     warm-up reaches the small one only where it captures CUDA graphs. One token with no slot (-1):
-    nothing is written."""
+    nothing is written. ``page_bytes`` as for ``write_tokens``."""
     h, d = fmt.k.num_heads, fmt.k.head_size
     x = torch.zeros(1, h, d, dtype=dtype, device=cache.device)
     nowhere = torch.full((1,), -1, dtype=torch.int64, device=cache.device)
     for dealt in (False, True):
-        write_tokens(cache, fmt, x, x, nowhere, dealt=dealt)
+        write_tokens(cache, fmt, x, x, nowhere, dealt=dealt, page_bytes=page_bytes)

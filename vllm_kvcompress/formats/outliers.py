@@ -4,8 +4,8 @@ K's statistics per channel span a block's tokens, so one token far from the othe
 sink, whose K sits apart in many channels) stretches every channel's grid and costs the block's
 other tokens their resolution; at 2 and 3 bits that is most of the loss (docs/formats.md, "Outlier
 tokens"). A page keeps the ``count`` tokens of a block's first write whose K lies furthest from that
-write's others (``deviation``) in the model dtype, and codes the block as if they were not there:
-their rows of codes repeat another token's (``fill_rows``), so the grids are the others' own, and
+write's others (``deviation``) in the model dtype, and leaves them out of K's statistics (the torch
+reference codes their K rows as another token's, ``fill_rows``; their codes are never read):
 attention reads them from their slots.
 
 A block whose first write holds no more than ``count`` tokens (a decoding request's new block)
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 NONE = -1  # an unused outlier slot's token index
-_EPS = 1e-6
+DEVIATION_EPS = 1e-6  # added to a channel's standard deviation (a constant channel scores 0, not nan)
 
 
 def deviation(k: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ def deviation(k: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
     n = num_valid.clamp(min=1).float()[:, None, None, None]
     mean = torch.where(valid, k, 0).sum(1, keepdim=True) / n
     std = (torch.where(valid, (k - mean) ** 2, 0).sum(1, keepdim=True) / n).sqrt()
-    score = ((k - mean).abs() / (std + _EPS)).amax(-1)
+    score = ((k - mean).abs() / (std + DEVIATION_EPS)).amax(-1)
     return torch.where(valid[..., 0], score, float("-inf"))
 
 
@@ -50,7 +50,7 @@ def outlier_rows(index: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def fill_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x`` [N, B, H, D] with each outlier's row replaced by its head's first other token's row (a
-    block with outliers has one), which leaves every statistic of the others as it was."""
+    block with outliers has one): the block's statistics are then the others' own."""
     is_outlier = outlier_rows(index, x.shape[1])
     first_other = (~is_outlier).to(torch.uint8).argmax(1)  # [N, H]
     fill = x.gather(1, first_other[:, None, :, None].expand(-1, 1, -1, x.shape[3]))

@@ -26,7 +26,7 @@ import torch
 
 from . import outliers as outlier_tokens
 from .codecs import Codec, TensorSpec, UncompressedCodec, make_codec
-from .layout import REGION_ALIGN, slot_bytes
+from .layout import Regions, slot_bytes
 
 
 def codec_for(field: str, spec: TensorSpec, *shape) -> Codec:
@@ -86,18 +86,20 @@ class KVPageFormat:
     def codes_bytes(self) -> int:
         return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
 
+    @cached_property
+    def outlier_regions(self) -> Regions:
+        """The outliers' offsets [H, count] int16 and values [count, 2 H, D] (model dtype), from
+        ``codes_bytes`` on."""
+        H, D, n = self.k.num_heads, self.k.head_size, self.outliers
+        return Regions([("index", H * n * 2), ("values", n * 2 * H * D * self.dtype.itemsize)])
+
     @property
     def outlier_values_at(self) -> int:
-        """Byte offset of the outliers' values (their offsets [H, count] int16 start at ``codes_bytes``)."""
-        index_bytes = self.k.num_heads * self.outliers * 2
-        return self.codes_bytes + -(-index_bytes // REGION_ALIGN) * REGION_ALIGN
+        return self.codes_bytes + self.outlier_regions.start("values")
 
     @property
     def outlier_bytes(self) -> int:
-        if not self.outliers:
-            return 0
-        values = self.outliers * 2 * self.k.num_heads * self.k.head_size * self.dtype.itemsize
-        return self.outlier_values_at - self.codes_bytes + values
+        return self.outlier_regions.nbytes if self.outliers else 0
 
     @cached_property  # read by every kernel launch
     def slot_bytes(self) -> int:
@@ -126,7 +128,7 @@ class KVPageFormat:
         if self.outliers:
             index = self._outlier_index(k, num_valid, stored, num_stored)
             self._write_outliers(pages, index, k, v)
-            k, v = self._codec_rows(k, v, index, k_stored, v_stored, num_stored)
+            k = outlier_tokens.fill_rows(k, index)  # out of K's statistics (their codes are never read)
         pages[:, :self.k.nbytes] = self.k.encode(k, num_valid, k_stored, num_stored)
         if self.v is not None:
             pages[:, self.k.nbytes:self.codes_bytes] = self.v.encode(v, num_valid, v_stored, num_stored)
@@ -134,44 +136,30 @@ class KVPageFormat:
 
     def outlier_index(self, pages: torch.Tensor) -> torch.Tensor:
         """[N, H, count] int64: the offsets of each block's outlier tokens by head (``outliers.NONE``: unused)."""
-        H = self.k.num_heads
-        raw = pages[:, self.codes_bytes:self.codes_bytes + H * self.outliers * 2].contiguous()
-        return raw.view(torch.int16).reshape(-1, H, self.outliers).long()
+        shape = (self.k.num_heads, self.outliers)
+        return self.outlier_regions.view(pages[:, self.codes_bytes:], "index", torch.int16, shape).long()
 
     def _outlier_values(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [N, count, H, D] float32 of the outlier slots."""
-        H, D, at = self.k.num_heads, self.k.head_size, self.outlier_values_at
-        raw = pages[:, at:at + self.outliers * 2 * H * D * self.dtype.itemsize].contiguous()
-        kv = raw.view(self.dtype).reshape(-1, self.outliers, 2 * H, D).float()
-        return kv[:, :, :H], kv[:, :, H:]
+        H, D = self.k.num_heads, self.k.head_size
+        kv = self.outlier_regions.view(pages[:, self.codes_bytes:], "values", self.dtype, (self.outliers, 2 * H, D))
+        return kv[:, :, :H].float(), kv[:, :, H:].float()
 
     def _outlier_index(self, k, num_valid, stored, num_stored) -> torch.Tensor:
         """A block's first write chooses its outliers; an append keeps the stored ones."""
-        chosen = outlier_tokens.choose(k, num_valid, self.outliers)
         if stored is None:
-            return chosen
-        return torch.where((num_stored == 0)[:, None, None], chosen, self.outlier_index(stored))
+            return outlier_tokens.choose(k, num_valid, self.outliers)
+        index = self.outlier_index(stored)
+        fresh = num_stored == 0
+        if fresh.any():
+            index[fresh] = outlier_tokens.choose(k[fresh], num_valid[fresh], self.outliers)
+        return index
 
     def _write_outliers(self, pages: torch.Tensor, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        H, D, at = self.k.num_heads, self.k.head_size, self.outlier_values_at
-        pages[:, self.codes_bytes:self.codes_bytes + H * self.outliers * 2] = \
-            index.to(torch.int16).flatten(1).contiguous().view(torch.uint8)
-        kv = torch.cat([outlier_tokens.gather(k, index), outlier_tokens.gather(v, index)], dim=2).to(self.dtype)
-        pages[:, at:at + kv[0].numel() * self.dtype.itemsize] = kv.contiguous().view(torch.uint8).reshape(
-            pages.shape[0], -1)
-
-    def _codec_rows(self, k, v, index, k_stored, v_stored, num_stored):
-        """What the codecs code: an outlier's row repeats another token's in a block's first write
-        (``outliers.fill_rows``) and its stored codes' values in an append, so that its codes never
-        enter a grid (a kernel that appends requantizes stored codes, not the exact values)."""
-        k_in, v_in = outlier_tokens.fill_rows(k, index), outlier_tokens.fill_rows(v, index)
-        if k_stored is None:
-            return k_in, v_in
-        appended = (num_stored > 0)[:, None, None, None]
-        is_outlier = outlier_tokens.outlier_rows(index, self.block_size)[..., None] & appended
-        k_in = torch.where(is_outlier, self.k.decode(k_stored), k_in)
-        v_in = torch.where(is_outlier, self.v.decode(v_stored), v_in)
-        return k_in, v_in
+        region = pages[:, self.codes_bytes:]
+        self.outlier_regions.write(region, "index", index.to(torch.int16).flatten(1))  # flat: viewable as bytes
+        kv = torch.cat([outlier_tokens.gather(k, index), outlier_tokens.gather(v, index)], dim=2)
+        self.outlier_regions.write(region, "values", kv.to(self.dtype))
 
     def decode(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """pages [N, page_bytes] -> k, v float32 [N, B, H, D] (v None for K-only pages)."""
