@@ -3,21 +3,16 @@
 Min-max asymmetric quantization over blocks of ``block`` tokens: K-style
 statistics per channel over a block's tokens, V-style per token over channels;
 zero = fp16(min), scale = fp16((max - zero) / (2**bits - 1)), code =
-clamp(floor((x - zero) / scale + 1/2)). With 3 bits (KVmix's packing) every
-11th channel (index % 11 == 10) sits on a 2-bit grid spanning the same range,
-its step 7/3 of the 3-bit step. Written from the format's description, not
-from the package's code.
+clamp(floor((x - zero) / scale + 1/2)). Written from the format's
+description, not from the package's code.
 """
 
 import torch
 
 
 def _levels(d: int, bits: int) -> torch.Tensor:
-    """[d] highest code per channel: 2**bits - 1, or 3 on the narrow 3-bit slots."""
-    levels = torch.full((d,), float((1 << bits) - 1))
-    if bits == 3:
-        levels[torch.arange(d) % 11 == 10] = 3.0
-    return levels
+    """[d] highest code per channel: 2**bits - 1."""
+    return torch.full((d,), float((1 << bits) - 1))
 
 
 def _grid(values: torch.Tensor, dim: int, bits: int, levels: torch.Tensor):

@@ -6,7 +6,7 @@ import torch
 from reference_quant import _grid, _levels, _quant, fake_quant
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
-from vllm_kvcompress.formats.packing import pack, packed_row_bytes, three_bit_slot_is_narrow, unpack
+from vllm_kvcompress.formats.packing import pack, packed_row_bytes, unpack
 from vllm_kvcompress import paged_torch
 
 torch.manual_seed(0)
@@ -15,22 +15,24 @@ torch.manual_seed(0)
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("n", [64, 128, 22])
 def test_pack_round_trip(bits, n):
-    if bits in (2, 4) and n % (8 // bits):
-        pytest.skip("dense packing needs whole bytes")
+    if bits != 8 and n % 8:
+        pytest.skip("packing needs whole bytes of every plane")
     codes = torch.randint(0, 1 << bits, (3, 5, n))
-    if bits == 3:
-        codes[..., three_bit_slot_is_narrow(n)] %= 4
     packed = pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == packed_row_bytes(n, bits)
     assert torch.equal(unpack(packed, bits, n), codes.int())
 
 
-def test_three_bit_word_layout():
-    """Ten 3-bit codes in bits 0..29 and one 2-bit code in bits 30..31 of a little-endian word."""
-    codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]])
-    word = sum(int(c) << (3 * i) for i, c in enumerate(codes[0]))
-    expected = torch.tensor([[(word >> (8 * b)) & 0xFF for b in range(4)]], dtype=torch.uint8)
-    assert torch.equal(pack(codes, 3), expected)
+def test_three_bit_plane_layout():
+    """docs/formats.md: a 3-bit row of D codes is D / 4 bytes of their low two bits (code i at bits
+    2 * (i % 4) of byte i // 4), then D / 8 bytes of their high bits (code i at bit i % 8 of byte
+    D / 4 + i // 8)."""
+    codes = torch.randint(0, 8, (16,))
+    expected = [0] * 6
+    for i, c in enumerate(codes.tolist()):
+        expected[i // 4] |= (c & 3) << (2 * (i % 4))
+        expected[4 + i // 8] |= (c >> 2) << (i % 8)
+    assert pack(codes, 3).tolist() == expected
     assert packed_row_bytes(64, 3) == 24 and packed_row_bytes(128, 3) == 48
 
 
@@ -64,17 +66,15 @@ def _page_and_reference_rows(bits, axis, B=16, H=3, D=64):
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("B", [64, 48])
 def test_token_statistics_codes_are_stored_unit_major_in_token_groups(bits, B):
-    """docs/formats.md: with statistics per token, storage unit u (a byte; a 32-bit word at 3 bits)
-    of token t and head h is unit ((h * B / G + t // G) * units + u) * G + t % G of the codes region:
-    groups of G = 32 tokens at 2 and 4 bits where 32 divides the block, else the whole block."""
-    group = 32 if bits in (2, 4) and B % 32 == 0 else B
+    """docs/formats.md: with statistics per token, byte u of token t's row of head h (R bytes) is
+    byte ((h * B / G + t // G) * R + u) * G + t % G of the codes region: groups of G = 32 tokens at
+    2, 3 and 4 bits where 32 divides the block, else the whole block."""
+    group = 32 if bits in (2, 3, 4) and B % 32 == 0 else B
     page, rows = _page_and_reference_rows(bits, "token", B=B)
     B, H, R = rows.shape
-    ub = 4 if bits == 3 else 1
-    t, h, u = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(R // ub), indexing="ij")
-    where = ((h * (B // group) + t // group) * (R // ub) + u) * group + t % group
-    stored = page[:rows.numel()].reshape(-1, ub)[where.reshape(-1)]
-    assert torch.equal(stored, rows.reshape(-1, ub))
+    t, h, u = torch.meshgrid(torch.arange(B), torch.arange(H), torch.arange(R), indexing="ij")
+    where = ((h * (B // group) + t // group) * R + u) * group + t % group
+    assert torch.equal(page[where.reshape(-1)], rows.reshape(-1))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -96,22 +96,8 @@ def test_round_trip_error_within_half_step(bits, axis):
     y = codec.decode(codec.encode(x, torch.tensor([B, B])))
     dims = 1 if axis == "channel" else 3
     span = x.amax(dims, keepdim=True) - x.amin(dims, keepdim=True)
-    levels = torch.full((D,), (1 << bits) - 1.0)
-    if bits == 3:
-        levels[three_bit_slot_is_narrow(D)] = 3.0  # KVmix's 2-bit slot, every 11th value
-    bound = span / levels / 2 * (1 + 2e-3) + 2e-3 * x.abs().amax()
+    bound = span / ((1 << bits) - 1.0) / 2 * (1 + 2e-3) + 2e-3 * x.abs().amax()
     assert ((y - x).abs() <= bound).all()
-
-
-def test_three_bit_narrow_slots_cost():
-    """The 2-bit slot of each 3-bit word is coarser: its error is ~7/3 of the others'."""
-    B, H, D = 128, 4, 128
-    x = torch.randn(4, B, H, D)
-    codec = _codec(3, "token", B=B, H=H, D=D)
-    err = (codec.decode(codec.encode(x, torch.full((4,), B))) - x).abs()
-    narrow = three_bit_slot_is_narrow(D)
-    ratio = err[..., narrow].mean() / err[..., ~narrow].mean()
-    assert 1.8 < ratio < 3.0
 
 
 def test_channel_scaling_restores_channels():

@@ -132,6 +132,8 @@ def test_the_outlier_kernels_compile_for_the_gpu(k_bits, v_bits, count):
     compiles_for_h100(_OUTLIER_KERNELS % dict(k=k_bits, v=v_bits, count=count))
 
 
+@pytest.mark.engine
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU engine in float32; CUDA serves bfloat16 and float16")
 def test_engine_prompt_logprobs_equal_the_reference(mha):
     """Through vLLM, prompts in chunks of 128 tokens (one block, written whole): prompt logprobs equal
     a Hugging Face model whose attention reads earlier chunks through ``fake_quant_with_outliers``

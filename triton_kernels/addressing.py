@@ -8,48 +8,68 @@ import triton.language as tl
 
 
 @triton.jit
-def code_unit_ptr(page, CODES: tl.constexpr, t, h, u, ROW: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                  GROUP: tl.constexpr):
-    """Address of storage unit ``u`` (a byte, or a 32-bit word for 3 bits) of token ``t``'s codes of
-    head ``h``, in a page's codes region at ``CODES`` of ``ROW`` bytes a row (``MinMaxCodec``):
-    head-major rows ``[H, B, units]`` where statistics are per channel (``GROUP`` 0), in groups of
-    ``GROUP`` tokens unit-major within a group ``[H, B / GROUP, units, GROUP]`` where they are per
-    token (``TensorLayout.token_group``)."""
-    UB: tl.constexpr = 4 if BITS == 3 else 1
+def code_unit_ptr(page, CODES: tl.constexpr, t, h, u, ROW: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """Address of byte ``u`` of token ``t``'s codes of head ``h``, in a page's codes region at
+    ``CODES`` of ``ROW`` bytes a row (``MinMaxCodec``): head-major rows ``[H, B, ROW]`` where
+    statistics are per channel (``GROUP`` 0), in groups of ``GROUP`` tokens byte-major within a
+    group ``[H, B / GROUP, ROW, GROUP]`` where they are per token (``TensorLayout.token_group``)."""
     if GROUP > 0:
-        return page + CODES + (((h * (BLOCK // GROUP) + t // GROUP) * (ROW // UB) + u) * GROUP + t % GROUP) * UB
+        return page + CODES + ((h * (BLOCK // GROUP) + t // GROUP) * ROW + u) * GROUP + t % GROUP
     else:
-        return page + CODES + (h * BLOCK + t) * ROW + u * UB
+        return page + CODES + (h * BLOCK + t) * ROW + u
+
+
+# The write kernels see a row as storage units of VALS channels: a byte of 8 // bits codes at 2, 4
+# and 8 bits; at 3 bits (two planes, ``packing``) the 8 channels 8u..8u+7, whose low bits are bytes
+# 2u and 2u + 1 of the 2-bit plane and whose high bits are byte u of the 1-bit plane, held in
+# registers as one int32 (low bits in bits 0..15, high bits in 16..23).
+
+@triton.jit
+def unit_values(BITS: tl.constexpr):
+    """Channels a storage unit holds."""
+    return 8 if BITS == 3 else 8 // BITS
 
 
 @triton.jit
-def code_grid(p, BITS: tl.constexpr):
-    """For position ``p`` inside a storage unit: the code's bit width, its highest code, its step
-    over the scale, and its shift in the unit. 3 bits: position 10 of each word is a 2-bit code on
-    a grid 7/3 as coarse (see ``packing``)."""
+def load_units(page, CODES: tl.constexpr, t, h, u, ROW: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+               GROUP: tl.constexpr, mask):
+    """Storage units ``u`` of tokens ``t`` as int32 (0 where not ``mask``)."""
     if BITS == 3:
-        width = tl.where(p == 10, 2, 3)
-        top = tl.where(p == 10, 3.0, 7.0)
-        ratio = tl.where(p == 10, 7.0 / 3.0, 1.0)
+        lo0 = tl.load(code_unit_ptr(page, CODES, t, h, 2 * u, ROW, BLOCK, GROUP), mask=mask, other=0)
+        lo1 = tl.load(code_unit_ptr(page, CODES, t, h, 2 * u + 1, ROW, BLOCK, GROUP), mask=mask, other=0)
+        hi = tl.load(code_unit_ptr(page, CODES, t, h, ROW * 2 // 3 + u, ROW, BLOCK, GROUP), mask=mask, other=0)
+        return lo0.to(tl.int32) | (lo1.to(tl.int32) << 8) | (hi.to(tl.int32) << 16)
     else:
-        width = BITS + p * 0
-        top = (1 << BITS) - 1.0 + p * 0.0
-        ratio = 1.0 + p * 0.0
-    # padded positions (11..15 of a 3-bit word) must still shift by less than 32: a wider shift is
-    # undefined on the GPU and poisons the packed word even where the value is masked off
-    return width, top, ratio, (tl.where(p <= 10, p * 3, 0) if BITS == 3 else p * BITS)
+        return tl.load(code_unit_ptr(page, CODES, t, h, u, ROW, BLOCK, GROUP), mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
-def load_units(ptr, mask, BITS: tl.constexpr):
-    """Storage units at ``ptr`` (``code_unit_ptr``) as int32."""
+def store_units(page, CODES: tl.constexpr, t, h, u, ROW: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                GROUP: tl.constexpr, packed, mask):
+    """Store int32 storage units ``packed`` (``pack_units``) as ``u`` of tokens ``t``."""
     if BITS == 3:
-        return tl.load(ptr.to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+        tl.store(code_unit_ptr(page, CODES, t, h, 2 * u, ROW, BLOCK, GROUP), (packed & 0xFF).to(tl.uint8), mask=mask)
+        tl.store(code_unit_ptr(page, CODES, t, h, 2 * u + 1, ROW, BLOCK, GROUP), ((packed >> 8) & 0xFF).to(tl.uint8),
+                 mask=mask)
+        tl.store(code_unit_ptr(page, CODES, t, h, ROW * 2 // 3 + u, ROW, BLOCK, GROUP),
+                 ((packed >> 16) & 0xFF).to(tl.uint8), mask=mask)
     else:
-        return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+        tl.store(code_unit_ptr(page, CODES, t, h, u, ROW, BLOCK, GROUP), packed.to(tl.uint8), mask=mask)
 
 
 @triton.jit
-def unpack_codes(units, width, shift):
-    """The codes (float32) at ``shift`` of ``width`` bits (``code_grid``) in int32 ``units``."""
-    return ((units >> shift) & ((1 << width) - 1)).to(tl.float32)
+def unpack_codes(units, p, BITS: tl.constexpr):
+    """The codes (float32) at position ``p`` of int32 storage units (``load_units``)."""
+    if BITS == 3:
+        return (((units >> (2 * p)) & 3) | (((units >> (16 + p)) & 1) << 2)).to(tl.float32)
+    else:
+        return ((units >> (p * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def pack_units(codes, p, AXIS: tl.constexpr, BITS: tl.constexpr):
+    """Integer codes (uint32, at positions ``p``) summed over axis AXIS into int32 storage units."""
+    if BITS == 3:
+        return tl.sum(((codes & 3) << (2 * p).to(tl.uint32)) | ((codes >> 2) << (16 + p).to(tl.uint32)), AXIS)
+    else:
+        return tl.sum(codes << (p * BITS).to(tl.uint32), AXIS)

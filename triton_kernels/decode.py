@@ -31,18 +31,35 @@ from .launch import Compiled, Variant, device_index, hooked, launch, stream_hand
 
 
 @triton.jit
-def _gathered_codes(page, CODES: tl.constexpr, tok, h, ROW: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                    BITS: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
-    """Codes [T, D] of tokens ``tok`` ([T, 1]) of 8- or 3-bit rows as float16 (see ``_as_fp16``),
-    one load per channel (``code_unit_ptr`` places them, ``GROUP`` as there)."""
+def _byte_codes(page, CODES: tl.constexpr, tok, h, ROW: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+                GROUP: tl.constexpr, ASM: tl.constexpr):
+    """Codes [T, D] of tokens ``tok`` ([T, 1]) of 8-bit rows as float16 (see ``_as_fp16``)
+    (``code_unit_ptr`` places them, ``GROUP`` as there)."""
     d = tl.arange(0, D)[None, :]
-    if BITS == 8:
-        c, _, _, _ = _unpacked_planes(tl.load(code_unit_ptr(page, CODES, tok, h, d, ROW, BLOCK, 8, GROUP)), 8, ASM)
-        return c
-    else:  # 3 bits: ten 3-bit codes + one 2-bit code per little-endian 32-bit word
-        words = code_unit_ptr(page, CODES, tok, h, d // 11, ROW, BLOCK, 3, GROUP).to(tl.pointer_type(tl.int32))
-        w = tl.load(words)
-        return _as_fp16((w >> ((d % 11) * 3)) & tl.where(d % 11 == 10, 3, 7))
+    c, _, _, _ = _unpacked_planes(tl.load(code_unit_ptr(page, CODES, tok, h, d, ROW, BLOCK, GROUP)), 8, ASM)
+    return c
+
+
+@triton.jit
+def _code_planes(page, CODES: tl.constexpr, tok, h, ROW: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
+    """Planes k < 8 // bits of tokens ``tok``'s ([T, 1]) 2- or 4-bit codes, or the four planes of
+    3-bit codes, as ``_unpacked_planes`` gives them: plane k holds channels ``j * P + k`` as float16
+    ``1024 + 2**(k * bits) * code`` (3 bits: ``1024 + 4**k * code``, as 2-bit codes). 3-bit codes
+    are two planes (``packing``): byte j of the 2-bit plane holds the low bits of channels 4j..4j+3,
+    byte i of the 1-bit plane the high bits of channels 8i..8i+7, that is of 2-bit bytes 2i (its low
+    nibble) and 2i + 1 (its high nibble)."""
+    if BITS == 3:
+        j = tl.arange(0, D // 4)[None, :]
+        lo = tl.load(code_unit_ptr(page, CODES, tok, h, j, ROW, BLOCK, GROUP)).to(tl.int32)
+        hi = tl.load(code_unit_ptr(page, CODES, tok, h, D // 4 + tl.arange(0, D // 8)[None, :], ROW, BLOCK,
+                                   GROUP)).to(tl.int32)
+        hi = tl.reshape(tl.join(hi, hi >> 4), lo.shape)  # the high-bit nibble of each 2-bit byte
+        return (_as_fp16((lo & 0x03) | ((hi & 1) << 2)), _as_fp16((lo & 0x0C) | ((hi & 2) << 3)),
+                _as_fp16((lo & 0x30) | ((hi & 4) << 4)), _as_fp16((lo & 0xC0) | ((hi & 8) << 5)))
+    else:
+        u = tl.arange(0, D * BITS // 8)[None, :]
+        return _unpacked_planes(tl.load(code_unit_ptr(page, CODES, tok, h, u, ROW, BLOCK, GROUP)), BITS, ASM)
 
 
 @triton.jit
@@ -109,8 +126,8 @@ def _unpacked_planes(packed, BITS: tl.constexpr, ASM: tl.constexpr):
 def _accumulate_plane(acc, alpha, ps, pm, pz, codes, unit, channel_scale):
     """Rescaled running output of a plane plus this tile's share, ``(p*s) . codes + p . zero``
     times the ZipCache channel scale (1.0 without). ``codes`` are ``1024 + code / unit`` (see
-    ``_unpacked_planes``: ``unit`` is ``2**-(k*bits)`` for plane k; per channel for 3 bits, whose
-    narrow slots' codes count 7/3 as much); ``pm`` is 1024 times the sum of ``p*s``."""
+    ``_code_planes``: ``unit`` is ``2**-(k*bits)`` for plane k, ``4**-k`` for 3 bits); ``pm`` is 1024
+    times the sum of ``p*s``."""
     return acc * alpha + ((tl.dot(ps, codes) - pm) * unit + pz) * channel_scale
 
 
@@ -233,7 +250,7 @@ def _decode_kernel(
     ``lse_head_stride`` apart); the result is the attention over both (split: the merge kernel combines
     them). A row with no context leaves ``out`` as it was.
 
-    KP / VP: planes of K / V (8 // bits for 2, 4, 8 bits read as byte planes; 1 otherwise).
+    KP / VP: planes of K / V (``_planes``: 4 for 2- and 3-bit codes, 2 for 4-bit, 1 otherwise).
     V_GROUP: V's tokens a group (``TensorLayout.token_group``; K's codes are rows per channel).
     Plane k holds channels ``j * P + k``; queries, scales and the output are read and written
     per plane, so packed bytes go to the tensor cores without being interleaved.
@@ -265,6 +282,8 @@ def _decode_kernel(
     split = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
     TPP: tl.constexpr = BLOCK // TILE
+    PLANE_BITS_K: tl.constexpr = 2 if K_BITS == 3 else K_BITS  # a plane's code width (3 bits: as 2-bit planes)
+    PLANE_BITS_V: tl.constexpr = 2 if V_BITS == 3 else V_BITS
 
     mi = tl.arange(0, GP)
     r = mi // G
@@ -291,10 +310,8 @@ def _decode_kernel(
     else:
         q = tl.load(q_row + d, mask=gmask, other=0.0)
     qf = q.to(tl.float32) * q_scale
-    if K_BITS == 3:
-        qc = qf * tl.where(d % 11 == 10, 7.0 / 3.0, 1.0)  # the 2-bit 11th code of each word
-    elif KP > 1:
-        qc = qf / (1 << (K_BITS * (d % KP))).to(tl.float32)  # plane k's codes come scaled by 2**(k*bits)
+    if KP > 1:  # plane k's codes come scaled by 2**(k*bits) (3 bits: as 2-bit ones)
+        qc = qf / (1 << (PLANE_BITS_K * (d % KP))).to(tl.float32)
     else:
         qc = qf
     stat = tl.arange(0, 2)[:, None]  # row 0: scale, row 1: zero
@@ -331,13 +348,10 @@ def _decode_kernel(
             ks, kz = _rows(kstat)
             qs = (qc * ks[None, :]).to(tl.float16)
             bias = tl.sum(qf * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
-            if KP == 1:  # 8 bits, or 3 bits gathered
-                s = tl.dot(qs, tl.trans(_gathered_codes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, 0,
-                                                        ASM)))
+            if KP == 1:  # 8 bits
+                s = tl.dot(qs, tl.trans(_byte_codes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, 0, ASM)))
             else:
-                kb = tl.load(code_unit_ptr(page, K_CODES, tok[:, None], h, tl.arange(0, D // KP)[None, :], K_ROW, BLOCK,
-                                           K_BITS, 0))
-                k0, k1, k2, k3 = _unpacked_planes(kb, K_BITS, ASM)
+                k0, k1, k2, k3 = _code_planes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, 0, ASM)
                 qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
                 if ROW_QUERY:  # every row of the products is the query's
                     qs0 = tl.broadcast_to(qs0, (GP, D // KP))
@@ -397,20 +411,18 @@ def _decode_kernel(
                 c0, c1, c2, c3 = _split_planes(_f32(half + V_CS // 2 + h * D + d), VP)
             else:
                 c0, c1, c2, c3 = 1.0, 1.0, 1.0, 1.0
-            if VP == 1:  # 8 bits, or 3 bits gathered
-                unit = tl.where(dv % 11 == 10, 7.0 / 3.0, 1.0) if V_BITS == 3 else 1.0
-                codes = _gathered_codes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, V_GROUP, ASM)
-                acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, codes, unit, c0)
+            if VP == 1:  # 8 bits
+                codes = _byte_codes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_GROUP, ASM)
+                acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, codes, 1.0, c0)
             else:
-                # codes unit-major (statistics per token): a unit's tokens lie together, the order of
+                # codes byte-major (statistics per token): a byte's tokens lie together, the order of
                 # the product over tokens
-                vb = tl.load(code_unit_ptr(page, V_CODES, tok[:, None], h, dv, V_ROW, BLOCK, V_BITS, V_GROUP))
-                v0, v1, v2, v3 = _unpacked_planes(vb, V_BITS, ASM)
+                v0, v1, v2, v3 = _code_planes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, V_GROUP, ASM)
                 acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, v0, 1.0, c0)
-                acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1.0 / (1 << V_BITS), c1)
+                acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1.0 / (1 << PLANE_BITS_V), c1)
                 if VP > 2:
-                    acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_BITS), c2)
-                    acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_BITS), c3)
+                    acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * PLANE_BITS_V), c2)
+                    acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * PLANE_BITS_V), c3)
         if R > 0:
             if t % TPP == 0:
                 m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
@@ -487,7 +499,8 @@ def _merge_splits_kernel(part_ptr, seq_lens_ptr, out_ptr, lse_ptr, out_stride, n
 
 
 def _planes(bits: int) -> int:
-    return 8 // bits if bits in (2, 4) else 1
+    """Byte planes a tensor's codes are read as (``_code_planes``; 3-bit codes as 2-bit ones)."""
+    return {2: 4, 3: 4, 4: 2}.get(bits, 1)
 
 
 @functools.cache
@@ -570,8 +583,7 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
     """Tokens per tile, pipeline stages and warps, for programs of one query token or of a group of
     them (``grouped``). Pages are read through an indirection (the block table), so the compiler
     prefetches a tile (num_stages - 1) // 2 tiles ahead: 5 stages keep the next tile's loads in
-    flight while this one is computed. 3-bit codes are gathered one 32-bit word per channel, too
-    large to stage in shared memory, so they are not pipelined. One token's programs run 2 warps
+    flight while this one is computed. One token's programs run 2 warps
     (4/4, batch 64 at 4,096 tokens: 409 us instead of 501 with 4 warps for MHA, 112 instead of 149
     for GQA; GQA 8/8 172 us instead of 184, a serving step's rows 54.8 us either way;
     docs/benchmarks.md). Groups of prompt tokens (PROMPT_ROWS rows) take 4. A token's programs over
@@ -581,13 +593,9 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
     step's rows 163.3 against 168.5 MHA, 53.2 against 55.0 GQA; docs/benchmarks.md). The split
     count is ``choose_num_splits``'s."""
     lay = page_layout(fmt)
-    bits = {lay.k.bits, lay.v.bits}
-    if 3 in bits:
-        tile, stages, warps = 32, 1, 4
-    else:
-        tile, stages, warps = (128 if lay.head_size <= 128 else 32), 5, (4 if grouped else 2)
-        if 8 in bits and not grouped:
-            stages = 3
+    tile, stages, warps = (128 if lay.head_size <= 128 else 32), 5, (4 if grouped else 2)
+    if 8 in (lay.k.bits, lay.v.bits) and not grouped:
+        stages = 3
     return {"tile": min(lay.block_size, tile), "num_stages": stages, "num_warps": warps}
 
 

@@ -26,9 +26,10 @@ launch for K and V (V in the first of a token's K shares):
   outliers of the blocks this step opens and stores their offsets; the block's
   encoding leaves those rows out of K's statistics (their codes are never read).
 
-Values sit in registers as ``[ROWS, UNITS, PER]``: token, storage unit (a byte,
-or a 32-bit word for 3 bits) and position inside the unit; channel
-``unit * VALS + position``. Packing is then a shifted sum over the last axis.
+Values sit in registers as ``[ROWS, UNITS, PER]``: token, storage unit (a byte;
+at 3 bits the two planes' bytes of 8 channels, ``addressing``) and position
+inside the unit; channel ``unit * VALS + position``. Packing is then a shifted
+sum over the last axis.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.formats.layout import TensorLayout, page_layout
 from vllm_kvcompress.formats.codecs import EPS, WIDEN_MARGIN
 
-from .addressing import code_grid, code_unit_ptr, load_units, unpack_codes
+from .addressing import load_units, pack_units, store_units, unpack_codes
 from .launch import Variant, launch
 from .outlier_select import choose_outliers
 
@@ -106,15 +107,6 @@ def _half(byte_ptr, mask, other):
 
 
 @triton.jit
-def _store_units(ptr, packed, mask, BITS: tl.constexpr):
-    """Packed storage units at ``ptr`` (``code_unit_ptr``)."""
-    if BITS == 3:
-        tl.store(ptr.to(tl.pointer_type(tl.int32)), packed.to(tl.int32, bitcast=True), mask=mask)
-    else:
-        tl.store(ptr, packed.to(tl.uint8), mask=mask)
-
-
-@triton.jit
 def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units_ok,
                  D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr,
                  PER: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr,
@@ -133,8 +125,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     p = tl.arange(0, PER)[None, None, :]
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D) & unit_ok
-    width, top, ratio, shift = code_grid(p, BITS)
-    full_top: tl.constexpr = (1 << BITS) - 1.0
+    top: tl.constexpr = (1 << BITS) - 1.0
     is_new = is_new[:, None, None]
     valid = valid[:, None, None]
     stored = valid & (is_new == 0)
@@ -150,8 +141,8 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
 
     # earlier tokens, decoded from the page (a new row's stored bytes are not read: with statistics
     # per token its units lie 16 bytes apart, a sector for every two)
-    unit = load_units(code_unit_ptr(page, CODES, t, h, u, ROW, BLOCK, BITS, GROUP), stored & unit_ok, BITS)
-    old_codes = unpack_codes(unit, width, shift)
+    unit = load_units(page, CODES, t, h, u, ROW, BLOCK, BITS, GROUP, stored & unit_ok)
+    old_codes = unpack_codes(unit, p, BITS)
     if PER_CHANNEL:
         sz = (h * D + ch) * 2
         scale = _half(page + SCALE + sz, ch_ok, 0.0)
@@ -160,7 +151,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         sz = (h * BLOCK + t) * 2  # per-token statistics are head-major
         scale = _half(page + SCALE + sz, stored, 0.0)
         zero = _half(page + ZERO + sz, stored, 0.0)
-    x_old = old_codes * (scale * ratio) + zero
+    x_old = old_codes * scale + zero
     if CS >= 0:
         x_old = x_old * _half(page + CS + (h * D + ch) * 2, ch_ok, 1.0)
     x = tl.where(newm, x_new, tl.where(oldm, x_old, 0.0))
@@ -175,7 +166,7 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         has_old = tl.max(stored.to(tl.int32)) > 0
         mn = tl.min(tl.where(stat_new, x, float("inf")), 0)[None, :, :]
         mx = tl.max(tl.where(stat_new, x, float("-inf")), 0)[None, :, :]
-        lo, hi = _widened_span(mn, mx, zero, zero + scale * full_top)
+        lo, hi = _widened_span(mn, mx, zero, zero + scale * top)
         mn = tl.where(has_old, lo, mn)
         mx = tl.where(has_old, hi, mx)
     elif PER_CHANNEL:
@@ -186,21 +177,19 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         mx = tl.max(tl.max(tl.where(rows_ok, x, float("-inf")), 2), 1)[:, None, None]
     mn = tl.where(mn == float("inf"), 0.0, mn)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    zero_h, scale_h = _min_max_stats(mn, mx, full_top)
+    zero_h, scale_h = _min_max_stats(mn, mx, top)
     if PER_CHANNEL and CS < 0:  # append rule: channels whose new values fit their grid keep it
-        q_old = _code_on(x_new, zero, scale * ratio)
+        q_old = _code_on(x_new, zero, scale)
         off_grid = tl.max((newm & ((q_old < 0.0) | (q_old > top))).to(tl.int32), 0)[None, :, :]
         keep = (off_grid == 0) & has_old
         zero_h = tl.where(keep, zero.to(tl.float16), zero_h)
         scale_h = tl.where(keep, scale.to(tl.float16), scale_h)
-    step = scale_h.to(tl.float32) * ratio
-    codes = tl.minimum(tl.maximum(_code_on(x, zero_h.to(tl.float32), step), 0.0), top)
+    codes = tl.minimum(tl.maximum(_code_on(x, zero_h.to(tl.float32), scale_h.to(tl.float32)), 0.0), top)
     if PER_CHANNEL and CS < 0:
         codes = tl.where(keep & oldm, old_codes, codes)
     codes = tl.where(rows_ok, codes, 0.0).to(tl.uint32)
-    packed = tl.sum(codes << shift.to(tl.uint32), 2)  # [ROWS, UC]; disjoint bits, below 2^32
-    _store_units(code_unit_ptr(page, CODES, t2, h, u2, ROW, BLOCK, BITS, GROUP), packed,
-                 (u2 * VALS < D) & units_ok[None, :], BITS)
+    packed = pack_units(codes, p, 2, BITS)  # [ROWS, UC]; disjoint bits, below 2^32
+    store_units(page, CODES, t2, h, u2, ROW, BLOCK, BITS, GROUP, packed, (u2 * VALS < D) & units_ok[None, :])
     if PER_CHANNEL:  # statistics [1, UC, PER]
         tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), scale_h, mask=ch_ok)
         tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), zero_h, mask=ch_ok)
@@ -222,14 +211,13 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr
     p = tl.arange(0, PER)[None, :]
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D)
-    _, top, ratio, shift = code_grid(p, BITS)
+    top: tl.constexpr = (1 << BITS) - 1.0
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
     sz = (h * D + ch) * 2
-    q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0) * ratio)
+    q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0))
     misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1)
-    packed = tl.sum(tl.where(ch_ok & (misfit[:, None] == 0), q, 0.0).to(tl.uint32) << shift.to(tl.uint32), 1)
-    _store_units(code_unit_ptr(page, CODES, off, h, units, ROW, BLOCK, BITS, 0), packed,
-                 (units * VALS < D) & (misfit == 0), BITS)
+    packed = pack_units(tl.where(ch_ok & (misfit[:, None] == 0), q, 0.0).to(tl.uint32), p, 1, BITS)
+    store_units(page, CODES, off, h, units, ROW, BLOCK, BITS, 0, packed, (units * VALS < D) & (misfit == 0))
     return misfit
 
 
@@ -246,30 +234,27 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
     p = tl.arange(0, PER)[None, None, :]
     ch = u * VALS + p
     ch_ok = (p < VALS) & (ch < D) & units_ok[None, :, None]
-    width, top, ratio, shift = code_grid(p, BITS)
-    full_top: tl.constexpr = (1 << BITS) - 1.0
+    top: tl.constexpr = (1 << BITS) - 1.0
     sz = (h * D + ch) * 2
     zero = _half(page + ZERO + sz, ch_ok, 0.0)
     scale = _half(page + SCALE + sz, ch_ok, 1.0)
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
-    old_step = scale * ratio
-    q = _code_on(x, zero, old_step)
+    q = _code_on(x, zero, scale)
     widen = ch_ok & ((q < 0.0) | (q > top))
-    wide_zero, wide_scale = _min_max_stats(*_widened_span(x, x, zero, zero + scale * full_top), full_top)
+    wide_zero, wide_scale = _min_max_stats(*_widened_span(x, x, zero, zero + scale * top), top)
     new_zero = tl.where(widen, wide_zero.to(tl.float32), zero)
-    new_step = tl.where(widen, wide_scale.to(tl.float32), scale) * ratio
+    new_step = tl.where(widen, wide_scale.to(tl.float32), scale)
     unit_ok = units_ok[None, :] & (units[None, :] * VALS < D)
     for r0 in range(0, off + 1, RT):
         t2 = r0 + tl.arange(0, RT)[:, None]
         t = t2[:, :, None]
-        row_units = code_unit_ptr(page, CODES, t2, h, units[None, :], ROW, BLOCK, BITS, 0)
-        unit = load_units(row_units, (t2 < off) & unit_ok, BITS)[:, :, None]
-        old_codes = unpack_codes(unit, width, shift)
-        values = tl.where(t == off, x, old_codes * old_step + zero)
+        unit = load_units(page, CODES, t2, h, units[None, :], ROW, BLOCK, BITS, 0, (t2 < off) & unit_ok)[:, :, None]
+        old_codes = unpack_codes(unit, p, BITS)
+        values = tl.where(t == off, x, old_codes * scale + zero)
         codes = tl.minimum(tl.maximum(_code_on(values, new_zero, new_step), 0.0), top)
         codes = tl.where(widen | (t == off), codes, old_codes)
-        packed = tl.sum(tl.where(ch_ok, codes, 0.0).to(tl.uint32) << shift.to(tl.uint32), 2)
-        _store_units(row_units, packed, (t2 <= off) & unit_ok, BITS)
+        packed = pack_units(tl.where(ch_ok, codes, 0.0).to(tl.uint32), p, 2, BITS)
+        store_units(page, CODES, t2, h, units[None, :], ROW, BLOCK, BITS, 0, packed, (t2 <= off) & unit_ok)
     tl.debug_barrier()  # every thread has read the stored statistics before they are replaced
     tl.store((page + SCALE + sz).to(tl.pointer_type(tl.float16)), wide_scale, mask=widen)
     tl.store((page + ZERO + sz).to(tl.pointer_type(tl.float16)), wide_zero, mask=widen)
@@ -416,7 +401,7 @@ def _geometry(bits: int, d: int) -> tuple[int, int, int]:
     """(values per unit, units per row padded to a power of two, values per unit padded)."""
     if bits == 16:
         return 1, 1, 1
-    vals = 11 if bits == 3 else 8 // bits
+    vals = 8 if bits == 3 else 8 // bits
     return vals, triton.next_power_of_2(-(-d // vals)), triton.next_power_of_2(vals)
 
 
@@ -456,8 +441,8 @@ def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, append_u
     constants = dict(H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size, HAS_V=lay.v is not None,
                      **{f"K_{name}": value for name, value in k.items()},
                      **{f"V_{name}": value for name, value in v.items()})
-    # unfused: a*b+c as one FMA rounds once where the reference rounds twice (the narrow 3-bit
-    # slots' steps carry more bits than a float holds next to their codes)
+    # unfused: a*b+c as one FMA rounds once where the reference rounds twice (a requantized code
+    # at a rounding boundary would differ from the reference's)
     options = {"num_warps": warps, "enable_fp_fusion": False}
     if k["PER_CHANNEL"] and k["CS"] < 0 and lay.k.bits in (2, 4, 8) and torch.version.hip is None:
         options["maxnreg"] = REGISTER_CAP

@@ -16,7 +16,7 @@ from typing import ClassVar, Literal, Protocol
 import torch
 
 from .layout import TOKEN_GROUP, TOKEN_GROUP_BITS, Regions, TensorLayout
-from .packing import pack, packed_row_bytes, three_bit_slot_is_narrow, unpack
+from .packing import pack, packed_row_bytes, unpack
 
 Axis = Literal["channel", "token"]
 _SCALE_DTYPE = torch.float16
@@ -140,18 +140,16 @@ class MinMaxCodec:
     taken over the channels. ``channel_scaling`` (ZipCache's channel-separable
     V) divides each channel by ``sqrt(max |x|)`` over the block before
     quantizing and multiplies it back after. Scales and zeros are float16.
-    With 3 bits, every 11th channel is stored on a 2-bit grid over the same
-    range (see ``packing``).
 
-    Codes are packed along channels into storage units (bytes; 32-bit words
-    for 3 bits). With statistics per channel a page stores them row by row,
-    head-major ``[H, B, units]``: a head's block of rows lies together, so
-    re-encoding a channel reads and writes one stretch of memory; with
-    statistics per token, in groups of G = ``token_group`` tokens, unit-major
-    within a group ``[H, B / G, units, G]``: a unit's codes of G consecutive
-    tokens lie together, the order the decode kernels' product over tokens
-    (``p . V``) consumes, and a token's units lie within one group's
-    ``units x G`` bytes, so a decoding token's write touches fewer of the
+    Codes are packed along channels into bytes (``packing``; 3 bits as two
+    planes, the low two bits then the high bit). With statistics per channel
+    a page stores them row by row, head-major ``[H, B, R]`` (R bytes a row): a
+    head's block of rows lies together, so re-encoding a channel reads and
+    writes one stretch of memory; with statistics per token, in groups of G =
+    ``token_group`` tokens, byte-major within a group ``[H, B / G, R, G]``: a
+    byte's codes of G consecutive tokens lie together, the order the decode
+    kernels' product over tokens (``p . V``) consumes, and a token's bytes lie
+    within one group's ``R x G`` bytes, so a decoding token's write touches fewer of the
     page's 128-byte lines (docs/formats.md).
     """
 
@@ -171,9 +169,9 @@ class MinMaxCodec:
 
     @property
     def token_group(self) -> int:
-        """Tokens whose codes of one storage unit lie together where statistics are per token:
-        ``TOKEN_GROUP`` at 2 and 4 bits where it divides the block, else the whole block (8- and
-        3-bit codes: the Triton kernel, which decodes them, reads grouped ones 4 to 9% slower)."""
+        """Tokens whose codes of one byte lie together where statistics are per token:
+        ``TOKEN_GROUP`` at 2, 3 and 4 bits where it divides the block, else the whole block (8-bit
+        codes: the Triton kernel, which decodes them, reads grouped ones 4 to 9% slower)."""
         grouped = self.bits in TOKEN_GROUP_BITS and self.block_size % TOKEN_GROUP == 0
         return TOKEN_GROUP if grouped else self.block_size
 
@@ -198,12 +196,10 @@ class MinMaxCodec:
                             base + at("channel_scale") if self.channel_scaling else -1,
                             self.token_group if self.axis == "token" else 0)
 
-    def levels(self, device=None) -> torch.Tensor:
-        """[D] highest code per channel (7 or 3 for the narrow 3-bit slots)."""
-        top = torch.full((self.head_size,), (1 << self.bits) - 1, dtype=torch.float32, device=device)
-        if self.bits == 3:
-            top[three_bit_slot_is_narrow(self.head_size, device)] = 3.0
-        return top
+    @property
+    def top(self) -> float:
+        """The highest code."""
+        return float((1 << self.bits) - 1)
 
     def _stat_dims(self) -> tuple[int, ...]:
         return (1,) if self.axis == "channel" else (3,)
@@ -227,8 +223,7 @@ class MinMaxCodec:
             c = torch.where(mask, x.abs(), 0).amax(dim=1).clamp_min(EPS).double().sqrt().float().to(_SCALE_DTYPE)
             layout.write(pages, "channel_scale", c)
             x = x / c.float()[:, None]
-        full_levels = float((1 << self.bits) - 1)
-        ratio = full_levels / self.levels(x.device)  # narrow 3-bit slots: coarser step
+        full_levels = self.top
         appending = stored is not None and self.axis == "channel" and not self.channel_scaling
         stat_rows = mask
         if appending:
@@ -250,10 +245,10 @@ class MinMaxCodec:
         scale = ((mx - zero) / full_levels).clamp_min(EPS).to(_SCALE_DTYPE).float()
         keep = None
         if appending:
-            keep = self._grid_kept(x, stat_rows, old_zero, old_scale * ratio) & has_stored
+            keep = self._grid_kept(x, stat_rows, old_zero, old_scale) & has_stored
             zero = torch.where(keep, old_zero, zero)
             scale = torch.where(keep, old_scale, scale)
-        codes = self._codes(x, zero, scale * ratio)
+        codes = self._codes(x, zero, scale)
         if keep is not None:
             codes = torch.where(keep & earlier, self._page_codes(stored), codes)
         codes = torch.where(mask, codes, 0)
@@ -268,23 +263,20 @@ class MinMaxCodec:
 
     def _codes(self, x: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         codes = self._codes_unclamped(x, zero, step).clamp_(min=0)
-        return torch.minimum(codes, self.levels(x.device)).to(torch.int32)
+        return codes.clamp_(max=self.top).to(torch.int32)
 
     def _grid_kept(self, x: torch.Tensor, new: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """[N, 1, H, D] bool: every ``new`` value of the channel rounds onto its stored grid."""
         q = self._codes_unclamped(x, zero, step)
-        return torch.where(new, (q >= 0) & (q <= self.levels(x.device)), True).all(dim=1, keepdim=True)
-
-    def _unit_bytes(self) -> int:
-        return 4 if self.bits == 3 else 1
+        return torch.where(new, (q >= 0) & (q <= self.top), True).all(dim=1, keepdim=True)
 
     def _codes_to_page(self, rows: torch.Tensor) -> torch.Tensor:
         """Packed rows [N, B, H, R] as stored (see the class docstring)."""
         if self.axis == "channel":
             return rows.transpose(1, 2)
         N, B, H, R = rows.shape
-        ub, g = self._unit_bytes(), self.token_group
-        return rows.reshape(N, B // g, g, H, R // ub, ub).permute(0, 3, 1, 4, 2, 5)
+        g = self.token_group
+        return rows.reshape(N, B // g, g, H, R).permute(0, 3, 1, 4, 2)
 
     def _page_codes(self, pages: torch.Tensor) -> torch.Tensor:
         """[N, B, H, D] int32 codes of pages."""
@@ -293,9 +285,9 @@ class MinMaxCodec:
         if self.axis == "channel":
             rows = self.regions.view(pages, "codes", torch.uint8, (H, B, R)).transpose(1, 2)
         else:
-            ub, g = self._unit_bytes(), self.token_group
-            units = self.regions.view(pages, "codes", torch.uint8, (H, B // g, R // ub, g, ub))
-            rows = units.permute(0, 2, 4, 1, 3, 5).reshape(pages.shape[0], B, H, R)
+            g = self.token_group
+            units = self.regions.view(pages, "codes", torch.uint8, (H, B // g, R, g))
+            rows = units.permute(0, 2, 4, 1, 3).reshape(pages.shape[0], B, H, R)
         return unpack(rows, self.bits, D)
 
     def _stats_to_page(self, stat: torch.Tensor) -> torch.Tensor:
@@ -317,8 +309,7 @@ class MinMaxCodec:
         codes = self._page_codes(pages).float()
         scale = self._stats_from_page(pages, "scale")
         zero = self._stats_from_page(pages, "zero")
-        step = scale * (float((1 << self.bits) - 1) / self.levels(pages.device))
-        x = codes * step + zero
+        x = codes * scale + zero
         if self.channel_scaling:
             x = x * layout.view(pages, "channel_scale", _SCALE_DTYPE, (1, H, D)).float()
         return x

@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     from .page import KVPageFormat
 
 REGION_ALIGN = 16  # bytes: every region starts on a 16-byte boundary (the kernels' vector loads)
-# Tokens of a group of 2- and 4-bit codes with statistics per token (``MinMaxCodec.token_group``):
+# Tokens of a group of 2-, 3- and 4-bit codes with statistics per token (``MinMaxCodec.token_group``):
 # a decoding token's write touches a quarter of the 128-byte lines it would touch with the block's
 # tokens together, and a warp's loads of 16 tokens a lane still cover whole lines (docs/formats.md).
 TOKEN_GROUP = 32
-TOKEN_GROUP_BITS = (2, 4)
+TOKEN_GROUP_BITS = (2, 3, 4)
 
 
 class Regions:
@@ -78,7 +78,7 @@ class TensorLayout:
     scale: int = 0
     zero: int = 0
     channel_scale: int = -1  # -1: none
-    # statistics per token: tokens whose codes of one storage unit lie together (MinMaxCodec.token_group);
+    # statistics per token: tokens whose codes of one byte lie together (MinMaxCodec.token_group);
     # 0: statistics per channel (or raw values), rows head-major
     token_group: int = 0
 
