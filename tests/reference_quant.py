@@ -10,41 +10,38 @@ description, not from the package's code.
 import torch
 
 
-def _levels(d: int, bits: int) -> torch.Tensor:
-    """[d] highest code per channel: 2**bits - 1."""
-    return torch.full((d,), float((1 << bits) - 1))
+def _top(bits: int) -> float:
+    """The highest code."""
+    return float((1 << bits) - 1)
 
 
-def _grid(values: torch.Tensor, dim: int, bits: int, levels: torch.Tensor):
+def _grid(values: torch.Tensor, dim: int, bits: int):
     """zero and step of the min-max grid of ``values`` along ``dim``."""
-    top = float((1 << bits) - 1)
     mn, mx = values.amin(dim, keepdim=True), values.amax(dim, keepdim=True)
     zero = mn.half().float()
-    return zero, ((mx - zero) / top).clamp_min(1e-6).half().float() * (top / levels)
+    return zero, ((mx - zero) / _top(bits)).clamp_min(1e-6).half().float()
 
 
-def _quant(values: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    return torch.minimum(torch.floor((values - zero) / step + 0.5).clamp(min=0), levels)
+def _quant(values: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    return torch.floor((values - zero) / step + 0.5).clamp(0, _top(bits))
 
 
 def fake_quant(x: torch.Tensor, bits: int, axis: str, block: int) -> torch.Tensor:
     """x: [seq, H, D] -> quantize-dequantize, block by block along seq."""
     if bits == 16:
         return x
-    levels = _levels(x.shape[-1], bits)
     out = torch.empty_like(x, dtype=torch.float32)
     for start in range(0, x.shape[0], block):
         blk = x[start:start + block].float()
-        zero, step = _grid(blk, 0 if axis == "channel" else -1, bits, levels)
-        out[start:start + block] = _quant(blk, zero, step, levels) * step + zero
+        zero, step = _grid(blk, 0 if axis == "channel" else -1, bits)
+        out[start:start + block] = _quant(blk, zero, step, bits) * step + zero
     return out
 
 
 def _span_grid(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """zero and scale (the step of the full-width codes) of the grid spanning lo..hi."""
-    top = float((1 << bits) - 1)
     zero = lo.half().float()
-    return zero, ((hi - zero) / top).clamp_min(1e-6).half().float()
+    return zero, ((hi - zero) / _top(bits)).clamp_min(1e-6).half().float()
 
 
 def appended_channel_quant(pieces: list[torch.Tensor], bits: int) -> tuple[torch.Tensor, int, int]:
@@ -55,20 +52,18 @@ def appended_channel_quant(pieces: list[torch.Tensor], bits: int) -> tuple[torch
     moved out by a further (hi - lo) / 8, and its decoded earlier values and the new ones are
     quantized on it. Returns the dequantized block and how many (piece, channel) appends kept their
     grid and how many re-encoded."""
-    levels = _levels(pieces[0].shape[-1], bits)
-    top = float((1 << bits) - 1)
+    top = _top(bits)
     codes, zero, scale = None, None, None
     kept = reencoded = 0
     for piece in pieces:
         piece = piece.float()
         if codes is None:
             zero, scale = _span_grid(piece.amin(0, keepdim=True), piece.amax(0, keepdim=True), bits)
-            codes = _quant(piece, zero, scale * (top / levels), levels)
+            codes = _quant(piece, zero, scale, bits)
             continue
-        step = scale * (top / levels)
-        q = torch.floor((piece - zero) / step + 0.5)
-        fits = ((q >= 0) & (q <= levels)).all(0, keepdim=True)
-        values = torch.cat([codes * step + zero, piece])
+        q = torch.floor((piece - zero) / scale + 0.5)
+        fits = ((q >= 0) & (q <= top)).all(0, keepdim=True)
+        values = torch.cat([codes * scale + zero, piece])
         new_lo, new_hi = piece.amin(0, keepdim=True), piece.amax(0, keepdim=True)
         grid_top = zero + scale * top
         lo, hi = torch.minimum(new_lo, zero), torch.maximum(new_hi, grid_top)
@@ -76,12 +71,11 @@ def appended_channel_quant(pieces: list[torch.Tensor], bits: int) -> tuple[torch
         wide_zero, wide_scale = _span_grid(torch.where(new_lo < zero, lo - margin, lo),
                                            torch.where(new_hi > grid_top, hi + margin, hi), bits)
         new_zero, new_scale = torch.where(fits, zero, wide_zero), torch.where(fits, scale, wide_scale)
-        new_step = new_scale * (top / levels)
-        codes = torch.where(fits, torch.cat([codes, q]), _quant(values, new_zero, new_step, levels))
+        codes = torch.where(fits, torch.cat([codes, q]), _quant(values, new_zero, new_scale, bits))
         zero, scale = new_zero, new_scale
         kept += int(fits.sum())
         reencoded += int((~fits).sum())
-    return codes * (scale * (top / levels)) + zero, kept, reencoded
+    return codes * scale + zero, kept, reencoded
 
 
 def fake_quant_with_outliers(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, block: int,
@@ -94,7 +88,6 @@ def fake_quant_with_outliers(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bi
     offsets, [block][head] -> sorted list."""
     out_k, out_v = fake_quant(k, k_bits, "channel", block).clone(), fake_quant(v, v_bits, "token", block).clone()
     chosen = []
-    k_levels = _levels(k.shape[-1], k_bits)
     for start in range(0, k.shape[0], block):
         blk = k[start:start + block].float()
         n = blk.shape[0]
@@ -107,8 +100,8 @@ def fake_quant_with_outliers(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bi
             z = ((x - x.mean(0)).abs() / (x.std(0, unbiased=False) + 1e-6)).max(1).values
             keep = sorted(int(i) for i in torch.argsort(z, descending=True)[:count])
             others = [i for i in range(n) if i not in keep]
-            zero, step = _grid(x[others], 0, k_bits, k_levels)
-            out_k[start:start + n, h] = _quant(x, zero, step, k_levels) * step + zero
+            zero, step = _grid(x[others], 0, k_bits)
+            out_k[start:start + n, h] = _quant(x, zero, step, k_bits) * step + zero
             for i in keep:
                 out_k[start + i, h] = k[start + i, h].float()
                 out_v[start + i, h] = v[start + i, h].float()

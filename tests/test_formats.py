@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from reference_quant import _grid, _levels, _quant, fake_quant
+from reference_quant import _grid, _quant, fake_quant
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat, MinMaxCodec
 from vllm_kvcompress.formats.packing import pack, packed_row_bytes, unpack
@@ -58,9 +58,8 @@ def _page_and_reference_rows(bits, axis, B=16, H=3, D=64):
     reference's formula; the codes region starts the page."""
     x = torch.randn(1, B, H, D)
     page = _codec(bits, axis, B=B, H=H, D=D).encode(x, torch.tensor([B]))
-    levels = _levels(D, bits)
-    zero, step = _grid(x[0], 0 if axis == "channel" else 2, bits, levels)
-    return page[0], pack(_quant(x[0], zero, step, levels).long(), bits)
+    zero, step = _grid(x[0], 0 if axis == "channel" else 2, bits)
+    return page[0], pack(_quant(x[0], zero, step, bits).long(), bits)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -22,12 +22,7 @@ def code_unit_ptr(page, CODES: tl.constexpr, t, h, u, ROW: tl.constexpr, BLOCK: 
 # The write kernels see a row as storage units of VALS channels: a byte of 8 // bits codes at 2, 4
 # and 8 bits; at 3 bits (two planes, ``packing``) the 8 channels 8u..8u+7, whose low bits are bytes
 # 2u and 2u + 1 of the 2-bit plane and whose high bits are byte u of the 1-bit plane, held in
-# registers as one int32 (low bits in bits 0..15, high bits in 16..23).
-
-@triton.jit
-def unit_values(BITS: tl.constexpr):
-    """Channels a storage unit holds."""
-    return 8 if BITS == 3 else 8 // BITS
+# registers as one int32 (low bits in bits 0..15, high bits in 16..23; ``write._geometry``).
 
 
 @triton.jit

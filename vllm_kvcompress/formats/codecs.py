@@ -223,7 +223,6 @@ class MinMaxCodec:
             c = torch.where(mask, x.abs(), 0).amax(dim=1).clamp_min(EPS).double().sqrt().float().to(_SCALE_DTYPE)
             layout.write(pages, "channel_scale", c)
             x = x / c.float()[:, None]
-        full_levels = self.top
         appending = stored is not None and self.axis == "channel" and not self.channel_scaling
         stat_rows = mask
         if appending:
@@ -237,12 +236,12 @@ class MinMaxCodec:
             # read for the statistics, only requantized (see docs/formats.md)
             has_stored = (num_stored > 0)[:, None, None, None]
             old_zero, old_scale = self._stats_from_page(stored, "zero"), self._stats_from_page(stored, "scale")
-            lo, hi = widened_span(mn, mx, old_zero, old_zero + old_scale * full_levels)
+            lo, hi = widened_span(mn, mx, old_zero, old_zero + old_scale * self.top)
             mn, mx = torch.where(has_stored, lo, mn), torch.where(has_stored, hi, mx)
         mn = torch.where(torch.isfinite(mn), mn, 0)
         mx = torch.where(torch.isfinite(mx), mx, 0)
         zero = mn.to(_SCALE_DTYPE).float()
-        scale = ((mx - zero) / full_levels).clamp_min(EPS).to(_SCALE_DTYPE).float()
+        scale = ((mx - zero) / self.top).clamp_min(EPS).to(_SCALE_DTYPE).float()
         keep = None
         if appending:
             keep = self._grid_kept(x, stat_rows, old_zero, old_scale) & has_stored
