@@ -7,8 +7,9 @@ sys.exit(not any(p.value.startswith('vllm_kvcompress') for p in e(group='vllm.ge
   echo "vllm-kvcompress is not installed for $(command -v python): python -m pip install --no-deps -e . (docs/gpu.md)" >&2
   exit 1
 }
-MODEL=${MODELS_DIR:-/tmp/models}/$SHAPE
-[ -f "$MODEL/config.json" ] || python "$REPO/benchmarks/dummy_models.py" "$SHAPE" "$TOKENIZER" "$MODEL" >/dev/null
+# POSITIONS (optional): the model's positions, widened for long contexts
+MODEL=${MODELS_DIR:-/tmp/models}/$SHAPE${POSITIONS:+-p$POSITIONS}
+[ -f "$MODEL/config.json" ] || python "$REPO/benchmarks/dummy_models.py" "$SHAPE" "$TOKENIZER" "$MODEL" ${POSITIONS:-} >/dev/null
 
 # kv_flags SETTING[:BLOCK][,VAR=VALUE...]: sets kv (vLLM flags), run_env (VAR=VALUE words for this
 # run's environment) and name (for file names). vLLM's own cache dtypes (auto, fp8,

@@ -16,13 +16,23 @@
 # STEPS=1: also log every engine step (benchmarks/step_log) and print the run's time by kind of
 # step (benchmarks/step_times.py).
 # EXTRA_ARGS: more vLLM flags for every run, e.g. "--max-cudagraph-capture-size 2048".
+# Long contexts: RANDOM_LENS="IN OUT" asks vLLM's random dataset for prompts of IN tokens and OUT
+# output tokens each instead of ShareGPT, on a model whose positions are widened to MAX_MODEL_LEN
+# (default 2048); KV_BYTES (default 8 GiB) sets the KV memory:
+#   RANDOM_LENS="8000 500" MAX_MODEL_LEN=16000 NUM_PROMPTS=30 SETTINGS="quant-k4v4 auto" ...
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
+[ -z "${RANDOM_LENS:-}" ] || POSITIONS=${MAX_MODEL_LEN:-2048}
 source "$REPO/benchmarks/gpu_common.sh"
-case $DATA in *.xz) xz -dc "$DATA" > /tmp/sharegpt.json; DATA=/tmp/sharegpt.json ;; esac
+case ${DATA:-} in *.xz) xz -dc "$DATA" > /tmp/sharegpt.json; DATA=/tmp/sharegpt.json ;; esac
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
 read -ra extra <<< "${EXTRA_ARGS:-}"
+dataset=(--dataset-name sharegpt --dataset-path "${DATA:-}")
+if [ -n "${RANDOM_LENS:-}" ]; then
+  read -r input_len output_len <<< "$RANDOM_LENS"
+  dataset=(--dataset-name random --random-input-len "$input_len" --random-output-len "$output_len" --random-range-ratio 0)
+fi
 for setting in $SETTINGS; do
   stop_stray_gpu_processes
   kv_flags "$setting"
@@ -38,8 +48,8 @@ for setting in $SETTINGS; do
   fi
   start=$(date +%s)
   env "${run_env[@]}" "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
-    --load-format dummy --dtype bfloat16 --max-model-len 2048 --kv-cache-memory-bytes 8589934592 \
-    --dataset-name sharegpt --dataset-path "$DATA" --num-prompts "${NUM_PROMPTS:-1000}" --seed 0 \
+    --load-format dummy --dtype bfloat16 --max-model-len "${MAX_MODEL_LEN:-2048}" --kv-cache-memory-bytes "${KV_BYTES:-8589934592}" \
+    "${dataset[@]}" --num-prompts "${NUM_PROMPTS:-1000}" --seed 0 \
     "${kv[@]}" "${extra[@]}" "${prof[@]}" --output-json "$OUT/$SHAPE-$name.json" > "$OUT/$SHAPE-$name.log" 2>&1
   echo "== $SHAPE $name rc=$? $(( $(date +%s) - start ))s: $(grep -hoE 'KV cache size: [0-9,]+ tokens|Throughput: .*' "$OUT/$SHAPE-$name.log" | tr '\n' ' ')"
   grep -E "Error|error:" "$OUT/$SHAPE-$name.log" | grep -v -i "warn" | tail -3
