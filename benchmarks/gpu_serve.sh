@@ -3,6 +3,7 @@
 # sweep of request rates, dummy weights of a well-known shape, 8 GiB of KV, vLLM's defaults.
 # Result files go to $OUT as serve-SHAPE-SETTING-rateR.json (read with benchmarks.serve.summary).
 #   SHAPE=llama2-7b TOKENIZER=dir DATA=sharegpt.json SETTINGS="auto quant-k4v4" RATES="4 16" bash benchmarks/gpu_serve.sh
+# Each server first answers WARMUP (default 32) prompts at once, not measured. DATA may be xz-packed.
 # SERVE: the server command (default `vllm serve` through its module; `python -m vllm_kvcompress.cli serve`
 # is the plugin's own front end).
 set -uo pipefail
@@ -10,6 +11,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
 PORT=${PORT:-8123}
 source "$REPO/benchmarks/gpu_common.sh"
+case $DATA in *.xz) xz -dc "$DATA" > /tmp/sharegpt.json; DATA=/tmp/sharegpt.json ;; esac
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
 for setting in $SETTINGS; do
   stop_stray_gpu_processes
@@ -22,14 +24,15 @@ for setting in $SETTINGS; do
     kill -0 $server 2>/dev/null || break
     sleep 1
   done
+  bench=(python -m vllm.entrypoints.cli.main bench serve --backend openai --base-url "http://127.0.0.1:$PORT"
+         --model "$MODEL" --tokenizer "$MODEL" --dataset-name sharegpt --dataset-path "$DATA" --disable-tqdm)
+  timeout 120 "${bench[@]}" --num-prompts "${WARMUP:-32}" --request-rate inf --seed 1 > "$OUT/serve-$SHAPE-$name-warmup.log" 2>&1
   for rate in $RATES; do
     start=$(date +%s)
-    timeout "${RUN_TIMEOUT:-150}" python -m vllm.entrypoints.cli.main bench serve --backend openai \
-      --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --tokenizer "$MODEL" --dataset-name sharegpt \
-      --dataset-path "$DATA" --num-prompts "${NUM_PROMPTS:-200}" --request-rate "$rate" --seed 0 --disable-tqdm \
+    timeout "${RUN_TIMEOUT:-150}" "${bench[@]}" --num-prompts "${NUM_PROMPTS:-200}" --request-rate "$rate" --seed 0 \
       --percentile-metrics ttft,tpot --metric-percentiles 50,90,99 --save-result --result-dir "$OUT" \
       --result-filename "serve-$SHAPE-$name-rate$rate.json" > "$OUT/serve-$SHAPE-$name-rate$rate.log" 2>&1
-    echo "== $SHAPE $name rate $rate rc=$? $(( $(date +%s) - start ))s: $(grep -hE 'Request throughput|Median TTFT|Median TPOT' "$OUT/serve-$SHAPE-$name-rate$rate.log" | tr -s ' ' | tr '\n' ';')"
+    echo "== $SHAPE $name rate $rate rc=$? $(( $(date +%s) - start ))s: $(grep -hE 'Request throughput|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT' "$OUT/serve-$SHAPE-$name-rate$rate.log" | tr -s ' ' | tr '\n' ';')"
   done
   kill $server; wait $server 2>/dev/null; pkill -f "entrypoints.cli.main serve"; sleep 3
   grep -E "kv-compression|KV cache size" "$OUT/server-$SHAPE-$name.log" | head -2 | cut -c1-200
