@@ -531,3 +531,37 @@ def test_quality_chunks_read_earlier_context_from_the_pages(mha, tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         kl[chunk] = {r["setting"]: r for r in result_of(out)[1]["rows"]}["minicache"]["kl"]
     assert kl[256] < 1e-6 < 1e-4 < kl[None]
+
+
+def test_dummy_models_widen_positions_for_long_contexts(tmp_path):
+    """A long-context run's model folder: the shape's positions widened to the model length (the
+    rotary table is indexed by position), never narrowed, and the shape itself unchanged."""
+    import json
+
+    from benchmarks.dummy_models import SHAPES, write_dummy_model
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    configs = {p: json.loads((write_dummy_model("llama2-7b", tok, tmp_path / str(p), p) / "config.json").read_text())
+               for p in (None, 2048, 16000)}
+    assert [configs[p]["max_position_embeddings"] for p in (None, 2048, 16000)] == [4096, 4096, 16000]
+    assert all(c["num_key_value_heads"] == SHAPES["llama2-7b"]["num_key_value_heads"] for c in configs.values())
+
+
+def test_outlier_experiment_reads_the_newest_tokens_exactly():
+    """``recentR`` in the outlier experiment: the newest R cached tokens come back exact (KIVI's
+    residual), earlier ones as the block format gives them, the chunk's own tokens untouched."""
+    from benchmarks.experiments.outliers import Setting, _grid_codes
+
+    torch.manual_seed(0)
+    key, value = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    query = torch.randn(1, 2, 44, 16)  # the chunk: the last 44 tokens; 256 cached, two blocks
+    plain = Setting.parse("2/2/0", 16).cached(None, query, key, value, 1.0)
+    recent = Setting.parse("2/2/0/recent64", 16).cached(None, query, key, value, 1.0)
+    for out, exact, ref in ((recent[0], key, plain[0]), (recent[1], value, plain[1])):
+        assert torch.equal(out[:, :, 192:], exact[:, :, 192:])
+        assert torch.equal(out[:, :, :192], ref[:, :, :192])
+        assert not torch.equal(ref[:, :, 192:256], exact[:, :, 192:256])
+    block = key[0, :, 128:256]
+    assert torch.allclose(plain[0][0, :, 128:256], _grid_codes(block, block, -2, 2, False))

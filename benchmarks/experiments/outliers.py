@@ -15,7 +15,8 @@ per-channel z-score, ``formats.outliers``' rule), ``first-token`` (the sequence'
 tokens), ``block-start`` (each block's first COUNT). OPTIONS: ``narrow3`` (3 bits in KVmix's word
 layout, every 11th channel on a 2-bit grid, as the pages store them; else dense 3 bits),
 ``vscale`` (V channels divided by sqrt(max |v|) first, ZipCache's), ``vgroup64`` (V statistics per
-64 channels).
+64 channels), ``recentR`` (the context's newest R tokens read exactly, as KIVI's residual: a
+window that costs memory only for the tokens it holds, R x 16 bits a request).
 """
 
 from __future__ import annotations
@@ -93,7 +94,15 @@ class Setting:
                 exact_k, exact_v = _grid_codes(k, k, -1, 8, False), _grid_codes(v, v, -1, 8, False)
             k_out[0, :, a:b] = torch.where(keep, exact_k, qk).to(key.dtype)
             v_out[0, :, a:b] = torch.where(keep, exact_v, qv).to(value.dtype)
+        recent = self._recent()
+        if recent:
+            k_out[0, :, max(n - recent, 0):n] = key[0, :, max(n - recent, 0):n]
+            v_out[0, :, max(n - recent, 0):n] = value[0, :, max(n - recent, 0):n]
         return k_out, v_out
+
+    def _recent(self) -> int:
+        """R of a ``recentR`` option, else 0."""
+        return next((int(o[len("recent"):]) for o in self.options if o.startswith("recent")), 0)
 
 
 def main() -> None:
