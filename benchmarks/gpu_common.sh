@@ -10,6 +10,9 @@ sys.exit(not any(p.value.startswith('vllm_kvcompress') for p in e(group='vllm.ge
 # POSITIONS (optional): the model's positions, widened for long contexts
 MODEL=${MODELS_DIR:-/tmp/models}/$SHAPE${POSITIONS:+-p$POSITIONS}
 [ -f "$MODEL/config.json" ] || python "$REPO/benchmarks/dummy_models.py" "$SHAPE" "$TOKENIZER" "$MODEL" ${POSITIONS:-} >/dev/null
+# DATA (ShareGPT, when a run reads it): valid JSON, or that file xz-packed (benchmarks/pack_e2e_inputs.sh),
+# unpacked here to /tmp
+case ${DATA:-} in *.xz) xz -dc "$DATA" > /tmp/sharegpt.json; DATA=/tmp/sharegpt.json ;; esac
 
 # kv_flags SETTING[:BLOCK][,VAR=VALUE...]: sets kv (vLLM flags), run_env (VAR=VALUE words for this
 # run's environment) and name (for file names). vLLM's own cache dtypes (auto, fp8,

@@ -8,7 +8,7 @@
 #   SHAPE=llama2-7b TOKENIZER=dir DATA=sharegpt.json SETTINGS="auto fp8 quant-k4v4" bash benchmarks/gpu_e2e.sh
 # TOKENIZER: a folder with a tokenizer and its config.json (benchmarks/dummy_models.py);
 # DATA: ShareGPT as valid JSON (python -m benchmarks.sharegpt OUT --sample 2000), or that file
-# xz-packed (benchmarks/pack_e2e_inputs.sh), unpacked here to /tmp.
+# xz-packed (benchmarks/pack_e2e_inputs.sh), unpacked to /tmp (gpu_common.sh).
 # PROFILE=N: also record N engine steps after the first PROFILE_DELAY (default 300) with the torch
 # profiler and print where the GPU time went (benchmarks/trace_summary.py); tokens/s then suffer.
 # Each run also prints its tokens/s as its requests complete (benchmarks/completion.py): the last
@@ -25,7 +25,6 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
 [ -z "${RANDOM_LENS:-}" ] || POSITIONS=${MAX_MODEL_LEN:-2048}
 source "$REPO/benchmarks/gpu_common.sh"
-case ${DATA:-} in *.xz) xz -dc "$DATA" > /tmp/sharegpt.json; DATA=/tmp/sharegpt.json ;; esac
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
 read -ra extra <<< "${EXTRA_ARGS:-}"
 dataset=(--dataset-name sharegpt --dataset-path "${DATA:-}")

@@ -3,7 +3,8 @@
 # sweep of request rates, dummy weights of a well-known shape, 8 GiB of KV, vLLM's defaults.
 # Result files go to $OUT as serve-SHAPE-SETTING-rateR.json (read with benchmarks.serve.summary).
 #   SHAPE=llama2-7b TOKENIZER=dir DATA=sharegpt.json SETTINGS="auto quant-k4v4" RATES="4 16" bash benchmarks/gpu_serve.sh
-# Each server first answers WARMUP (default 32) prompts at once, not measured. DATA may be xz-packed.
+# Each server first answers WARMUP (default 32) prompts at once, not measured. DATA may be xz-packed
+# (gpu_common.sh).
 # SERVE: the server command (default `vllm serve` through its module; `python -m vllm_kvcompress.cli serve`
 # is the plugin's own front end).
 set -uo pipefail
@@ -11,7 +12,6 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
 PORT=${PORT:-8123}
 source "$REPO/benchmarks/gpu_common.sh"
-case $DATA in *.xz) xz -dc "$DATA" > /tmp/sharegpt.json; DATA=/tmp/sharegpt.json ;; esac
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
 for setting in $SETTINGS; do
   stop_stray_gpu_processes

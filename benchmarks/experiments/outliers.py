@@ -94,10 +94,8 @@ class Setting:
                 exact_k, exact_v = _grid_codes(k, k, -1, 8, False), _grid_codes(v, v, -1, 8, False)
             k_out[0, :, a:b] = torch.where(keep, exact_k, qk).to(key.dtype)
             v_out[0, :, a:b] = torch.where(keep, exact_v, qv).to(value.dtype)
-        recent = self._recent()
-        if recent:
-            k_out[0, :, max(n - recent, 0):n] = key[0, :, max(n - recent, 0):n]
-            v_out[0, :, max(n - recent, 0):n] = value[0, :, max(n - recent, 0):n]
+        window = slice(max(n - self._recent(), 0), n)  # empty without ``recentR``
+        k_out[0, :, window], v_out[0, :, window] = key[0, :, window], value[0, :, window]
         return k_out, v_out
 
     def _recent(self) -> int:
