@@ -287,6 +287,9 @@ def _decode_kernel(
     split = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
     TPP: tl.constexpr = BLOCK // TILE
+    # plane k's codes come scaled by 2**(k * width), a plane's width being 8 // planes (``_code_planes``)
+    K_WIDTH: tl.constexpr = 8 // KP
+    V_WIDTH: tl.constexpr = 8 // VP
 
     mi = tl.arange(0, GP)
     r = mi // G
@@ -313,8 +316,8 @@ def _decode_kernel(
     else:
         q = tl.load(q_row + d, mask=gmask, other=0.0)
     qf = q.to(tl.float32) * q_scale
-    if KP > 1:  # plane k's codes come scaled by 2**(k * 8 // KP) (``_code_planes``)
-        qc = qf / (1 << ((8 // KP) * (d % KP))).to(tl.float32)
+    if KP > 1:
+        qc = qf / (1 << (K_WIDTH * (d % KP))).to(tl.float32)
     else:
         qc = qf
     stat = tl.arange(0, 2)[:, None]  # row 0: scale, row 1: zero
@@ -422,10 +425,10 @@ def _decode_kernel(
                 # the product over tokens
                 v0, v1, v2, v3 = _code_planes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, V_GROUP, ASM)
                 acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, v0, 1.0, c0)
-                acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1.0 / (1 << (8 // VP)), c1)
+                acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1.0 / (1 << V_WIDTH), c1)
                 if VP > 2:
-                    acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * (8 // VP)), c2)
-                    acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * (8 // VP)), c3)
+                    acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_WIDTH), c2)
+                    acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_WIDTH), c3)
         if R > 0:
             if t % TPP == 0:
                 m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
