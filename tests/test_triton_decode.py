@@ -244,8 +244,8 @@ def test_warm_up_compiles_every_variant_a_step_launches():
 
 
 def _run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
-    """Emulates the two PTX instructions of the decode kernel's unpacking (prmt.b32 in its default
-    mode, lop3.b32) on 32-bit registers; ``$N`` operands come from ``inputs`` or are outputs."""
+    """Emulates the PTX instructions of the decode kernel's unpacking (prmt.b32 in its default mode,
+    lop3.b32, shl.b32) on 32-bit registers; ``$N`` operands come from ``inputs`` or are outputs."""
     import re
     regs = dict(inputs)
 
@@ -265,9 +265,12 @@ def _run_ptx(asm: str, inputs: dict[str, int]) -> dict[str, int]:
             a, b, c, lut = (val(x) for x in src)
             regs[d] = sum(((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i
                           for i in range(32))
+        elif op == "shl.b32":
+            a, n = (val(x) for x in src)
+            regs[d] = (a << n) & 0xFFFFFFFF
         else:
             raise AssertionError(f"unexpected instruction {ins!r}")
-    assert all(re.fullmatch(r"\$\d+|lo|hi", r) for r in regs)
+    assert all(re.fullmatch(r"\$\d+|lo|hi|hlo|hhi|t", r) for r in regs)
     return regs
 
 
@@ -286,6 +289,23 @@ def test_ptx_unpacking_equals_masked_fields(bits):
         for k in range(planes):
             field = ((1 << bits) - 1) << (k * bits)
             halves = [0x6400 | (b & field) for b in packed]
+            assert out[f"${2 * k}"] == halves[0] | halves[1] << 16
+            assert out[f"${2 * k + 1}"] == halves[2] | halves[3] << 16
+
+
+def test_ptx_unpacking_of_3_bit_codes_equals_masked_fields():
+    """3-bit codes (two planes, ``_code_planes``): for four 2-bit-plane bytes and the nibbles of their
+    high bits, plane k of each byte is ``0x6400 | (byte & 3 << 2k) | (nibble bit k) << 2k + 2``, the
+    plain path's float16 bits of 1024 + 4**k * code. Bits of the high byte past its nibble are ignored."""
+    from vllm_kvcompress.triton_kernels.decode import _unpack3_asm
+    gen = torch.Generator().manual_seed(3)
+    words = torch.randint(0, 2**32, (64, 2), generator=gen, dtype=torch.int64).tolist() + [[0, 0], [0xFFFFFFFF] * 2]
+    for low, high in words:
+        out = _run_ptx(_unpack3_asm(), {"$8": low, "$9": high})
+        lo = [(low >> 8 * i) & 0xFF for i in range(4)]
+        hi = [(high >> 8 * i) & 0xFF for i in range(4)]
+        for k in range(4):
+            halves = [0x6400 | (b & 3 << 2 * k) | (n >> k & 1) << 2 * k + 2 for b, n in zip(lo, hi)]
             assert out[f"${2 * k}"] == halves[0] | halves[1] << 16
             assert out[f"${2 * k + 1}"] == halves[2] | halves[3] << 16
 

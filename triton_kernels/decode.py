@@ -56,10 +56,15 @@ def _code_planes(page, CODES: tl.constexpr, tok, h, ROW: tl.constexpr, BLOCK: tl
         i = tl.arange(0, D // 8)[None, :, None]
         s = tl.arange(0, 2)[None, None, :]
         t3 = tok[:, :, None]
-        lo = tl.load(code_unit_ptr(page, CODES, t3, h, 2 * i + s, ROW, BLOCK, GROUP)).to(tl.int32)
+        lo = tl.load(code_unit_ptr(page, CODES, t3, h, 2 * i + s, ROW, BLOCK, GROUP))
         hi = tl.load(code_unit_ptr(page, CODES, t3, h, D // 4 + i, ROW, BLOCK, GROUP)).to(tl.int32) >> (4 * s)
         lo = tl.reshape(lo, (lo.shape[0], D // 4))
         hi = tl.reshape(hi, (lo.shape[0], D // 4))
+        if ASM:
+            return tl.inline_asm_elementwise(_UNPACK_3, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [lo, hi.to(tl.uint8)],
+                                             dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                             is_pure=True, pack=4)
+        lo = lo.to(tl.int32)
         return (_as_fp16((lo & 0x03) | ((hi & 1) << 2)), _as_fp16((lo & 0x0C) | ((hi & 2) << 3)),
                 _as_fp16((lo & 0x30) | ((hi & 4) << 4)), _as_fp16((lo & 0xC0) | ((hi & 8) << 5)))
     else:
@@ -92,7 +97,24 @@ def _unpack_asm(bits: int) -> str:
     return "{ .reg .b32 lo, hi; " + " ".join(body) + " }"
 
 
+def _unpack3_asm() -> str:
+    """PTX for ``_code_planes``' 3-bit codes on the GPU: four bytes of the 2-bit plane ($8) and, byte
+    for byte, the nibbles that hold their high bits ($9). As in ``_unpack_asm``, PRMTs spread bytes
+    into 16-bit halves; then per plane k and pair of codes a shift brings high bit k to bit 2k + 2,
+    one LOP3 keeps it and ORs in 0x6400, and one more ORs in the low bits of the field:
+    ``1024 + 4**k * code`` as float16."""
+    body = ["prmt.b32 lo, $8, 0, 0x4140; prmt.b32 hi, $8, 0, 0x4342; "
+            "prmt.b32 hlo, $9, 0, 0x4140; prmt.b32 hhi, $9, 0, 0x4342;"]
+    for k in range(4):
+        field, top = 3 << 2 * k, 1 << 2 * k + 2
+        for out, low, high in ((2 * k, "lo", "hlo"), (2 * k + 1, "hi", "hhi")):
+            body.append(f"shl.b32 t, {high}, {k + 2}; lop3.b32 t, t, 0x{top | top << 16:08X}, 0x64006400, 0xEA; "
+                        f"lop3.b32 ${out}, {low}, 0x{field | field << 16:08X}, t, 0xEA;")
+    return "{ .reg .b32 lo, hi, hlo, hhi, t; " + " ".join(body) + " }"
+
+
 _UNPACK_2 = tl.constexpr(_unpack_asm(2))
+_UNPACK_3 = tl.constexpr(_unpack3_asm())
 _UNPACK_4 = tl.constexpr(_unpack_asm(4))
 _UNPACK_8 = tl.constexpr(_unpack_asm(8))
 # log2(e): the kernels keep maxima and sums in base 2 (exp2), natural log-sum-exps are converted
