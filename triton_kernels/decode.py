@@ -48,7 +48,7 @@ def _code_planes(page, CODES: tl.constexpr, tok, h, ROW: tl.constexpr, BLOCK: tl
     ``1024 + 2**(k * bits) * code`` (3 bits: ``1024 + 4**k * code``, as 2-bit codes). 3-bit codes
     are two planes (``packing``): byte j of the 2-bit plane holds the low bits of channels 4j..4j+3,
     byte i of the 1-bit plane the high bits of channels 8i..8i+7, that is of 2-bit bytes 2i (its low
-    nibble) and 2i + 1 (its high nibble)."""
+    nibble) and 2i + 1 (its high nibble); with ASM the planes are rebuilt by ``_unpack3_asm``."""
     if BITS == 3:
         # [T, D / 8, 2]: 2-bit bytes 2i + s, and the nibble s of 1-bit byte i that holds their high
         # bits. Both loads are contiguous (loading byte j // 2 for each 2-bit byte j was 1.3-1.5x
