@@ -55,7 +55,7 @@ from .outlier_select import choose_outliers
 # with 1 / 2 / 8 programs (MHA, 4/4, 4 warps; 2 warps, the default, 32.2)
 CHUNK_CHANNELS = 4
 SPREAD = 4
-# registers a thread may hold in the per-channel write (2, 4 and 8 bits). The compiler's own
+# registers a thread may hold in the per-channel write (codes of any width). The compiler's own
 # choice (72 for K's kernel alone, 89 to 96 with V's write in it) lets at most 14 programs share an
 # SM, and a decode step's write waits on memory in short programs, so more of them at once hide
 # more of it. H200, a decode step of 144 requests (4/4, MHA): 53.0 us uncapped, 39.8 / 38.2 / 37.9
@@ -444,7 +444,7 @@ def _write_variant(fmt: KVPageFormat, chunk_channels: int, spread: int, append_u
     # unfused: a*b+c as one FMA rounds once where the reference rounds twice (a requantized code
     # at a rounding boundary would differ from the reference's)
     options = {"num_warps": warps, "enable_fp_fusion": False}
-    if k["PER_CHANNEL"] and k["CS"] < 0 and lay.k.bits in (2, 4, 8) and torch.version.hip is None:
+    if k["PER_CHANNEL"] and k["CS"] < 0 and torch.version.hip is None:
         options["maxnreg"] = REGISTER_CAP
     return Variant(_write_kernel, constants, options), shares
 
