@@ -618,11 +618,13 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
     8-bit codes run 3 stages: their tiles (32 KB of codes) keep enough bytes in flight with fewer
     buffers, which leaves room for more programs a SM (H200, batch 64 at 4,096 tokens: GQA 8/8
     145.5 us in one split against 165.2 with 5 stages in two, MHA 523.0 against 527.1; a serving
-    step's rows 163.3 against 168.5 MHA, 53.2 against 55.0 GQA; docs/benchmarks.md). The split
-    count is ``choose_num_splits``'s."""
+    step's rows 163.3 against 168.5 MHA, 53.2 against 55.0 GQA; docs/benchmarks.md). So do 3-bit
+    codes, whose unpacking holds more registers (H100, a serving step's rows: quant-k3v2-o1 MHA
+    258.4 us against 300.0 with 5 stages, 406.1 with 4 warps; GQA 82.4 against 88.3; quant-k3v3 MHA
+    276.5 against 283.6). The split count is ``choose_num_splits``'s."""
     lay = page_layout(fmt)
     tile, stages, warps = (128 if lay.head_size <= 128 else 32), 5, (4 if grouped else 2)
-    if 8 in (lay.k.bits, lay.v.bits) and not grouped:
+    if {8, 3} & {lay.k.bits, lay.v.bits} and not grouped:
         stages = 3
     return {"tile": min(lay.block_size, tile), "num_stages": stages, "num_warps": warps}
 
