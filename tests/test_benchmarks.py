@@ -565,3 +565,35 @@ def test_outlier_experiment_reads_the_newest_tokens_exactly():
         assert not torch.equal(ref[:, :, 192:256], exact[:, :, 192:256])
     block = key[0, :, 128:256]
     assert torch.allclose(plain[0][0, :, 128:256], _grid_codes(block, block, -2, 2, False))
+
+
+def test_outlier_experiment_quantizes_keys_before_their_rotation():
+    """``prerope`` in the outlier experiment: cached K is rotated back by each token's position,
+    quantized per channel, and rotated again (KVQuant's pre-RoPE keys), which differs from
+    quantizing the rotated keys."""
+    from types import SimpleNamespace
+
+    from benchmarks.experiments.outliers import Setting, _grid_codes, _rotate_half
+
+    torch.manual_seed(0)
+    d = 16
+    inv_freq = 1.0 / 100 ** (torch.arange(0, d, 2) / d)
+
+    def rotary(x, positions):  # Hugging Face's tables: each angle twice, [1, n, d]
+        angle = positions[..., None].float() * inv_freq
+        angle = torch.cat((angle, angle), -1)
+        return angle.cos(), angle.sin()
+
+    key, value = torch.randn(1, 2, 140, d), torch.randn(1, 2, 140, d)
+    query = torch.randn(1, 2, 12, d)  # 128 cached tokens: one block
+    setting = Setting.parse("2/2/0/prerope", 16)
+    setting.rotary = rotary
+    got = setting.cached(SimpleNamespace(config=SimpleNamespace(), layer_idx=0), query, key, value, 1.0)[0]
+    cos, sin = (t[0] for t in rotary(None, torch.arange(128)[None]))
+    k = key[0, :, :128]
+    pre = k * cos - _rotate_half(k) * sin
+    assert torch.allclose(pre * cos + _rotate_half(pre) * sin, k, atol=1e-5)
+    codes = _grid_codes(pre, pre, -2, 2, False)
+    assert torch.allclose(got[0, :, :128], codes * cos + _rotate_half(codes) * sin, atol=1e-5)
+    assert not torch.allclose(got[0, :, :128], _grid_codes(k, k, -2, 2, False), atol=1e-2)
+    assert torch.equal(got[0, :, 128:], key[0, :, 128:])

@@ -16,7 +16,9 @@ tokens), ``block-start`` (each block's first COUNT). OPTIONS: ``narrow3`` (3 bit
 layout, every 11th channel on a 2-bit grid, as the pages store them; else dense 3 bits),
 ``vscale`` (V channels divided by sqrt(max |v|) first, ZipCache's), ``vgroup64`` (V statistics per
 64 channels), ``recentR`` (the context's newest R tokens read exactly, as KIVI's residual: a
-window that costs memory only for the tokens it holds, R x 16 bits a request).
+window that costs memory only for the tokens it holds, R x 16 bits a request), ``prerope`` (K
+quantized before its rotary embedding, KVQuant's pre-RoPE keys: rotated back by each token's
+position, quantized, rotated again).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Setting:
     options: tuple[str, ...] = ()
     kept_bits: int = 16
     block: int = 128
+    rotary: object = None  # the model's rotary embedding, for ``prerope``
 
     @classmethod
     def parse(cls, text: str, kept_bits: int) -> "Setting":
@@ -82,9 +85,12 @@ class Setting:
         """The keys and values a chunk's attention reads: cached blocks through the format."""
         n = key.shape[2] - query.shape[2]
         k_out, v_out = key.clone(), value.clone()
+        cos, sin = self._rope_tables(module, n)
         for a in range(0, n, self.block):
             b = min(a + self.block, n)
             k, v = key[0, :, a:b].float(), value[0, :, a:b].float()
+            if cos is not None:  # the rotation by -theta: k cos - rotate_half(k) sin
+                k = k * cos[a:b] - _rotate_half(k) * sin[a:b]
             keep = self._kept(k, a)[..., None]
             others = torch.where(keep, k.masked_fill(keep, float("nan")).nanmedian(1, keepdim=True).values, k)
             qk = _grid_codes(k, others, -2, self.k_bits, "narrow3" in self.options)
@@ -92,15 +98,39 @@ class Setting:
             exact_k, exact_v = k, v
             if self.kept_bits == 8:
                 exact_k, exact_v = _grid_codes(k, k, -1, 8, False), _grid_codes(v, v, -1, 8, False)
+            if cos is not None:
+                qk = qk * cos[a:b] + _rotate_half(qk) * sin[a:b]
+                exact_k = exact_k * cos[a:b] + _rotate_half(exact_k) * sin[a:b]
             k_out[0, :, a:b] = torch.where(keep, exact_k, qk).to(key.dtype)
             v_out[0, :, a:b] = torch.where(keep, exact_v, qv).to(value.dtype)
         window = slice(max(n - self._recent(), 0), n)  # empty without ``recentR``
         k_out[0, :, window], v_out[0, :, window] = key[0, :, window], value[0, :, window]
         return k_out, v_out
 
+    def _rope_tables(self, module, n: int):
+        """cos, sin [n, D] of positions 0..n-1 (a window's cache starts at its first token) for
+        ``prerope``, with the layer's own embedding where layers differ (Gemma 3's sliding ones);
+        else (None, None)."""
+        if "prerope" not in self.options:
+            return None, None
+        x = torch.zeros(1, n, 1)
+        positions = torch.arange(n)[None]
+        types = getattr(module.config, "layer_types", None)
+        if types and "layer_type" in self.rotary.forward.__code__.co_varnames:
+            cos, sin = self.rotary(x, positions, types[module.layer_idx])
+        else:
+            cos, sin = self.rotary(x, positions)
+        return cos[0].float(), sin[0].float()
+
     def _recent(self) -> int:
         """R of a ``recentR`` option, else 0."""
         return next((int(o[len("recent"):]) for o in self.options if o.startswith("recent")), 0)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's rotate_half: (-x2, x1) of the two halves of the last axis."""
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((-x2, x1), -1)
 
 
 def main() -> None:
@@ -128,7 +158,9 @@ def main() -> None:
     print(f"{args.text}: 16-bit perplexity @2k {base:.3f}", flush=True)
     for text in args.settings:
         start = time.time()
-        ppl = perplexity(Setting.parse(text, args.kept_bits))
+        setting = Setting.parse(text, args.kept_bits)
+        setting.rotary = model.model.model.rotary_emb
+        ppl = perplexity(setting)
         print(f"{text}: {ppl:.3f} ({100 * (ppl / base - 1):+.2f}%, {time.time() - start:.0f} s)", flush=True)
 
 
