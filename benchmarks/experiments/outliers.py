@@ -24,6 +24,7 @@ position, quantized, rotated again).
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -116,7 +117,7 @@ class Setting:
         x = torch.zeros(1, n, 1)
         positions = torch.arange(n)[None]
         types = getattr(module.config, "layer_types", None)
-        if types and "layer_type" in self.rotary.forward.__code__.co_varnames:
+        if types and "layer_type" in inspect.signature(self.rotary.forward).parameters:
             cos, sin = self.rotary(x, positions, types[module.layer_idx])
         else:
             cos, sin = self.rotary(x, positions)
