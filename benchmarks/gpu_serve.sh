@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine: `vllm bench serve` against `vllm serve` (OpenAI API) for each KV setting at a
 # sweep of request rates, dummy weights of a well-known shape, 8 GiB of KV, vLLM's defaults.
-# Result files go to $OUT as serve-SHAPE-SETTING-rateR.json (read with benchmarks.serve.summary).
+# Each setting leaves three files in $OUT (few, as a GPU machine may hand back few): the server's
+# log, serve-SHAPE-SETTING.log (the warm-up's and every rate's `vllm bench serve` output) and
+# serve-SHAPE-SETTING.jsonl (one saved result a line, in the order of RATES; read a line with
+# benchmarks.serve.summary).
 #   SHAPE=llama2-7b TOKENIZER=dir DATA=sharegpt.json SETTINGS="auto quant-k4v4" RATES="4 16" bash benchmarks/gpu_serve.sh
 # Each server first answers WARMUP (default 32) prompts at once, not measured. DATA may be xz-packed
 # (gpu_common.sh).
@@ -26,14 +29,21 @@ for setting in $SETTINGS; do
   done
   bench=(python -m vllm.entrypoints.cli.main bench serve --backend openai --base-url "http://127.0.0.1:$PORT"
          --model "$MODEL" --tokenizer "$MODEL" --dataset-name sharegpt --dataset-path "$DATA" --disable-tqdm)
-  timeout 120 "${bench[@]}" --num-prompts "${WARMUP:-32}" --request-rate inf --seed 1 > "$OUT/serve-$SHAPE-$name-warmup.log" 2>&1
+  log="$OUT/serve-$SHAPE-$name.log"; results="$OUT/serve-$SHAPE-$name.jsonl"; scratch=$(mktemp -d)
+  echo "== warm-up" > "$log"
+  timeout 120 "${bench[@]}" --num-prompts "${WARMUP:-32}" --request-rate inf --seed 1 >> "$log" 2>&1
   for rate in $RATES; do
     start=$(date +%s)
+    echo "== rate $rate" > "$scratch/rate.log"
     timeout "${RUN_TIMEOUT:-150}" "${bench[@]}" --num-prompts "${NUM_PROMPTS:-200}" --request-rate "$rate" --seed 0 \
-      --percentile-metrics ttft,tpot --metric-percentiles 50,90,99 --save-result --result-dir "$OUT" \
-      --result-filename "serve-$SHAPE-$name-rate$rate.json" > "$OUT/serve-$SHAPE-$name-rate$rate.log" 2>&1
-    echo "== $SHAPE $name rate $rate rc=$? $(( $(date +%s) - start ))s: $(grep -hE 'Request throughput|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT' "$OUT/serve-$SHAPE-$name-rate$rate.log" | tr -s ' ' | tr '\n' ';')"
+      --percentile-metrics ttft,tpot --metric-percentiles 50,90,99 --save-result --result-dir "$scratch" \
+      --result-filename result.json >> "$scratch/rate.log" 2>&1
+    rc=$?
+    cat "$scratch/rate.log" >> "$log"
+    [ -f "$scratch/result.json" ] && { tr -d '\n' < "$scratch/result.json"; echo; } >> "$results" && rm "$scratch/result.json"
+    echo "== $SHAPE $name rate $rate rc=$rc $(( $(date +%s) - start ))s: $(grep -hE 'Request throughput|Median TTFT|P99 TTFT|Median TPOT|P99 TPOT' "$scratch/rate.log" | tr -s ' ' | tr '\n' ';')"
   done
+  rm -rf "$scratch"
   kill $server; wait $server 2>/dev/null; pkill -f "entrypoints.cli.main serve"; sleep 3
-  grep -E "kv-compression|KV cache size" "$OUT/server-$SHAPE-$name.log" | head -2 | cut -c1-200
+  grep -E "kv-compression|KV cache size" "$OUT/server-$SHAPE-$name.log" | head -2 | cut -c1-200 || true  # a log line, if any
 done

@@ -597,3 +597,54 @@ def test_outlier_experiment_quantizes_keys_before_their_rotation():
     assert torch.allclose(got[0, :, :128], codes * cos + _rotate_half(codes) * sin, atol=1e-5)
     assert not torch.allclose(got[0, :, :128], _grid_codes(k, k, -2, 2, False), atol=1e-2)
     assert torch.equal(got[0, :, 128:], key[0, :, 128:])
+
+
+FAKE_VLLM_CLI = '''
+import http.server, json, sys
+args = sys.argv[1:]
+def opt(name):
+    return args[args.index(name) + 1]
+if args[0] == "serve":
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(opt("--port"))), Health).serve_forever()
+else:  # bench serve
+    rate = opt("--request-rate")
+    print(f"Request throughput (req/s): 1.5\\nMedian TTFT (ms): 20.0\\nP99 TTFT (ms): 40.0")
+    if "--save-result" in args:
+        with open(f"{opt('--result-dir')}/{opt('--result-filename')}", "w") as f:
+            json.dump({"request_rate": rate, "median_ttft_ms": 20.0}, f, indent=1)
+'''
+
+
+def test_gpu_serve_leaves_three_files_a_setting(tmp_path):
+    """gpu_serve.sh (against a stand-in for vLLM's CLI): each setting leaves its server log, one log
+    of every `vllm bench serve` run and one JSON line per rate in RATES' order; a GPU machine hands
+    back few files, so a sweep must not leave two a rate."""
+    fake = tmp_path / "fake" / "vllm" / "entrypoints" / "cli"
+    fake.mkdir(parents=True)
+    for package in (fake.parent.parent, fake.parent, fake):
+        (package / "__init__.py").write_text("")
+    (fake / "main.py").write_text(FAKE_VLLM_CLI)
+    model = tmp_path / "models" / "llama2-7b"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "fake"), "OUT": str(out), "MODELS_DIR": str(tmp_path / "models"),
+           "SHAPE": "llama2-7b", "DATA": str(tmp_path / "data.json"), "TOKENIZER": "unused", "PORT": "8791",
+           "SETTINGS": "auto quant-k4v4", "RATES": "4 16", "WARMUP": "2", "NUM_PROMPTS": "3",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_serve.sh")], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        f"{kind}-llama2-7b-{name}{ext}" for name in ("auto", "quant-k4v4")
+        for kind, ext in (("server", ".log"), ("serve", ".log"), ("serve", ".jsonl")))
+    lines = (out / "serve-llama2-7b-quant-k4v4.jsonl").read_text().splitlines()
+    assert [json.loads(line)["request_rate"] for line in lines] == ["4", "16"]
+    log = (out / "serve-llama2-7b-auto.log").read_text()
+    assert log.index("== warm-up") < log.index("== rate 4") < log.index("== rate 16")
+    assert "== llama2-7b auto rate 16 rc=0" in run.stdout and "Median TTFT (ms): 20.0" in run.stdout
