@@ -80,18 +80,27 @@ def _as_fp16(codes):
     return ((codes.to(tl.int32) | 0x6400).to(tl.int16)).to(tl.float16, bitcast=True)
 
 
+def _spread(packed: str, lo: str, hi: str) -> str:
+    """Two PRMTs that spread bytes 0, 1 and 2, 3 of register ``packed`` into the low bytes of the
+    16-bit halves of ``lo`` and ``hi``."""
+    return f"prmt.b32 {lo}, {packed}, 0, 0x4140; prmt.b32 {hi}, {packed}, 0, 0x4342;"
+
+
+def _both_halves(mask: int) -> str:
+    """A 16-bit mask in both halves of a 32-bit immediate."""
+    return f"0x{mask | mask << 16:08X}"
+
+
 def _unpack_asm(bits: int) -> str:
-    """PTX for ``_unpacked_planes`` on the GPU, four packed bytes ($IN) at a time. Two PRMTs spread
-    bytes 0, 1 and 2, 3 into the low bytes of 16-bit halves; then one LOP3 per plane and pair of
-    codes computes ``(halves & field mask) | 0x64006400``: two float16 values at once. An 8-bit code
-    is a whole byte, so the PRMTs put 0x64 above it directly."""
+    """PTX for ``_unpacked_planes`` on the GPU, four packed bytes ($IN) at a time: ``_spread``, then
+    one LOP3 per plane and pair of codes computes ``(halves & field mask) | 0x64006400``: two float16
+    values at once. An 8-bit code is a whole byte, so the PRMTs put 0x64 above it directly."""
     if bits == 8:
         return "{ prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342; }"
     planes = 8 // bits
-    body = [f"prmt.b32 lo, ${2 * planes}, 0, 0x4140; prmt.b32 hi, ${2 * planes}, 0, 0x4342;"]
+    body = [_spread(f"${2 * planes}", "lo", "hi")]
     for k in range(planes):
-        field = ((1 << bits) - 1) << (k * bits)
-        mask = f"0x{field | field << 16:08X}"
+        mask = _both_halves(((1 << bits) - 1) << (k * bits))
         body.append(f"lop3.b32 ${2 * k}, lo, {mask}, 0x64006400, 0xEA; "
                     f"lop3.b32 ${2 * k + 1}, hi, {mask}, 0x64006400, 0xEA;")
     return "{ .reg .b32 lo, hi; " + " ".join(body) + " }"
@@ -99,17 +108,15 @@ def _unpack_asm(bits: int) -> str:
 
 def _unpack3_asm() -> str:
     """PTX for ``_code_planes``' 3-bit codes on the GPU: four bytes of the 2-bit plane ($8) and, byte
-    for byte, the nibbles that hold their high bits ($9). As in ``_unpack_asm``, PRMTs spread bytes
-    into 16-bit halves; then per plane k and pair of codes a shift brings high bit k to bit 2k + 2,
-    one LOP3 keeps it and ORs in 0x6400, and one more ORs in the low bits of the field:
-    ``1024 + 4**k * code`` as float16."""
-    body = ["prmt.b32 lo, $8, 0, 0x4140; prmt.b32 hi, $8, 0, 0x4342; "
-            "prmt.b32 hlo, $9, 0, 0x4140; prmt.b32 hhi, $9, 0, 0x4342;"]
+    for byte, the nibbles that hold their high bits ($9), each ``_spread``; then per plane k and pair
+    of codes a shift brings high bit k to bit 2k + 2, one LOP3 keeps it and ORs in 0x6400, and one
+    more ORs in the low bits of the field: ``1024 + 4**k * code`` as float16."""
+    body = [_spread("$8", "lo", "hi"), _spread("$9", "hlo", "hhi")]
     for k in range(4):
-        field, top = 3 << 2 * k, 1 << 2 * k + 2
+        field, top = _both_halves(3 << 2 * k), _both_halves(1 << 2 * k + 2)
         for out, low, high in ((2 * k, "lo", "hlo"), (2 * k + 1, "hi", "hhi")):
-            body.append(f"shl.b32 t, {high}, {k + 2}; lop3.b32 t, t, 0x{top | top << 16:08X}, 0x64006400, 0xEA; "
-                        f"lop3.b32 ${out}, {low}, 0x{field | field << 16:08X}, t, 0xEA;")
+            body.append(f"shl.b32 t, {high}, {k + 2}; lop3.b32 t, t, {top}, 0x64006400, 0xEA; "
+                        f"lop3.b32 ${out}, {low}, {field}, t, 0xEA;")
     return "{ .reg .b32 lo, hi, hlo, hhi, t; " + " ".join(body) + " }"
 
 
