@@ -536,8 +536,6 @@ def test_quality_chunks_read_earlier_context_from_the_pages(mha, tmp_path):
 def test_dummy_models_widen_positions_for_long_contexts(tmp_path):
     """A long-context run's model folder: the shape's positions widened to the model length (the
     rotary table is indexed by position), never narrowed, and the shape itself unchanged."""
-    import json
-
     from benchmarks.dummy_models import SHAPES, write_dummy_model
 
     tok = tmp_path / "tok"
@@ -573,7 +571,9 @@ def test_outlier_experiment_quantizes_keys_before_their_rotation():
     quantizing the rotated keys."""
     from types import SimpleNamespace
 
-    from benchmarks.experiments.outliers import Setting, _grid_codes, _rotate_half
+    from transformers.models.llama.modeling_llama import rotate_half as _rotate_half
+
+    from benchmarks.experiments.outliers import Setting, _grid_codes
 
     torch.manual_seed(0)
     d = 16

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 
 def _grid_codes(x: torch.Tensor, ref: torch.Tensor, dim: int, bits: int, narrow3: bool) -> torch.Tensor:
@@ -90,18 +91,17 @@ class Setting:
         for a in range(0, n, self.block):
             b = min(a + self.block, n)
             k, v = key[0, :, a:b].float(), value[0, :, a:b].float()
-            if cos is not None:  # the rotation by -theta: k cos - rotate_half(k) sin
-                k = k * cos[a:b] - _rotate_half(k) * sin[a:b]
-            keep = self._kept(k, a)[..., None]
-            others = torch.where(keep, k.masked_fill(keep, float("nan")).nanmedian(1, keepdim=True).values, k)
-            qk = _grid_codes(k, others, -2, self.k_bits, "narrow3" in self.options)
+            angles = None if cos is None else (cos[a:b], sin[a:b])
+            k_coded = _turn(k, angles, -1.0)  # the frame K is quantized in: before RoPE with ``prerope``
+            keep = self._kept(k_coded, a)[..., None]
+            others = torch.where(keep, k_coded.masked_fill(keep, float("nan")).nanmedian(1, keepdim=True).values,
+                                 k_coded)
+            qk = _turn(_grid_codes(k_coded, others, -2, self.k_bits, "narrow3" in self.options), angles, 1.0)
             qv = self._v(v)
             exact_k, exact_v = k, v
             if self.kept_bits == 8:
-                exact_k, exact_v = _grid_codes(k, k, -1, 8, False), _grid_codes(v, v, -1, 8, False)
-            if cos is not None:
-                qk = qk * cos[a:b] + _rotate_half(qk) * sin[a:b]
-                exact_k = exact_k * cos[a:b] + _rotate_half(exact_k) * sin[a:b]
+                exact_k = _turn(_grid_codes(k_coded, k_coded, -1, 8, False), angles, 1.0)
+                exact_v = _grid_codes(v, v, -1, 8, False)
             k_out[0, :, a:b] = torch.where(keep, exact_k, qk).to(key.dtype)
             v_out[0, :, a:b] = torch.where(keep, exact_v, qv).to(value.dtype)
         window = slice(max(n - self._recent(), 0), n)  # empty without ``recentR``
@@ -128,10 +128,13 @@ class Setting:
         return next((int(o[len("recent"):]) for o in self.options if o.startswith("recent")), 0)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's rotate_half: (-x2, x1) of the two halves of the last axis."""
-    x1, x2 = x.chunk(2, -1)
-    return torch.cat((-x2, x1), -1)
+def _turn(x: torch.Tensor, angles, sign: float) -> torch.Tensor:
+    """``x`` rotated as RoPE rotates it by ``sign`` times the angles whose (cos, sin) ``angles`` holds
+    (None: ``x`` as it is)."""
+    if angles is None:
+        return x
+    cos, sin = angles
+    return x * cos + sign * rotate_half(x) * sin
 
 
 def main() -> None:
