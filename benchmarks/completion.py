@@ -37,20 +37,24 @@ def progress(log: str) -> list[Completion]:
     return points
 
 
-def at_fraction(points: list[Completion], fraction: float) -> Completion:
-    """The first update with at least ``fraction`` of the requests completed."""
-    for p in points:
-        if p.done >= fraction * p.total:
-            return p
-    raise ValueError(f"the log's progress bar never reaches {fraction:.0%} of its requests")
+def at_fraction(points: list[Completion], fraction: float) -> Completion | None:
+    """The first update with at least ``fraction`` of the requests completed (None: the bar never
+    gets there, a run stopped by its time limit)."""
+    return next((p for p in points if p.done >= fraction * p.total), None)
 
 
 def summary(log: str, fractions=(0.5, 0.9, 0.99, 1.0)) -> str:
+    """The rate at each fraction the run reached; a run cut short ends on its last update, so that
+    settings stopped by one time limit still compare at a fraction they all reached."""
     points = progress(log)
     if not points:
         raise ValueError("no progress bar of `vllm bench throughput` in the log")
-    return "; ".join(f"{f:.0%} done at {p.seconds} s: {p.tokens_per_s:,.0f} tokens/s"
-                     for f, p in ((f, at_fraction(points, f)) for f in fractions))
+    reached = [(f, p) for f, p in ((f, at_fraction(points, f)) for f in fractions) if p is not None]
+    parts = [f"{f:.0%} done at {p.seconds} s: {p.tokens_per_s:,.0f} tokens/s" for f, p in reached]
+    last = points[-1]
+    if last.done < last.total:
+        parts.append(f"stopped at {last.done}/{last.total} ({last.seconds} s): {last.tokens_per_s:,.0f} tokens/s")
+    return "; ".join(parts)
 
 
 def main() -> None:

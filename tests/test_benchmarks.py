@@ -396,7 +396,8 @@ def test_widening_counts_the_units_whose_k_statistics_the_codec_renews(bits):
 def test_completion_reads_the_rate_at_each_fraction_of_requests_done():
     """A `vllm bench throughput` progress bar of 100 requests whose last 4 take as long as the other
     96 (the long outputs a run ends on): the tokens/s at 96% and at 100% done are the bar's own
-    figures at those updates, and a log without the bar is refused by name."""
+    figures at those updates; a run stopped by its time limit reports the fractions it reached and
+    where it stopped; a log without the bar is refused by name."""
     from benchmarks import completion
 
     def update(done, seconds, tokens):  # tqdm's line: the rate is of completed requests' tokens
@@ -413,6 +414,10 @@ def test_completion_reads_the_rate_at_each_fraction_of_requests_done():
     assert completion.at_fraction(points, 0.97).done == 99
     assert completion.at_fraction(points, 1.0).tokens_per_s == pytest.approx(720)
     assert completion.summary(log, (0.5, 1.0)) == "50% done at 5 s: 5,000 tokens/s; 100% done at 75 s: 720 tokens/s"
+    cut = "\r".join(update(n, s, t) for n, s, t in ((50, 5, 25_000), (96, 10, 48_000)))
+    assert completion.at_fraction(completion.progress(cut), 0.99) is None
+    assert completion.summary(f"INFO starting\n{cut}\n", (0.5, 0.99, 1.0)) == (
+        "50% done at 5 s: 5,000 tokens/s; stopped at 96/100 (10 s): 4,800 tokens/s")
     with pytest.raises(ValueError, match="no progress bar"):
         completion.summary("INFO nothing here\n")
 

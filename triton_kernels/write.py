@@ -59,10 +59,10 @@ SPREAD = 4
 # choice (72 for K's kernel alone, 89 to 96 with V's write in it) lets at most 14 programs share an
 # SM, and a decode step's write waits on memory in short programs, so more of them at once hide
 # more of it. H200, a decode step of 144 requests (4/4, MHA): 53.0 us uncapped, 39.8 / 38.2 / 37.9
-# at 32 / 40 / 48 (GQA 19.0 -> 17.0 at 40; 2/2 35.0 -> 25.6, 8/8 61.8 -> 40.4). A prefill chunk's
-# write, whose block programs hold whole blocks in registers, slows by 6% at 40 (185.8 -> 196.2 us
-# for 2,048 tokens); decoding writes dominate a serving run. 3-bit codes gain most (H100, the same
-# step: quant-k3v2-o1 122.3 -> 67.9 us, quant-k3v3 111.6 -> 58.8, GQA quant-k3v2-o1 40.4 -> 31.5).
+# at 32 / 40 / 48 (GQA 19.0 -> 17.0 at 40; 2/2 35.0 -> 25.6, 8/8 61.8 -> 40.4). 3-bit codes gain
+# most (H100, the same step: quant-k3v2-o1 122.3 -> 67.9 us, quant-k3v3 111.6 -> 58.8, GQA
+# quant-k3v2-o1 40.4 -> 31.5). A prefill chunk's write (2,048 tokens, MHA), H100: 4/4 187.4 -> 178.8,
+# quant-k3v3 312.7 -> 224.7, quant-k3v2-o1 401.7 -> 342.1 (on an H200 4/4 had slowed, 185.8 -> 196.2).
 # Not applied on ROCm (no such option).
 REGISTER_CAP = 40
 # (tokens x KV heads) above which a step's write deals each block's chunks over the programs of the
