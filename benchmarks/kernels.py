@@ -153,12 +153,14 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
 
 
 def bench_prompt_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, history: int,
-                        block: int = 128) -> dict:
+                        block: int = 128, prompt_rows: int | None = None, **tuning) -> dict:
     """``num_prompts`` prefill chunks of ``prompt`` tokens, each after ``history`` tokens in its pages,
     as the backend runs them (``triton_kernels.prompt``): FlashAttention over the chunk's own K/V,
-    then the decode kernel's rows over the history, continuing from FlashAttention's state."""
+    then the decode kernel's rows over the history, continuing from FlashAttention's state.
+    ``prompt_rows`` (a program's rows) and ``tuning`` (``tile``, ``num_warps``, ``num_stages``):
+    the history kernel's, where not its defaults."""
     from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels.decode import rows_per_program
+    from vllm_kvcompress.triton_kernels.decode import PROMPT_ROWS, rows_per_program
     from vllm_kvcompress.triton_kernels.prompt import paged_prompt
 
     fmt, cache, table, _, _, _ = _decode_case(bits, num_prompts, hq, hkv, d, history + prompt, block)
@@ -166,9 +168,10 @@ def bench_prompt_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, 
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     seq_lens = torch.full((num_prompts,), history + prompt, dtype=torch.int32, device="cuda")
-    rows = token_rows(list(range(0, n + 1, prompt)), seq_lens, table, history, rows_per_program(hq // hkv))
+    rows = token_rows(list(range(0, n + 1, prompt)), seq_lens, table, history,
+                      rows_per_program(hq // hkv, prompt_rows or PROMPT_ROWS))
     out = torch.empty_like(q)
-    ms = _time_ms(lambda: paged_prompt(q, k, v, cache, fmt, rows, d ** -0.5, out))
+    ms = _time_ms(lambda: paged_prompt(q, k, v, cache, fmt, rows, d ** -0.5, out, **tuning))
     nbytes = num_prompts * -(-history // block) * fmt.page_bytes + (2 * q.numel() + 2 * k.numel()) * 2
     return {"kernel": f"ours k{bits}v{bits} prompt chunks", "block": block, "ms": ms, "bytes": nbytes,
             "GB/s": nbytes / ms / 1e6}
@@ -586,8 +589,11 @@ def main() -> None:
                     help="also a serving step's decode rows (144 requests, contexts uniform in 16..900, see "
                          "serving_lens) with kernel variants, and prefill chunks after history")
     ap.add_argument("--prompts", action="store_true",
-                    help="only prompt chunks (with and without history): vLLM's FlashAttention prefill on bf16 "
-                         "pages against ours")
+                    help="only prompt chunks (with and without history, up to an 8k prompt's last chunk): vLLM's "
+                         "FlashAttention prefill on bf16 pages against ours")
+    ap.add_argument("--prompt-tunings", nargs="*", default=[], metavar="ROWS,WARPS,STAGES,TILE",
+                    help="with --prompts: also the history kernel with these rows a program, warps, pipeline "
+                         "stages and tokens a tile (4/4 bits)")
     ap.add_argument("--step-parts", action="store_true",
                     help="with --step: also the step without the write, the decode alone and the write alone")
     ap.add_argument("--step", action="store_true",
@@ -650,14 +656,25 @@ def main() -> None:
         return
     if args.prompts:
         for name, hq, hkv, d in SHAPES:
-            for num_prompts, prompt, history in ((8, 512, 1536), (4, 1024, 3072), (32, 128, 0)):
+            for num_prompts, prompt, history in ((8, 512, 1536), (4, 1024, 3072), (32, 128, 0), (1, 2048, 5952),
+                                                 (2, 2048, 3904)):
                 base = bench_flash_prefill_bf16(num_prompts, hq, hkv, d, prompt, history)
                 shape = f"{name} {num_prompts}x{prompt} after {history}"
-                print(f"{shape:34s} {base['kernel']:42s} {base['ms'] * 1e3:7.1f} us")
-                for bits in (4, 2):
-                    r = bench_prompt_chunks(bits, num_prompts, hq, hkv, d, prompt, history)
-                    print(f"{shape:34s} {r['kernel']:42s} {r['ms'] * 1e3:7.1f} us, {base['ms'] / r['ms']:5.2f}x "
-                          "FlashAttention bf16")
+                print(f"{shape:34s} {base['kernel']:42s} {base['ms'] * 1e3:7.1f} us", flush=True)
+                variants = [(bits, {}) for bits in (4, 2)] + [
+                    (4, dict(zip(("prompt_rows", "num_warps", "num_stages", "tile"), map(int, t.split(",")))))
+                    for t in args.prompt_tunings]
+                for bits, tuning in variants:
+                    if tuning and not history:
+                        continue
+                    label = f"ours k{bits}v{bits}" + "".join(f" {k}={v}" for k, v in tuning.items())
+                    try:
+                        r = bench_prompt_chunks(bits, num_prompts, hq, hkv, d, prompt, history, **tuning)
+                    except Exception as e:  # a tuning the compiler cannot fit (shared memory, registers)
+                        print(f"{shape:34s} {label:42s} failed: {str(e).splitlines()[0][:80]}", flush=True)
+                        continue
+                    print(f"{shape:34s} {label:42s} {r['ms'] * 1e3:7.1f} us, {base['ms'] / r['ms']:5.2f}x "
+                          "FlashAttention bf16", flush=True)
         return
     if args.profile_write:
         bits, hkv = args.profile_write

@@ -22,13 +22,15 @@ from .decode import paged_decode
 
 
 def paged_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                 fmt: KVPageFormat | MergedLayer, rows: TokenRows, sm_scale: float, out: torch.Tensor) -> torch.Tensor:
+                 fmt: KVPageFormat | MergedLayer, rows: TokenRows, sm_scale: float, out: torch.Tensor,
+                 **tuning) -> torch.Tensor:
     """``query`` [T, Hq, D] and the chunks' new ``key``/``value`` [T, H, D], the chunks laid out by
-    ``rows`` (``token_rows``); the attention goes to ``out`` [T, Hq, D]."""
+    ``rows`` (``token_rows``); the attention goes to ``out`` [T, Hq, D]. ``tuning``: the history
+    kernel's ``tile``, ``num_warps`` and ``num_stages`` where not its defaults (for benchmarks)."""
     lse = own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out)
     if rows.max_seq_len:  # some chunk has history
         paged_decode(query, cache, fmt, rows.block_table, rows.seq_lens, sm_scale, rows.max_seq_len, out=out,
-                     groups=rows.groups, prior_lse=lse)
+                     groups=rows.groups, prior_lse=lse, **tuning)
     return out
 
 
