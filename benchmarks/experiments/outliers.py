@@ -18,7 +18,8 @@ layout, every 11th channel on a 2-bit grid, as the pages store them; else dense 
 64 channels), ``recentR`` (the context's newest R tokens read exactly, as KIVI's residual: a
 window that costs memory only for the tokens it holds, R x 16 bits a request), ``prerope`` (K
 quantized before its rotary embedding, KVQuant's pre-RoPE keys: rotated back by each token's
-position, quantized, rotated again).
+position, quantized, rotated again), ``clip`` / ``clipk`` / ``clipv`` (each statistics group's range
+narrowed to the least squared error, values beyond it on the end levels).
 """
 
 from __future__ import annotations
@@ -32,17 +33,33 @@ import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
 
-def _grid_codes(x: torch.Tensor, ref: torch.Tensor, dim: int, bits: int, narrow3: bool) -> torch.Tensor:
-    """``x`` quantized on the min-max grid of ``ref`` along ``dim`` (float16 statistics)."""
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
+
+
+def _grid_codes(x: torch.Tensor, ref: torch.Tensor, dim: int, bits: int, narrow3: bool,
+                clip: bool = False) -> torch.Tensor:
+    """``x`` quantized on the min-max grid of ``ref`` along ``dim`` (float16 statistics). ``clip``:
+    each group's range shrunk about its middle by the ratio of CLIP_RATIOS with the least squared
+    error over ``ref`` (values beyond it take the end levels)."""
     top = torch.full((x.shape[-1],), float(2 ** bits - 1))
     if narrow3 and bits == 3:
         top[torch.arange(x.shape[-1]) % 11 == 10] = 3.0
     if dim != -2:  # per token: levels along the token axis are all the same
         top = top.max()
     lo, hi = ref.amin(dim, keepdim=True), ref.amax(dim, keepdim=True)
-    zero = lo.half().float()
-    step = ((hi - zero) / (2 ** bits - 1)).half().float().clamp_min(1e-8) * ((2 ** bits - 1) / top)
-    return torch.minimum(torch.floor((x - zero) / step + 0.5).clamp(min=0), top) * step + zero
+
+    def coded(v, lo, hi):
+        zero = lo.half().float()
+        step = ((hi - zero) / (2 ** bits - 1)).half().float().clamp_min(1e-8) * ((2 ** bits - 1) / top)
+        return torch.minimum(torch.floor((v - zero) / step + 0.5).clamp(min=0), top) * step + zero
+
+    if clip:
+        mid, half = (lo + hi) / 2, (hi - lo) / 2
+        errors = torch.stack([(coded(ref, mid - a * half, mid + a * half) - ref).square().sum(dim, keepdim=True)
+                              for a in CLIP_RATIOS])
+        ratio = torch.tensor(CLIP_RATIOS)[errors.argmin(0)]
+        lo, hi = mid - ratio * half, mid + ratio * half
+    return coded(x, lo, hi)
 
 
 @dataclass
@@ -77,11 +94,15 @@ class Setting:
     def _v(self, v: torch.Tensor) -> torch.Tensor:
         if "vscale" in self.options:
             c = v.abs().amax(-2, keepdim=True).clamp_min(1e-6).sqrt().half().float()
-            return _grid_codes(v / c, v / c, -1, self.v_bits, False) * c
+            return _grid_codes(v / c, v / c, -1, self.v_bits, False, self._clips("v")) * c
         if "vgroup64" in self.options and v.shape[-1] > 64:
             g = v.unflatten(-1, (v.shape[-1] // 64, 64))
-            return _grid_codes(g, g, -1, self.v_bits, False).flatten(-2)
-        return _grid_codes(v, v, -1, self.v_bits, "narrow3" in self.options)
+            return _grid_codes(g, g, -1, self.v_bits, False, self._clips("v")).flatten(-2)
+        return _grid_codes(v, v, -1, self.v_bits, "narrow3" in self.options, self._clips("v"))
+
+    def _clips(self, tensor: str) -> bool:
+        """Whether ``tensor`` ("k" or "v") takes ``clip`` (both), ``clipk`` or ``clipv``."""
+        return "clip" in self.options or f"clip{tensor}" in self.options
 
     def cached(self, module, query, key, value, scale):
         """The keys and values a chunk's attention reads: cached blocks through the format."""
@@ -96,7 +117,8 @@ class Setting:
             keep = self._kept(k_coded, a)[..., None]
             others = torch.where(keep, k_coded.masked_fill(keep, float("nan")).nanmedian(1, keepdim=True).values,
                                  k_coded)
-            qk = _turn(_grid_codes(k_coded, others, -2, self.k_bits, "narrow3" in self.options), angles, 1.0)
+            qk = _turn(_grid_codes(k_coded, others, -2, self.k_bits, "narrow3" in self.options, self._clips("k")),
+                       angles, 1.0)
             qv = self._v(v)
             exact_k, exact_v = k, v
             if self.kept_bits == 8:
