@@ -78,14 +78,35 @@ def appended_channel_quant(pieces: list[torch.Tensor], bits: int) -> tuple[torch
     return codes * scale + zero, kept, reencoded
 
 
+def _clipped_grid(values: torch.Tensor, bits: int, ratios) -> tuple[torch.Tensor, torch.Tensor]:
+    """zero and step per channel (dim 1) of ``values`` [n, D]: the min-max range shrunk about its
+    middle by the first of ``ratios`` whose grid codes the values with the least squared error."""
+    mn, mx = values.amin(0), values.amax(0)
+    zeros, steps = [], []
+    for c in range(values.shape[1]):
+        best = None
+        for ratio in ratios:
+            mid, half = (mn[c] + mx[c]) * 0.5, (mx[c] - mn[c]) * 0.5
+            lo, hi = (mn[c], mx[c]) if ratio == 1 else (mid - ratio * half, mid + ratio * half)
+            zero, step = _span_grid(lo, hi, bits)
+            error = ((_quant(values[:, c], zero, step, bits) * step + zero - values[:, c]) ** 2).sum()
+            if best is None or error < best[0]:
+                best = (error, zero, step)
+        zeros.append(best[1])
+        steps.append(best[2])
+    return torch.stack(zeros)[None], torch.stack(steps)[None]
+
+
 def fake_quant_with_outliers(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, block: int,
-                             count: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+                             count: int, clip_ratios=None) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Outlier tokens, stated from docs/formats.md: k, v [seq, H, D], each block written whole.
     Per block and head, the ``count`` tokens whose K has the largest z-score in any channel (mean and
     population standard deviation over the block's tokens, 1e-6 added to it) stay exact; K's grid per
     channel spans the block's other tokens only (an outlier's value may lie off it) and V is coded per
-    token. A block of ``count`` tokens or fewer keeps none. Returns k, v as read back and the chosen
-    offsets, [block][head] -> sorted list."""
+    token. A block of ``count`` tokens or fewer keeps none. ``clip_ratios`` (``k_clip``): each K
+    channel's grid is narrowed (``_clipped_grid``), its error counted over the other tokens and, for
+    each outlier, once more over the block's first other token. Returns k, v as read back and the
+    chosen offsets, [block][head] -> sorted list."""
     out_k, out_v = fake_quant(k, k_bits, "channel", block).clone(), fake_quant(v, v_bits, "token", block).clone()
     chosen = []
     for start in range(0, k.shape[0], block):
@@ -100,7 +121,10 @@ def fake_quant_with_outliers(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bi
             z = ((x - x.mean(0)).abs() / (x.std(0, unbiased=False) + 1e-6)).max(1).values
             keep = sorted(int(i) for i in torch.argsort(z, descending=True)[:count])
             others = [i for i in range(n) if i not in keep]
-            zero, step = _grid(x[others], 0, k_bits)
+            if clip_ratios:
+                zero, step = _clipped_grid(x[others + [others[0]] * len(keep)], k_bits, clip_ratios)
+            else:
+                zero, step = _grid(x[others], 0, k_bits)
             out_k[start:start + n, h] = _quant(x, zero, step, k_bits) * step + zero
             for i in keep:
                 out_k[start + i, h] = k[start + i, h].float()

@@ -19,16 +19,17 @@ def _sinky(seq: int, H: int, D: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return k, v
 
 
-def _format(k_bits, v_bits, count, block, H, D, dtype=torch.float32):
-    return KVPageFormat.from_layer_format(LayerFormat(k_bits=k_bits, v_bits=v_bits, outlier_tokens=count), dtype,
-                                          block, H, D)
+def _format(k_bits, v_bits, count, block, H, D, dtype=torch.float32, clip=False):
+    layer = LayerFormat(k_bits=k_bits, v_bits=v_bits, outlier_tokens=count, k_clip=clip)
+    return KVPageFormat.from_layer_format(layer, dtype, block, H, D)
 
 
-@pytest.mark.parametrize("k_bits,v_bits,count", [(3, 2, 1), (2, 2, 2), (4, 4, 1)])
-def test_blocks_written_whole_equal_the_reference(k_bits, v_bits, count):
+@pytest.mark.parametrize("k_bits,v_bits,count,clip", [(3, 2, 1, False), (2, 2, 2, False), (4, 4, 1, False),
+                                                      (2, 2, 1, True), (3, 2, 2, True)])
+def test_blocks_written_whole_equal_the_reference(k_bits, v_bits, count, clip):
     B, H, D, seq = 32, 3, 64, 80
     k, v = _sinky(seq, H, D, seed=k_bits * 10 + count)
-    fmt = _format(k_bits, v_bits, count, B, H, D)
+    fmt = _format(k_bits, v_bits, count, B, H, D, clip=clip)
     blocks = -(-seq // B)
     pad = blocks * B - seq
     kb = torch.cat([k, k.new_zeros(pad, H, D)]).reshape(blocks, B, H, D)
@@ -36,15 +37,19 @@ def test_blocks_written_whole_equal_the_reference(k_bits, v_bits, count):
     num_valid = torch.tensor([min(B, seq - i * B) for i in range(blocks)])
     pages = fmt.encode(kb, vb, num_valid)
     got_k, got_v = (x.flatten(0, 1)[:seq] for x in fmt.decode(pages))
-    want_k, want_v, chosen = fake_quant_with_outliers(k, v, k_bits, v_bits, B, count)
+    ratios = tuple(1 - r / 16 for r in range(9)) if clip else None  # docs/formats.md's ratios
+    want_k, want_v, chosen = fake_quant_with_outliers(k, v, k_bits, v_bits, B, count, ratios)
     index = fmt.outlier_index(pages)
     assert [[sorted(index[n, h].tolist()) for h in range(H)] for n in range(blocks)] == chosen
     assert all(0 in chosen[0][h] for h in range(H))  # the sink is kept by every head
     torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-5)
-    # and the feature shows: the plain format's K error is far larger
+    # and the feature shows: the plain format's K error is far larger, the unclipped one's larger
     plain = (fake_quant(k, k_bits, "channel", B) - k).abs().mean()
     assert (got_k - k).abs().mean() < 0.6 * plain
+    if clip:
+        unclipped = fake_quant_with_outliers(k, v, k_bits, v_bits, B, count)[0]
+        assert (got_k - k).square().mean() < 0.9 * (unclipped - k).square().mean()
 
 
 def test_capacity_counts_the_slots():
@@ -89,6 +94,9 @@ def test_appends_keep_the_first_writes_outliers():
     ({"k_bits": 4, "k_only": True, "outlier_tokens": 1}, "cannot be combined with k_only"),
     ({"k_bits": 4, "v_bits": 4, "rpc_fraction": 0.1, "rpc_tokens": 8, "outlier_tokens": 1}, "recent window"),
     ({"k_bits": 4, "v_bits": 4, "outlier_tokens": 9}, "outlier_tokens"),
+    ({"k_bits": 2, "v_bits": 2, "k_clip": True}, "k_clip needs outlier_tokens >= 1"),
+    ({"k_bits": 2, "v_bits": 2, "k_axis": "token", "outlier_tokens": 1, "k_clip": True}, "k_axis = 'token'"),
+    ({"k_bits": 16, "v_bits": 4, "k_clip": True}, "k_bits = 16"),
 ])
 def test_bad_outlier_settings_are_refused(fields, message):
     with pytest.raises(KVCompressionConfigError, match=message):

@@ -20,7 +20,7 @@ FORMATS = PACKED_FORMATS + [
     LayerFormat(k_bits=16, v_bits=4), LayerFormat(), LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"),
     LayerFormat(k_bits=3, v_bits=2, v_axis="channel", v_channel_scaling=True), LayerFormat(k_only=True),
     LayerFormat(k_bits=8, k_only=True), LayerFormat(k_bits=3, v_bits=2, outlier_tokens=1),
-    LayerFormat(k_bits=2, v_bits=2, outlier_tokens=2)]
+    LayerFormat(k_bits=2, v_bits=2, outlier_tokens=2), LayerFormat(k_bits=2, v_bits=2, outlier_tokens=1, k_clip=True)]
 
 
 @pytest.mark.parametrize("dealt", [False, True], ids=["shares", "dealt"])
@@ -54,13 +54,16 @@ def test_write_matches_reference_bytes_in_token_groups(bits, dealt):
 
 
 @pytest.mark.parametrize("dealt", [False, True], ids=["shares", "dealt"])
-def test_outlier_choice_matches_reference_over_stale_pages(dealt):
+@pytest.mark.parametrize("clip", [False, True], ids=["minmax", "clipped"])
+def test_outlier_choice_matches_reference_over_stale_pages(dealt, clip):
     """Pages that held another request's tokens (random bytes, stale outlier offsets among them):
     a prompt's blocks choose their outliers, sinks at their first tokens among them; a block begun
-    by a decode's single token keeps none; both write paths agree on every page they touch. K and V
-    come as views into one fused QKV row, as the attention layer hands them over."""
+    by a decode's single token keeps none; both write paths agree on every page they touch, K's
+    grids narrowed (``k_clip``) or not. K and V come as views into one fused QKV row, as the
+    attention layer hands them over."""
     B = 16
-    _steps_match_reference(LayerFormat(k_bits=3, v_bits=2, outlier_tokens=1), dealt, B, [
+    layer_format = LayerFormat(k_bits=2 if clip else 3, v_bits=2, outlier_tokens=1, k_clip=clip)
+    _steps_match_reference(layer_format, dealt, B, [
         torch.cat([torch.arange(3 * B, 3 * B + 16), torch.arange(5 * B, 5 * B + 5), torch.arange(1 * B, 1 * B + 1)]),
         torch.tensor([5 * B + 5, 1 * B + 1]),
         torch.tensor([6 * B, 7 * B]),

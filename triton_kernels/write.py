@@ -42,7 +42,7 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.formats.layout import TensorLayout, page_layout
-from vllm_kvcompress.formats.codecs import EPS, WIDEN_MARGIN
+from vllm_kvcompress.formats.codecs import CLIP_DENOMINATOR, EPS, WIDEN_MARGIN
 
 from .addressing import load_units, pack_units, store_units, unpack_codes
 from .launch import Variant, launch
@@ -76,6 +76,7 @@ DEALT_PROGRAMS = 8192
 APPEND_UNITS = 8
 _WIDEN_MARGIN = tl.constexpr(WIDEN_MARGIN)
 _EPS = tl.constexpr(EPS)
+_CLIP_DENOMINATOR = tl.constexpr(CLIP_DENOMINATOR)
 
 
 @triton.jit
@@ -103,6 +104,37 @@ def _widened_span(lo, hi, zero, grid_top):
 
 
 @triton.jit
+def _least_error_span(x, weight, mn, mx, top: tl.constexpr):
+    """Per channel of ``x`` [ROWS, UC, PER], ``mn .. mx`` shrunk about its middle by the ratio
+    ``1 - k / CLIP_DENOMINATOR`` (k = 0 .. CLIP_DENOMINATOR / 2) whose grid has the least squared
+    error, each row's counted ``weight`` [ROWS, 1, 1] times (``MinMaxCodec._least_error_span``)."""
+    mid = (mn + mx) * 0.5
+    half = (mx - mn) * 0.5
+    best_lo = mn
+    best_hi = mx
+    least = tl.full(mn.shape, float("inf"), tl.float32)
+    for k in tl.static_range(_CLIP_DENOMINATOR // 2 + 1):
+        if k == 0:
+            lo = mn
+            hi = mx
+        else:
+            ratio: tl.constexpr = 1.0 - k / _CLIP_DENOMINATOR
+            lo = mid - ratio * half
+            hi = mid + ratio * half
+        zero, step = _min_max_stats(lo, hi, top)
+        zero = zero.to(tl.float32)
+        step = step.to(tl.float32)
+        codes = tl.minimum(tl.maximum(_code_on(x, zero, step), 0.0), top)
+        error = codes * step + zero - x
+        error = tl.sum(weight * (error * error), 0)[None, :, :]
+        better = error < least
+        least = tl.where(better, error, least)
+        best_lo = tl.where(better, lo, best_lo)
+        best_hi = tl.where(better, hi, best_hi)
+    return best_lo, best_hi
+
+
+@triton.jit
 def _half(byte_ptr, mask, other):
     """float16 values at byte addresses ``byte_ptr``, as float32."""
     return tl.load(byte_ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=other).to(tl.float32)
@@ -113,12 +145,13 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
                  D: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UC: tl.constexpr,
                  PER: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr,
                  ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr,
-                 KEPT: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
+                 KEPT: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, CLIP: tl.constexpr):
     """Encode rows ``t`` (block offsets, [ROWS]) of storage units ``units`` ([UC], those where
     ``units_ok``) of one head's tensor. Row r takes its values from source row ``j[r]`` where
     ``is_new[r]``, else from the page; statistics cover the rows where ``valid[r]``. KEPT >= 0
     (statistics per channel): the page's outlier offsets [H, KC] int16 there; new rows among them
-    stay out of the statistics."""
+    stay out of the statistics. CLIP (with KEPT): a block's first write narrows its channels' grids
+    (``_least_error_span``), counting each outlier row as the reference does, as its first other row."""
     t2 = t[:, None]
     u2 = units[None, :]
     unit_ok = units_ok[None, :, None] & (u2[:, :, None] * VALS < D)
@@ -139,6 +172,10 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         kept = tl.load((page + KEPT).to(tl.pointer_type(tl.int16)) + h * KC + c, mask=c < KC, other=-1).to(tl.int32)
         is_kept = tl.sum((t2 == kept[None, :]).to(tl.int32), 1) > 0
         stat_new = newm & (is_kept == 0)[:, None, None]
+        if CLIP:  # the reference's rows: an outlier's holds its head's first other row's values
+            row = tl.reshape(t2, (t2.shape[0],))
+            first_other = tl.min(tl.where(is_kept, BLOCK, row), 0)
+            weight = tl.where(is_kept, 0.0, 1.0) + tl.where(row == first_other, tl.sum(is_kept.to(tl.float32), 0), 0.0)
     x_new = tl.load(src_ptr + j[:, None, None] * src_stride + h * D + ch, mask=newm, other=0.0).to(tl.float32)
 
     # earlier tokens, decoded from the page (a new row's stored bytes are not read: with statistics
@@ -179,6 +216,10 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         mx = tl.max(tl.max(tl.where(rows_ok, x, float("-inf")), 2), 1)[:, None, None]
     mn = tl.where(mn == float("inf"), 0.0, mn)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
+    if CLIP:  # on the block's first write; an append widens as without
+        lo, hi = _least_error_span(x, tl.where(valid & is_new, weight[:, None, None], 0.0), mn, mx, top)
+        mn = tl.where(has_old, mn, lo)
+        mx = tl.where(has_old, mx, hi)
     zero_h, scale_h = _min_max_stats(mn, mx, top)
     if PER_CHANNEL and CS < 0:  # append rule: channels whose new values fit their grid keep it
         q_old = _code_on(x_new, zero, scale)
@@ -300,13 +341,13 @@ def _encode_chunks(src_ptr, src_stride, t, j, is_new, last, first, step, page, h
                    BLOCK: tl.constexpr, BITS: tl.constexpr, VALS: tl.constexpr, UNITS: tl.constexpr,
                    PER: tl.constexpr, UC: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr,
                    SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                   GROUP: tl.constexpr, KEPT: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
+                   GROUP: tl.constexpr, KEPT: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, CLIP: tl.constexpr):
     """Encode the block's rows up to offset ``last`` (``_block_window``'s t, j, is_new), for the
     chunks of UC units starting at unit ``first``, every ``step`` units (channels are independent)."""
     for unit in range(first, UNITS, step):
         units = unit + tl.arange(0, UC)
         _encode_rows(src_ptr, src_stride, t, j, is_new, t <= last, page, h, units, units < UNITS, D,
-                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL, GROUP, KEPT, KC, KCP)
+                     BLOCK, BITS, VALS, UC, PER, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL, GROUP, KEPT, KC, KCP, CLIP)
 
 
 @triton.jit
@@ -315,7 +356,7 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                   UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr, OWN: tl.constexpr,
                   CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr, CS: tl.constexpr,
                   PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, AG: tl.constexpr, RT: tl.constexpr,
-                  DEAL: tl.constexpr, KEPT: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr):
+                  DEAL: tl.constexpr, KEPT: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, CLIP: tl.constexpr):
     """Token i's write of one tensor (K or V) for head h, as share ``share`` of ``shares``. Where
     statistics are per channel, the block's chunks of UC units are dealt out over the shares (share
     s takes every shares-th chunk, OWN units in all), so a block's re-encoding runs in that many
@@ -345,7 +386,7 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                 else:
                     _encode_chunks(src_ptr, src_stride, t, j, is_new, last, (rank * shares + share) * UC,
                                    dealers * shares * UC, page, h, D, BLOCK, BITS, VALS, UNITS, PER, UC, CODES, ROW,
-                                   SCALE, ZERO, CS, PER_CHANNEL, GROUP, KEPT, KC, KCP)
+                                   SCALE, ZERO, CS, PER_CHANNEL, GROUP, KEPT, KC, KCP, CLIP)
     elif PER_CHANNEL or CS >= 0:  # block-wide statistics: the block's last new token re-encodes it
         nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_tokens, other=-1).to(tl.int64)
         if (nxt < 0) | (nxt // BLOCK != blk):
@@ -357,13 +398,13 @@ def _write_tensor(src_ptr, src_stride, slot_ptr, num_tokens, i, h, share, shares
                 t, j, is_new = _block_window(slot_ptr, num_tokens, i, off, blk, BLOCK)
                 _encode_chunks(src_ptr, src_stride, t, j, is_new, off, share * UC, shares * UC, page, h, D, BLOCK,
                                BITS, VALS, UNITS, PER, UC, CODES, ROW, SCALE, ZERO, CS, PER_CHANNEL, GROUP, KEPT, KC,
-                               KCP)
+                               KCP, CLIP)
     else:  # statistics per token: only its own row changes
         one = tl.arange(0, 1)
         all_units = tl.arange(0, UNITS)
         _encode_rows(src_ptr, src_stride, off + one, i + one, one == 0, one == 0, page, h, all_units,
                      all_units < UNITS, D, BLOCK, BITS, VALS, UNITS, PER, CODES, ROW, SCALE, ZERO, CS,
-                     PER_CHANNEL, GROUP, -1, 0, 1)
+                     PER_CHANNEL, GROUP, -1, 0, 1, False)
 
 
 # a step's token count is not specialized on (1, multiples of 16): no compile in the middle of serving
@@ -374,12 +415,13 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_s
                   K_UC: tl.constexpr, K_OWN: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr,
                   K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, K_CS: tl.constexpr, K_PER_CHANNEL: tl.constexpr,
                   K_GROUP: tl.constexpr, K_AG: tl.constexpr, K_RT: tl.constexpr, K_DEAL: tl.constexpr,
-                  K_KEPT: tl.constexpr, K_KC: tl.constexpr, K_KCP: tl.constexpr, HAS_V: tl.constexpr,
+                  K_KEPT: tl.constexpr, K_KC: tl.constexpr, K_KCP: tl.constexpr, K_CLIP: tl.constexpr,
+                  HAS_V: tl.constexpr,
                   V_BITS: tl.constexpr, V_VALS: tl.constexpr, V_UNITS: tl.constexpr, V_PER: tl.constexpr,
                   V_UC: tl.constexpr, V_OWN: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr,
                   V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_PER_CHANNEL: tl.constexpr,
                   V_GROUP: tl.constexpr, V_AG: tl.constexpr, V_RT: tl.constexpr, V_DEAL: tl.constexpr,
-                  V_KEPT: tl.constexpr, V_KC: tl.constexpr, V_KCP: tl.constexpr):
+                  V_KEPT: tl.constexpr, V_KC: tl.constexpr, V_KCP: tl.constexpr, V_CLIP: tl.constexpr):
     """Program (token i, head h, share s) writes K as share s of the grid's third axis, and, in
     share 0, V (one launch for both: V's own launch cost a decode step of 144 requests 15.6 us on
     an H200, MHA 4/4)."""
@@ -391,12 +433,12 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_s
         page = cache_ptr + (slot // BLOCK) * page_bytes
         _write_tensor(k_ptr, k_stride, slot_ptr, num_tokens, i, h, share, tl.num_programs(2), slot, page, H, D, BLOCK,
                       K_BITS, K_VALS, K_UNITS, K_PER, K_UC, K_OWN, K_CODES, K_ROW, K_SCALE, K_ZERO, K_CS,
-                      K_PER_CHANNEL, K_GROUP, K_AG, K_RT, K_DEAL, K_KEPT, K_KC, K_KCP)
+                      K_PER_CHANNEL, K_GROUP, K_AG, K_RT, K_DEAL, K_KEPT, K_KC, K_KCP, K_CLIP)
         if HAS_V:
             if share == 0:
                 _write_tensor(v_ptr, v_stride, slot_ptr, num_tokens, i, h, 0, 1, slot, page, H, D, BLOCK,
                               V_BITS, V_VALS, V_UNITS, V_PER, V_UC, V_OWN, V_CODES, V_ROW, V_SCALE, V_ZERO, V_CS,
-                              V_PER_CHANNEL, V_GROUP, V_AG, V_RT, V_DEAL, V_KEPT, V_KC, V_KCP)
+                              V_PER_CHANNEL, V_GROUP, V_AG, V_RT, V_DEAL, V_KEPT, V_KC, V_KCP, V_CLIP)
 
 
 def _geometry(bits: int, d: int) -> tuple[int, int, int]:
@@ -427,7 +469,7 @@ def _tensor_constants(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channel
     return dict(BITS=lay.bits, VALS=vals, UNITS=units, PER=per, UC=chunk, OWN=units // shares, CODES=lay.codes,
                 ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale, PER_CHANNEL=per_channel,
                 GROUP=lay.token_group, AG=gathered, RT=rows_per_tile, DEAL=deal, KEPT=kept, KC=fmt.outliers,
-                KCP=triton.next_power_of_2(max(fmt.outliers, 1))), shares
+                KCP=triton.next_power_of_2(max(fmt.outliers, 1)), CLIP=getattr(codec, "clip", False) and kept >= 0), shares
 
 
 @functools.cache

@@ -32,8 +32,7 @@ from dataclasses import dataclass
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
-
-CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
+from vllm_kvcompress.formats import CLIP_RATIOS  # the pages' ratios
 
 
 def _grid_codes(x: torch.Tensor, ref: torch.Tensor, dim: int, bits: int, narrow3: bool,

@@ -50,7 +50,7 @@ class KVPageFormat:
     def from_layer_format(cls, fmt, dtype: torch.dtype, block_size: int, num_kv_heads: int,
                           head_size: int) -> "KVPageFormat":
         shape = (dtype, block_size, num_kv_heads, head_size)
-        k = codec_for("k_codec", TensorSpec(fmt.k_bits, fmt.k_axis, codec=fmt.k_codec), *shape)
+        k = codec_for("k_codec", TensorSpec(fmt.k_bits, fmt.k_axis, codec=fmt.k_codec, clip=fmt.k_clip), *shape)
         v = None if fmt.k_only else codec_for("v_codec", TensorSpec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling,
                                                                  fmt.v_codec), *shape)
         if not fmt.has_recent_window:
