@@ -16,6 +16,10 @@ from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
 from vllm_kvcompress.triton_kernels.write import write_tokens  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def format_id_of(fields: dict) -> str:
+    return format_id(LayerFormat(**fields))
 FORMATS = PACKED_FORMATS + [
     LayerFormat(k_bits=16, v_bits=4), LayerFormat(), LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"),
     LayerFormat(k_bits=3, v_bits=2, v_axis="channel", v_channel_scaling=True), LayerFormat(k_only=True),
@@ -223,3 +227,28 @@ def test_the_per_channel_write_keeps_to_its_register_cap(bits):
         variant, _ = write._write_variant(fmt, write.CHUNK_CHANNELS, write.SPREAD, write.APPEND_UNITS, None, dealt)
         kept = [compiled for (v_, _), (compiled, _) in launch._compiled.items() if v_ is variant]
         assert kept and all(0 < c.n_regs <= write.REGISTER_CAP for c in kept)
+
+
+_WRITE_KERNEL = """
+import torch
+from vllm_kvcompress.config import LayerFormat
+from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.triton_kernels import write
+
+fmt = KVPageFormat.from_layer_format(LayerFormat(**%(fields)s), torch.bfloat16, 128, 8, 128)
+runtime = dict(k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64", cache_ptr="*u8", num_tokens="i32", page_bytes="i32",
+               k_stride="i32", v_stride="i32")
+for dealt in (False, True):
+    variant, _ = write._write_variant(fmt, write.CHUNK_CHANNELS, write.SPREAD, write.APPEND_UNITS, None, dealt)
+    compile_for_h100(write._write_kernel, runtime, variant.constants)
+"""
+
+
+@pytest.mark.parametrize("fields", [dict(k_bits=4, v_bits=4), dict(k_bits=3, v_bits=2, outlier_tokens=1),
+                                    dict(k_bits=2, v_bits=2, outlier_tokens=1, k_clip=True)], ids=format_id_of)
+def test_the_write_kernel_compiles_for_the_gpu(fields):
+    """The write kernel, in its shares and its dealt variant, passes the sm_90 compiler's front end
+    (the CPU suite runs it in the interpreter, which lets through what the compiler refuses)."""
+    from sm90 import compiles_for_h100
+
+    compiles_for_h100(_WRITE_KERNEL % dict(fields=fields))

@@ -118,9 +118,8 @@ def _least_error_span(x, weight, mn, mx, top: tl.constexpr):
             lo = mn
             hi = mx
         else:
-            ratio: tl.constexpr = 1.0 - k / _CLIP_DENOMINATOR
-            lo = mid - ratio * half
-            hi = mid + ratio * half
+            lo = mid - (1.0 - k / _CLIP_DENOMINATOR) * half
+            hi = mid + (1.0 - k / _CLIP_DENOMINATOR) * half
         zero, step = _min_max_stats(lo, hi, top)
         zero = zero.to(tl.float32)
         step = step.to(tl.float32)
