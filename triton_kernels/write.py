@@ -215,10 +215,10 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         mx = tl.max(tl.max(tl.where(rows_ok, x, float("-inf")), 2), 1)[:, None, None]
     mn = tl.where(mn == float("inf"), 0.0, mn)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    if CLIP:  # on the block's first write; an append widens as without
-        lo, hi = _least_error_span(x, tl.where(valid & is_new, weight[:, None, None], 0.0), mn, mx, top)
-        mn = tl.where(has_old, mn, lo)
-        mx = tl.where(has_old, mx, hi)
+    if CLIP:  # on the block's first write, of two tokens or more (one value keeps its plain grid at
+        # every ratio: a decoding token's new block skips the search); an append widens as without
+        if (tl.sum((valid & is_new).to(tl.int32)) > 1) & (has_old == 0):
+            mn, mx = _least_error_span(x, tl.where(valid & is_new, weight[:, None, None], 0.0), mn, mx, top)
     zero_h, scale_h = _min_max_stats(mn, mx, top)
     if PER_CHANNEL and CS < 0:  # append rule: channels whose new values fit their grid keep it
         q_old = _code_on(x_new, zero, scale)
