@@ -637,6 +637,23 @@ def test_outlier_experiment_narrows_k_grids_to_the_least_squared_error():
     assert torch.equal(clipped[1], plain[1])
 
 
+def test_outlier_experiment_keeps_only_k_exact_with_konly():
+    """``konly`` in the outlier experiment: a block's kept token reads its K exact, as without the
+    option, and its V coded per token on its own grid, as every other token's V."""
+    from benchmarks.experiments.outliers import Setting, _grid_codes
+
+    torch.manual_seed(0)
+    key, value = torch.randn(1, 1, 140, 8), torch.randn(1, 1, 140, 8)
+    key[0, 0, 7] += 20.0  # the block's most deviant token
+    query = torch.randn(1, 1, 12, 8)  # 128 cached tokens: one block
+    both = Setting.parse("2/2/1", 16).cached(None, query, key, value, 1.0)
+    konly = Setting.parse("2/2/1/konly", 16).cached(None, query, key, value, 1.0)
+    assert torch.equal(konly[0], both[0]) and torch.equal(konly[0][0, 0, 7], key[0, 0, 7])
+    assert torch.equal(both[1][0, 0, 7], value[0, 0, 7])
+    assert torch.allclose(konly[1][0, 0, :128], _grid_codes(value[0, 0, :128], value[0, 0, :128], -1, 2, False))
+    assert not torch.equal(konly[1][0, 0, 7], value[0, 0, 7])
+
+
 FAKE_VLLM_CLI = '''
 import http.server, json, sys
 args = sys.argv[1:]

@@ -19,7 +19,8 @@ layout, every 11th channel on a 2-bit grid, as the pages store them; else dense 
 window that costs memory only for the tokens it holds, R x 16 bits a request), ``prerope`` (K
 quantized before its rotary embedding, KVQuant's pre-RoPE keys: rotated back by each token's
 position, quantized, rotated again), ``clip`` / ``clipk`` / ``clipv`` (each statistics group's range
-narrowed to the least squared error, values beyond it on the end levels).
+narrowed to the least squared error, values beyond it on the end levels), ``konly`` (kept tokens'
+K exact, their V coded per token as every other token's).
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ class Setting:
             if self.kept_bits == 8:
                 exact_k = _turn(_grid_codes(k_coded, k_coded, -1, 8, False), angles, 1.0)
                 exact_v = _grid_codes(v, v, -1, 8, False)
+            if "konly" in self.options:
+                exact_v = qv
             k_out[0, :, a:b] = torch.where(keep, exact_k, qk).to(key.dtype)
             v_out[0, :, a:b] = torch.where(keep, exact_v, qv).to(value.dtype)
         window = slice(max(n - self._recent(), 0), n)  # empty without ``recentR``
