@@ -118,8 +118,9 @@ def _least_error_span(x, weight, mn, mx, top: tl.constexpr):
             lo = mn
             hi = mx
         else:
-            lo = mid - (1.0 - k / _CLIP_DENOMINATOR) * half
-            hi = mid + (1.0 - k / _CLIP_DENOMINATOR) * half
+            shrunk = (1.0 - k / _CLIP_DENOMINATOR) * half
+            lo = mid - shrunk
+            hi = mid + shrunk
         zero, step = _min_max_stats(lo, hi, top)
         zero = zero.to(tl.float32)
         step = step.to(tl.float32)
@@ -171,10 +172,6 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
         kept = tl.load((page + KEPT).to(tl.pointer_type(tl.int16)) + h * KC + c, mask=c < KC, other=-1).to(tl.int32)
         is_kept = tl.sum((t2 == kept[None, :]).to(tl.int32), 1) > 0
         stat_new = newm & (is_kept == 0)[:, None, None]
-        if CLIP:  # the reference's rows: an outlier's holds its head's first other row's values
-            row = tl.reshape(t2, (t2.shape[0],))
-            first_other = tl.min(tl.where(is_kept, BLOCK, row), 0)
-            weight = tl.where(is_kept, 0.0, 1.0) + tl.where(row == first_other, tl.sum(is_kept.to(tl.float32), 0), 0.0)
     x_new = tl.load(src_ptr + j[:, None, None] * src_stride + h * D + ch, mask=newm, other=0.0).to(tl.float32)
 
     # earlier tokens, decoded from the page (a new row's stored bytes are not read: with statistics
@@ -218,6 +215,10 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
     if CLIP:  # on the block's first write, of two tokens or more (one value keeps its plain grid at
         # every ratio: a decoding token's new block skips the search); an append widens as without
         if (tl.sum((valid & is_new).to(tl.int32)) > 1) & (has_old == 0):
+            # the reference's rows: an outlier's holds its head's first other row's values
+            row = tl.reshape(t2, (t2.shape[0],))
+            first_other = tl.min(tl.where(is_kept, BLOCK, row), 0)
+            weight = tl.where(is_kept, 0.0, 1.0) + tl.where(row == first_other, tl.sum(is_kept.to(tl.float32), 0), 0.0)
             mn, mx = _least_error_span(x, tl.where(valid & is_new, weight[:, None, None], 0.0), mn, mx, top)
     zero_h, scale_h = _min_max_stats(mn, mx, top)
     if PER_CHANNEL and CS < 0:  # append rule: channels whose new values fit their grid keep it

@@ -33,6 +33,8 @@ WIDEN_MARGIN = 0.125
 # +17.2% to +8.4% and on Qwen2.5-Coder from +12.2% to +1.0%; at 3 and 4 bits it costs (docs/formats.md).
 CLIP_DENOMINATOR = 16
 CLIP_RATIOS = tuple(1 - k / CLIP_DENOMINATOR for k in range(CLIP_DENOMINATOR // 2 + 1))
+
+
 def widened_span(lo: torch.Tensor, hi: torch.Tensor, zero: torch.Tensor, grid_top: torch.Tensor):
     """The bounds a widened channel's grid spans: its stored grid ``zero .. grid_top`` and its new
     values ``lo .. hi``, moved out by ``WIDEN_MARGIN`` of that span on each side the new values pass
@@ -253,11 +255,14 @@ class MinMaxCodec:
             mn, mx = torch.where(has_stored, lo, mn), torch.where(has_stored, hi, mx)
         mn = torch.where(torch.isfinite(mn), mn, 0)
         mx = torch.where(torch.isfinite(mx), mx, 0)
-        if self.clip:  # on a block's first write; an append widens as without
-            lo, hi = self._least_error_span(x, stat_rows, mn, mx)
-            mn, mx = (torch.where(has_stored, mn, lo), torch.where(has_stored, mx, hi)) if appending else (lo, hi)
-        zero = mn.to(_SCALE_DTYPE).float()
-        scale = ((mx - zero) / self.top).clamp_min(EPS).to(_SCALE_DTYPE).float()
+        if self.clip:  # on a block's first write of two tokens or more; an append widens as without
+            searched = stat_rows.sum(1, keepdim=True) > 1  # (one value keeps its plain grid at every ratio)
+            if appending:
+                searched = searched & ~has_stored
+            if searched.any():
+                lo, hi = self._least_error_span(x, stat_rows, mn, mx)
+                mn, mx = torch.where(searched, lo, mn), torch.where(searched, hi, mx)
+        zero, scale = self._grid(mn, mx)
         keep = None
         if appending:
             keep = self._grid_kept(x, stat_rows, old_zero, old_scale) & has_stored
@@ -280,13 +285,17 @@ class MinMaxCodec:
         best_lo, best_hi, least = mn, mx, torch.full_like(mn, float("inf"))
         for ratio in CLIP_RATIOS:
             lo, hi = (mn, mx) if ratio == 1.0 else (mid - ratio * half, mid + ratio * half)
-            zero = lo.to(_SCALE_DTYPE).float()
-            step = ((hi - zero) / self.top).clamp_min(EPS).to(_SCALE_DTYPE).float()
+            zero, step = self._grid(lo, hi)
             error = torch.where(rows, (self._codes(x, zero, step) * step + zero - x) ** 2, 0).sum(1, keepdim=True)
             better = error < least
             least = torch.where(better, error, least)
             best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
         return best_lo, best_hi
+
+    def _grid(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float16 zero and scale (as float32) of the grid spanning ``lo .. hi``."""
+        zero = lo.to(_SCALE_DTYPE).float()
+        return zero, ((hi - zero) / self.top).clamp_min(EPS).to(_SCALE_DTYPE).float()
 
     @staticmethod
     def _codes_unclamped(x: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
