@@ -16,10 +16,6 @@ from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
 from vllm_kvcompress.triton_kernels.write import write_tokens  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def format_id_of(fields: dict) -> str:
-    return format_id(LayerFormat(**fields))
 FORMATS = PACKED_FORMATS + [
     LayerFormat(k_bits=16, v_bits=4), LayerFormat(), LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"),
     LayerFormat(k_bits=3, v_bits=2, v_axis="channel", v_channel_scaling=True), LayerFormat(k_only=True),
@@ -245,7 +241,8 @@ for dealt in (False, True):
 
 
 @pytest.mark.parametrize("fields", [dict(k_bits=4, v_bits=4), dict(k_bits=3, v_bits=2, outlier_tokens=1),
-                                    dict(k_bits=2, v_bits=2, outlier_tokens=1, k_clip=True)], ids=format_id_of)
+                                    dict(k_bits=2, v_bits=2, outlier_tokens=1, k_clip=True)],
+                         ids=lambda fields: format_id(LayerFormat(**fields)))
 def test_the_write_kernel_compiles_for_the_gpu(fields):
     """The write kernel, in its shares and its dealt variant, passes the sm_90 compiler's front end
     (the CPU suite runs it in the interpreter, which lets through what the compiler refuses)."""
