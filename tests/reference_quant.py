@@ -97,13 +97,22 @@ def _clipped_grid(values: torch.Tensor, bits: int, ratios) -> tuple[torch.Tensor
     return torch.stack(zeros)[None], torch.stack(steps)[None]
 
 
+def row_quant(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [..., D] quantized-dequantized on each row's own min-max grid."""
+    zero, step = _grid(x.float(), -1, bits)
+    return _quant(x.float(), zero, step, bits) * step + zero
+
+
+OUTLIER_K_BITS, OUTLIER_V_BITS = 8, 4  # an outlier row's codes (docs/formats.md)
+
+
 def fake_quant_with_outliers(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, block: int,
                              count: int, clip_ratios=None) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Outlier tokens, stated from docs/formats.md: k, v [seq, H, D], each block written whole.
     Per block and head, the ``count`` tokens whose K has the largest z-score in any channel (mean and
-    population standard deviation over the block's tokens, 1e-6 added to it) stay exact; K's grid per
-    channel spans the block's other tokens only (an outlier's value may lie off it) and V is coded per
-    token. A block of ``count`` tokens or fewer keeps none. ``clip_ratios`` (``k_clip``): each K
+    population standard deviation over the block's tokens, 1e-6 added to it) are kept apart, each
+    row on its own grid (K on 8 bits, V on 4); K's grid per channel spans the block's other tokens
+    only (an outlier's value may lie off it) and V is coded per token. A block of ``count`` tokens or fewer keeps none. ``clip_ratios`` (``k_clip``): each K
     channel's grid is narrowed (``_clipped_grid``), its error counted over the other tokens and, for
     each outlier, once more over the block's first other token. Returns k, v as read back and the
     chosen offsets, [block][head] -> sorted list."""
@@ -127,8 +136,8 @@ def fake_quant_with_outliers(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bi
                 zero, step = _grid(x[others], 0, k_bits)
             out_k[start:start + n, h] = _quant(x, zero, step, k_bits) * step + zero
             for i in keep:
-                out_k[start + i, h] = k[start + i, h].float()
-                out_v[start + i, h] = v[start + i, h].float()
+                out_k[start + i, h] = row_quant(k[start + i, h], OUTLIER_K_BITS)
+                out_v[start + i, h] = row_quant(v[start + i, h], OUTLIER_V_BITS)
             per_head.append(keep)
         chosen.append(per_head)
     return out_k, out_v, chosen

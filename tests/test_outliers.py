@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from reference_quant import fake_quant, fake_quant_with_outliers
+from reference_quant import OUTLIER_K_BITS, OUTLIER_V_BITS, fake_quant, fake_quant_with_outliers, row_quant
 from vllm_kvcompress import paged_torch
 from vllm_kvcompress.config import KVCompressionConfigError, LayerFormat, load_config
 from vllm_kvcompress.formats import KVPageFormat
@@ -53,22 +53,22 @@ def test_blocks_written_whole_equal_the_reference(k_bits, v_bits, count, clip):
 
 
 def test_capacity_counts_the_slots():
-    """Head size 128, 8 KV heads, 128-token pages: 3/2 bits hold 5.82x a 16-bit cache's tokens, 5.55x
-    with an outlier a block: each head's offset (int16) and 16-bit K and V, the page rounded up to 128
-    slots of whole bfloat16 elements."""
+    """Head size 128, 8 KV heads, 128-token pages: 3/2 bits hold 5.82x a 16-bit cache's tokens, less
+    with an outlier a block: each head's offset (int16), 8-bit K and 4-bit V codes and their float16
+    zeros and scales, the page rounded up to 128 slots of whole bfloat16 elements."""
     def ratio(count):
         fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=3, v_bits=2, outlier_tokens=count), torch.bfloat16,
                                              128, 8, 128)
         return fmt.dense_page_bytes() / fmt.page_bytes
     assert ratio(0) == pytest.approx(5.818, abs=1e-3)
-    page = 8 * 11264 + 16 + 8 * 2 * 128 * 2  # codes and statistics, offsets, values
+    page = 8 * 11264 + 16 + 8 * 128 + 8 * 64 + 8 * 2 * 2 * 2  # codes and statistics, offsets, outlier rows
     assert ratio(1) == pytest.approx(8 * 65536 / (128 * 2 * -(-page // 256)), abs=1e-6)
 
 
 def test_appends_keep_the_first_writes_outliers():
     """Through the torch write path: a prompt's first block in two writes keeps the outliers of the
     first; a block begun by a decode's single token keeps none; reading back gives the outliers'
-    exact values."""
+    rows as coded on their own grids."""
     B, H, D = 16, 2, 64
     fmt = _format(3, 2, 1, B, H, D)
     k, v = _sinky(B + 2, H, D, seed=3)
@@ -83,8 +83,8 @@ def test_appends_keep_the_first_writes_outliers():
     assert torch.equal(fmt.outlier_index(cache[1:2]), first)
     assert (fmt.outlier_index(cache[2:3]) == -1).all()
     got_k, got_v = fmt.decode(cache[1:2])
-    torch.testing.assert_close(got_k[0, 0], k[0], rtol=0, atol=0)
-    torch.testing.assert_close(got_v[0, 0], v[0], rtol=0, atol=0)
+    torch.testing.assert_close(got_k[0, 0], row_quant(k[0], OUTLIER_K_BITS), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_v[0, 0], row_quant(v[0], OUTLIER_V_BITS), rtol=0, atol=1e-6)
     # the others' grid is theirs: the sink's K lies far off it
     assert (got_k[0, 1:] - k[1:B]).abs().max() < 0.5 * (k[0] - k[1:B].mean(0)).abs().max()
 

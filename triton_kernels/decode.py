@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.formats import KVPageFormat, outliers
 from vllm_kvcompress.formats.layout import page_layout
 from vllm_kvcompress.formats.merged import MergedLayer
 from vllm_kvcompress.launch_plans import LaunchPlans
@@ -218,20 +218,42 @@ def _kept_offsets(page, h, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexp
 
 
 @triton.jit
+def _outlier_rows(page, r, held, h, stat_row, CODES: tl.constexpr, STATS: tl.constexpr, BITS: tl.constexpr,
+                  H: tl.constexpr, D: tl.constexpr, RP: tl.constexpr):
+    """[RP, D] float32: head h's outlier rows of K or V, each decoded from its own grid
+    (``outliers.quantize_rows``): codes [R, H, D * BITS / 8] at byte CODES, float16 (zero, scale)
+    [R, 2 H, 2] at byte STATS, row ``stat_row`` of the 2 H (h for K, H + h for V)."""
+    row_bytes: tl.constexpr = D * BITS // 8
+    at = page + CODES + (r[:, None] * H + h) * row_bytes + tl.arange(0, row_bytes)[None, :]
+    codes = tl.load(at, mask=held[:, None], other=0).to(tl.int32)
+    if BITS == 4:  # channel 2j in the low half of byte j
+        codes = tl.reshape(tl.join(codes & 15, codes >> 4), [RP, D])
+    stats = (page + STATS).to(tl.pointer_type(tl.float16)) + (r * 2 * H + stat_row) * 2
+    zero = tl.load(stats, mask=held, other=0.0).to(tl.float32)
+    scale = tl.load(stats + 1, mask=held, other=0.0).to(tl.float32)
+    return codes.to(tl.float32) * scale[:, None] + zero[:, None]
+
+
+@triton.jit
 def _retained_tokens(page, kept_at, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3,
                      H: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
                      ROW_QUERY: tl.constexpr, RP: tl.constexpr, KEPT: tl.constexpr, LAYER: tl.constexpr,
-                     LAYERS: tl.constexpr):
+                     LAYERS: tl.constexpr, HEAD_INDEX: tl.constexpr, KEPT_V: tl.constexpr,
+                     KEPT_STATS: tl.constexpr, KEPT_K_BITS: tl.constexpr, KEPT_V_BITS: tl.constexpr):
     """One more step of the online softmax (``m``, ``l``, the output's planes): the kept tokens of the
-    block that starts at token ``first`` (their offsets ``kept_at``, ``_kept_offsets``), exact, from
-    the block's slots [R, LAYERS, 2 (K, V), H, D] in the model dtype (``q``'s): a layer page's
-    outliers (LAYERS 1) or a MiniCache pair's retained tokens (LAYERS 2, layer LAYER's)."""
+    block that starts at token ``first`` (their offsets ``kept_at``, ``_kept_offsets``). HEAD_INDEX:
+    a layer page's outliers, coded rows (``_outlier_rows``; K's codes at KEPT, V's at KEPT_V).
+    Otherwise a MiniCache pair's retained tokens, exact, from the block's slots [R, LAYERS, 2 (K, V),
+    H, D] in the model dtype (``q``'s), layer LAYER's."""
     dtype = q.dtype
     r = tl.arange(0, RP)
     held = (kept_at >= 0) & (first + kept_at < L)
     d = tl.arange(0, D)[None, :]
-    rows = (page + KEPT).to(tl.pointer_type(dtype)) + ((r[:, None] * LAYERS + LAYER) * 2 * H + h) * D + d
-    k = tl.load(rows, mask=held[:, None], other=0.0)
+    if HEAD_INDEX:
+        k = _outlier_rows(page, r, held, h, h, KEPT, KEPT_STATS, KEPT_K_BITS, H, D, RP).to(dtype)
+    else:
+        rows = (page + KEPT).to(tl.pointer_type(dtype)) + ((r[:, None] * LAYERS + LAYER) * 2 * H + h) * D + d
+        k = tl.load(rows, mask=held[:, None], other=0.0)
     s = tl.dot(tl.broadcast_to(q, (GP, D)), tl.trans(k)) * q_scale
     valid = held[None, :]
     if ONE_ROW:  # one query row: its logits alone (ROW_QUERY: every row is the query's)
@@ -240,7 +262,11 @@ def _retained_tokens(page, kept_at, first, L, h, q, q_scale, gmask, m, l, acc0, 
         p = tl.where(gmask, p1, 0.0)
     else:
         m, l, alpha, p = _softmax_step(s, valid, m, l, GP, False)
-    v0, v1, v2, v3 = _split_planes(tl.load(rows + H * D, mask=held[:, None], other=0.0), VP)
+    if HEAD_INDEX:
+        v = _outlier_rows(page, r, held, h, H + h, KEPT_V, KEPT_STATS, KEPT_V_BITS, H, D, RP).to(dtype)
+    else:
+        v = tl.load(rows + H * D, mask=held[:, None], other=0.0)
+    v0, v1, v2, v3 = _split_planes(v, VP)
     p = p.to(dtype)
     acc0 = acc0 * alpha + tl.dot(p, v0)
     if VP > 1:
@@ -266,7 +292,8 @@ def _decode_kernel(
     V_ZERO: tl.constexpr, V_CS: tl.constexpr, V_GROUP: tl.constexpr, ASM: tl.constexpr, ORDERED: tl.constexpr,
     ONE_ROW: tl.constexpr, ROW_QUERY: tl.constexpr, PRIOR: tl.constexpr, K_NORMS: tl.constexpr,
     V_NORMS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr, KEPT: tl.constexpr,
-    LAYER: tl.constexpr, LAYERS: tl.constexpr, HEAD_INDEX: tl.constexpr,
+    LAYER: tl.constexpr, LAYERS: tl.constexpr, HEAD_INDEX: tl.constexpr, KEPT_V: tl.constexpr,
+    KEPT_STATS: tl.constexpr, KEPT_K_BITS: tl.constexpr, KEPT_V_BITS: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one token of a
     prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group starting at
@@ -462,7 +489,8 @@ def _decode_kernel(
             if t % TPP == 0:
                 m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
                     page, kept, (t // TPP) * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP,
-                    VP, ONE_ROW, ROW_QUERY, RP, KEPT, LAYER, LAYERS)
+                    VP, ONE_ROW, ROW_QUERY, RP, KEPT, LAYER, LAYERS, HEAD_INDEX, KEPT_V, KEPT_STATS, KEPT_K_BITS,
+                    KEPT_V_BITS)
 
     if not SPLIT:
         dst = out_ptr + ((row0 + r) * out_stride + head * D)[:, None] + dv * VP
@@ -601,15 +629,18 @@ def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, t
 def _kept_constants(fmt: KVPageFormat | MergedLayer) -> dict:
     """Where a page keeps tokens exact: a MiniCache pair's layer its norms and retained tokens, a
     layer page its outlier tokens (none: R 0)."""
-    none = dict(K_NORMS=-1, V_NORMS=-1, R=0, RP=16, INDEX=0, KEPT=0, LAYER=0, LAYERS=1, HEAD_INDEX=False)
+    none = dict(K_NORMS=-1, V_NORMS=-1, R=0, RP=16, INDEX=0, KEPT=0, LAYER=0, LAYERS=1, HEAD_INDEX=False, KEPT_V=0,
+                KEPT_STATS=0, KEPT_K_BITS=16, KEPT_V_BITS=16)
     if isinstance(fmt, MergedLayer):
         at = fmt.pair.regions.start
         return none | dict(K_NORMS=fmt.norms_at(0), V_NORMS=fmt.norms_at(1), R=fmt.pair.retained,
                            RP=max(16, triton.next_power_of_2(fmt.pair.retained)), INDEX=at("index"), KEPT=at("kept"),
                            LAYER=fmt.layer, LAYERS=2)
     if fmt.outliers:
-        return none | dict(R=fmt.outliers, RP=max(16, triton.next_power_of_2(fmt.outliers)), INDEX=fmt.codes_bytes,
-                           KEPT=fmt.outlier_values_at, HEAD_INDEX=True)
+        return none | dict(R=fmt.outliers, RP=max(16, triton.next_power_of_2(fmt.outliers)),
+                           INDEX=fmt.outlier_at("index"), KEPT=fmt.outlier_at("k_codes"), HEAD_INDEX=True,
+                           KEPT_V=fmt.outlier_at("v_codes"), KEPT_STATS=fmt.outlier_at("stats"),
+                           KEPT_K_BITS=outliers.K_BITS, KEPT_V_BITS=outliers.V_BITS)
     return none
 
 

@@ -6,7 +6,8 @@ With no more than ``count`` of them it marks the block as keeping none (a recycl
 another request's offsets); otherwise it scores them as ``outliers.deviation`` does (each token's
 largest z-score over K's channels, mean and population standard deviation of the block's new tokens
 per channel, IEEE division and square root), keeps the ``count`` highest (lowest offset first among
-equals) and stores their offsets and exact K and V in the page's slots. The write kernel then
+equals) and stores their offsets and their K and V rows, each coded on its own grid as
+``outliers.quantize_rows`` codes it, in the page's slots. The write kernel then
 leaves those rows out of K's statistics. Blocks a step appends to keep their outliers: their
 programs do nothing.
 """
@@ -20,17 +21,37 @@ import triton
 import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
-from vllm_kvcompress.formats.outliers import DEVIATION_EPS
+from vllm_kvcompress.formats import outliers
 
 from .launch import Variant, launch
 
-_EPS = tl.constexpr(DEVIATION_EPS)
+_EPS = tl.constexpr(outliers.DEVIATION_EPS)
+_SCALE_EPS = tl.constexpr(outliers.SCALE_EPS)
+
+
+@triton.jit
+def _store_row(x, codes_at, stats_at, BITS: tl.constexpr, D: tl.constexpr):
+    """Code one row ``x`` [D] float32 on its min-max grid (``outliers.quantize_rows``): packed codes
+    at ``codes_at`` (uint8), float16 zero and scale at ``stats_at``."""
+    top = (1 << BITS) - 1
+    zero = tl.min(x, 0).to(tl.float16).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(x, 0) - zero, top + 0.0), _SCALE_EPS).to(tl.float16).to(tl.float32)
+    q = tl.floor(tl.math.div_rn(x - zero, scale + tl.zeros_like(x)) + 0.5)
+    q = tl.minimum(tl.maximum(q, 0.0), top + 0.0).to(tl.int32)
+    if BITS == 4:  # channel 2j in the low half of byte j, 2j + 1 in the high half
+        lo, hi = tl.split(tl.reshape(q, [D // 2, 2]))
+        tl.store(codes_at + tl.arange(0, D // 2), (lo | (hi << 4)).to(tl.uint8))
+    else:
+        tl.store(codes_at + tl.arange(0, D), q.to(tl.uint8))
+    tl.store(stats_at, zero.to(tl.float16))
+    tl.store(stats_at + 1, scale.to(tl.float16))
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _select_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_stride, v_stride, H: tl.constexpr,
                    D: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr, CP: tl.constexpr, INDEX: tl.constexpr,
-                   VALUES: tl.constexpr):
+                   K_CODES: tl.constexpr, V_CODES: tl.constexpr, STATS: tl.constexpr, K_BITS: tl.constexpr,
+                   V_BITS: tl.constexpr):
     i = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -55,22 +76,26 @@ def _select_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, num_tokens, page_bytes, k_
             std = tl.math.sqrt_rn(var) + _EPS
             z = tl.max(tl.math.div_rn(tl.abs(dev), std[None, :] + tl.zeros_like(dev)), 1)
             score = tl.where(is_new, z, float("-inf"))
-            values = (page + VALUES).to(k_ptr.dtype)
+            stats = (page + STATS).to(tl.pointer_type(tl.float16))
             dd = tl.arange(0, D)
             for c in tl.static_range(COUNT):
                 top = tl.max(score, 0)
                 at = tl.min(tl.where(score == top, t, BLOCK), 0)  # the lowest offset among equals
                 tl.store(index + c, at.to(tl.int16))
                 score = tl.where(t == at, float("-inf"), score)
-                tl.store(values + (c * 2 * H + h) * D + dd, tl.load(k_ptr + (i + at) * k_stride + h * D + dd))
-                tl.store(values + (c * 2 * H + H + h) * D + dd, tl.load(v_ptr + (i + at) * v_stride + h * D + dd))
+                _store_row(tl.load(k_ptr + (i + at) * k_stride + h * D + dd).to(tl.float32),
+                           page + K_CODES + (c * H + h) * (D * K_BITS // 8), stats + (c * 2 * H + h) * 2, K_BITS, D)
+                _store_row(tl.load(v_ptr + (i + at) * v_stride + h * D + dd).to(tl.float32),
+                           page + V_CODES + (c * H + h) * (D * V_BITS // 8), stats + (c * 2 * H + H + h) * 2, V_BITS, D)
 
 
 @functools.cache
 def _variant(fmt: KVPageFormat) -> Variant:
     return Variant(_select_kernel, dict(H=fmt.k.num_heads, D=fmt.k.head_size, BLOCK=fmt.block_size,
                                         COUNT=fmt.outliers, CP=triton.next_power_of_2(fmt.outliers),
-                                        INDEX=fmt.codes_bytes, VALUES=fmt.outlier_values_at), {"num_warps": 4})
+                                        INDEX=fmt.outlier_at("index"), K_CODES=fmt.outlier_at("k_codes"),
+                                        V_CODES=fmt.outlier_at("v_codes"), STATS=fmt.outlier_at("stats"),
+                                        K_BITS=outliers.K_BITS, V_BITS=outliers.V_BITS), {"num_warps": 4})
 
 
 def choose_outliers(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, value: torch.Tensor,

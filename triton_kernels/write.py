@@ -465,7 +465,7 @@ def _tensor_constants(fmt: KVPageFormat, codec, lay: TensorLayout, chunk_channel
     gathered = max(chunk, min(units, triton.next_power_of_2(append_units))) if dealt else chunk
     rows_per_tile = min(fmt.block_size, max(8, 32 * warps // (chunk * per)))  # about one value a thread in a chunk
     # outlier tokens leave the statistics per channel (K's); per token, a row's statistics are its own
-    kept = fmt.codes_bytes if fmt.outliers and per_channel and lay.channel_scale < 0 else -1
+    kept = fmt.outlier_at("index") if fmt.outliers and per_channel and lay.channel_scale < 0 else -1
     return dict(BITS=lay.bits, VALS=vals, UNITS=units, PER=per, UC=chunk, OWN=units // shares, CODES=lay.codes,
                 ROW=lay.row_bytes, SCALE=lay.scale, ZERO=lay.zero, CS=lay.channel_scale, PER_CHANNEL=per_channel,
                 GROUP=lay.token_group, AG=gathered, RT=rows_per_tile, DEAL=deal, KEPT=kept, KC=fmt.outliers,

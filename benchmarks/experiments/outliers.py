@@ -20,7 +20,8 @@ window that costs memory only for the tokens it holds, R x 16 bits a request), `
 quantized before its rotary embedding, KVQuant's pre-RoPE keys: rotated back by each token's
 position, quantized, rotated again), ``clip`` / ``clipk`` / ``clipv`` (each statistics group's range
 narrowed to the least squared error, values beyond it on the end levels), ``konly`` (kept tokens'
-K exact, their V coded per token as every other token's).
+K exact, their V coded per token as every other token's), ``keptv4`` (with ``--kept-bits 8``: kept
+tokens' V on 4 bits).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class Setting:
             exact_k, exact_v = k, v
             if self.kept_bits == 8:
                 exact_k = _turn(_grid_codes(k_coded, k_coded, -1, 8, False), angles, 1.0)
-                exact_v = _grid_codes(v, v, -1, 8, False)
+                exact_v = _grid_codes(v, v, -1, 4 if "keptv4" in self.options else 8, False)
             if "konly" in self.options:
                 exact_v = qv
             k_out[0, :, a:b] = torch.where(keep, exact_k, qk).to(key.dtype)

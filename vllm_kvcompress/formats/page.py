@@ -1,9 +1,8 @@
 """A KV page: the bytes one layer keeps for one block of tokens.
 
 The page is K's codec region followed by V's (none for K-only pages), then, with outlier tokens,
-their offsets [H, count] int16 and values [count, K heads then V heads, D] in the model dtype
-(``outliers``), or, with a recent window (KVmix's RPC), 16-bit copies of the page's newest
-``window_cap`` tokens; padded
+their offsets [H, count] int16, codes and statistics (``outliers``), or, with a recent window
+(KVmix's RPC), 16-bit copies of the page's newest ``window_cap`` tokens; padded
 so that vLLM can see it as ``block_size`` equal token slots (``slot_bytes``
 each). ``encode``/``decode`` work on whole blocks; the backend gathers and
 scatters pages.
@@ -88,14 +87,16 @@ class KVPageFormat:
 
     @cached_property
     def outlier_regions(self) -> Regions:
-        """The outliers' offsets [H, count] int16 and values [count, 2 H, D] (model dtype), from
-        ``codes_bytes`` on."""
+        """The outliers' offsets [H, count] int16, K codes [count, H, D * K_BITS / 8], V codes
+        [count, H, D * V_BITS / 8] and each row's float16 (zero, scale) [count, 2 H (K's heads, then
+        V's), 2], from ``codes_bytes`` on."""
         H, D, n = self.k.num_heads, self.k.head_size, self.outliers
-        return Regions([("index", H * n * 2), ("values", n * 2 * H * D * self.dtype.itemsize)])
+        return Regions([("index", H * n * 2), ("k_codes", n * H * D * outlier_tokens.K_BITS // 8),
+                        ("v_codes", n * H * D * outlier_tokens.V_BITS // 8), ("stats", n * 2 * H * 2 * 2)])
 
-    @property
-    def outlier_values_at(self) -> int:
-        return self.codes_bytes + self.outlier_regions.start("values")
+    def outlier_at(self, region: str) -> int:
+        """Byte offset in the page of an outlier region (``outlier_regions``)."""
+        return self.codes_bytes + self.outlier_regions.start(region)
 
     @property
     def outlier_bytes(self) -> int:
@@ -141,9 +142,13 @@ class KVPageFormat:
 
     def _outlier_values(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [N, count, H, D] float32 of the outlier slots."""
-        H, D = self.k.num_heads, self.k.head_size
-        kv = self.outlier_regions.view(pages[:, self.codes_bytes:], "values", self.dtype, (self.outliers, 2 * H, D))
-        return kv[:, :, :H].float(), kv[:, :, H:].float()
+        H, D, n = self.k.num_heads, self.k.head_size, self.outliers
+        region, regions = pages[:, self.codes_bytes:], self.outlier_regions
+        stats = regions.view(region, "stats", torch.float16, (n, 2 * H, 2))
+        k_codes = regions.view(region, "k_codes", torch.uint8, (n, H, D * outlier_tokens.K_BITS // 8))
+        v_codes = regions.view(region, "v_codes", torch.uint8, (n, H, D * outlier_tokens.V_BITS // 8))
+        return (outlier_tokens.dequantize_rows(k_codes, stats[:, :, :H], outlier_tokens.K_BITS, D),
+                outlier_tokens.dequantize_rows(v_codes, stats[:, :, H:], outlier_tokens.V_BITS, D))
 
     def _outlier_index(self, k, num_valid, stored, num_stored) -> torch.Tensor:
         """A block's first write chooses its outliers; an append keeps the stored ones."""
@@ -158,8 +163,11 @@ class KVPageFormat:
     def _write_outliers(self, pages: torch.Tensor, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         region = pages[:, self.codes_bytes:]
         self.outlier_regions.write(region, "index", index.to(torch.int16).flatten(1))  # flat: viewable as bytes
-        kv = torch.cat([outlier_tokens.gather(k, index), outlier_tokens.gather(v, index)], dim=2)
-        self.outlier_regions.write(region, "values", kv.to(self.dtype))
+        k_codes, k_stats = outlier_tokens.quantize_rows(outlier_tokens.gather(k, index), outlier_tokens.K_BITS)
+        v_codes, v_stats = outlier_tokens.quantize_rows(outlier_tokens.gather(v, index), outlier_tokens.V_BITS)
+        self.outlier_regions.write(region, "k_codes", k_codes)
+        self.outlier_regions.write(region, "v_codes", v_codes)
+        self.outlier_regions.write(region, "stats", torch.cat([k_stats, v_stats], dim=2))
 
     def decode(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """pages [N, page_bytes] -> k, v float32 [N, B, H, D] (v None for K-only pages)."""
