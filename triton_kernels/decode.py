@@ -218,42 +218,67 @@ def _kept_offsets(page, h, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexp
 
 
 @triton.jit
-def _outlier_rows(page, r, held, h, stat_row, CODES: tl.constexpr, STATS: tl.constexpr, BITS: tl.constexpr,
-                  H: tl.constexpr, D: tl.constexpr, RP: tl.constexpr):
-    """[RP, D] float32: head h's outlier rows of K or V, each decoded from its own grid
-    (``outliers.quantize_rows``): codes [R, H, D * BITS / 8] at byte CODES, float16 (zero, scale)
-    [R, 2 H, 2] at byte STATS, row ``stat_row`` of the 2 H (h for K, H + h for V)."""
-    row_bytes: tl.constexpr = D * BITS // 8
-    at = page + CODES + (r[:, None] * H + h) * row_bytes + tl.arange(0, row_bytes)[None, :]
-    codes = tl.load(at, mask=held[:, None], other=0).to(tl.int32)
-    if BITS == 4:  # channel 2j in the low half of byte j
-        codes = tl.reshape(tl.join(codes & 15, codes >> 4), [RP, D])
-    stats = (page + STATS).to(tl.pointer_type(tl.float16)) + (r * 2 * H + stat_row) * 2
+def _outlier_row(page, j, held, h, stat_row, CODES: tl.constexpr, STATS: tl.constexpr, BITS: tl.constexpr,
+                 H: tl.constexpr, D: tl.constexpr):
+    """[1, D] float32: head h's outlier ``j`` of K or V (``outliers.quantize_rows``), decoded: codes
+    [R, H, D * BITS / 8] at byte CODES, float16 (zero, scale) [R, 2 H, 2] at byte STATS, row
+    ``stat_row`` of the 2 H (h for K, H + h for V); zeros unless ``held`` [1]."""
+    c = tl.arange(0, D)[None, :]
+    per_byte: tl.constexpr = 8 // BITS  # channel c at bits (c % per_byte) * BITS of byte c // per_byte
+    at = page + CODES + (j * H + h) * (D // per_byte) + c // per_byte
+    codes = (tl.load(at, mask=held[:, None], other=0).to(tl.int32) >> ((c % per_byte) * BITS)) & ((1 << BITS) - 1)
+    stats = (page + STATS).to(tl.pointer_type(tl.float16)) + (j * 2 * H + stat_row) * 2 + tl.arange(0, 1)
     zero = tl.load(stats, mask=held, other=0.0).to(tl.float32)
     scale = tl.load(stats + 1, mask=held, other=0.0).to(tl.float32)
     return codes.to(tl.float32) * scale[:, None] + zero[:, None]
 
 
 @triton.jit
+def _outlier_tokens(page, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H: tl.constexpr,
+                    D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
+                    ROW_QUERY: tl.constexpr, R: tl.constexpr, INDEX: tl.constexpr, K_CODES: tl.constexpr,
+                    V_CODES: tl.constexpr, STATS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+    """One more step of the online softmax (``m``, ``l``, the output's planes) per outlier token of
+    the block that starts at token ``first`` (``formats.outliers``: head h's offsets [H, R] int16 at
+    byte INDEX, rows coded on their own grids, ``_outlier_row``). A block keeps one or two: each is one
+    row of logits and products in float32, not a tile of the tensor cores padded to 16 tokens."""
+    qf = tl.broadcast_to(q, (GP, D)).to(tl.float32) * q_scale
+    for j in tl.static_range(R):
+        at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + h * R + j + tl.arange(0, 1)).to(tl.int32)
+        held = (at >= 0) & (first + at < L)
+        k = _outlier_row(page, j, held, h, h, K_CODES, STATS, K_BITS, H, D)
+        s = tl.sum(qf * k, 1)[:, None]  # [GP, 1]
+        if ONE_ROW:  # one query row: its logit alone (ROW_QUERY: every row is the query's)
+            m, l, alpha, p1 = _softmax_step((tl.max(s, 0) if ROW_QUERY else tl.sum(s, 0))[None, :], held[None, :],
+                                            m, l, GP, True)
+            p = tl.where(gmask, p1, 0.0)
+        else:
+            m, l, alpha, p = _softmax_step(s, held[None, :], m, l, GP, False)
+        v0, v1, v2, v3 = _split_planes(_outlier_row(page, j, held, h, H + h, V_CODES, STATS, V_BITS, H, D), VP)
+        acc0 = acc0 * alpha + p * v0
+        if VP > 1:
+            acc1 = acc1 * alpha + p * v1
+        if VP > 2:
+            acc2 = acc2 * alpha + p * v2
+            acc3 = acc3 * alpha + p * v3
+    return m, l, acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _retained_tokens(page, kept_at, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3,
                      H: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
                      ROW_QUERY: tl.constexpr, RP: tl.constexpr, KEPT: tl.constexpr, LAYER: tl.constexpr,
-                     LAYERS: tl.constexpr, HEAD_INDEX: tl.constexpr, KEPT_V: tl.constexpr,
-                     KEPT_STATS: tl.constexpr, KEPT_K_BITS: tl.constexpr, KEPT_V_BITS: tl.constexpr):
-    """One more step of the online softmax (``m``, ``l``, the output's planes): the kept tokens of the
-    block that starts at token ``first`` (their offsets ``kept_at``, ``_kept_offsets``). HEAD_INDEX:
-    a layer page's outliers, coded rows (``_outlier_rows``; K's codes at KEPT, V's at KEPT_V).
-    Otherwise a MiniCache pair's retained tokens, exact, from the block's slots [R, LAYERS, 2 (K, V),
-    H, D] in the model dtype (``q``'s), layer LAYER's."""
+                     LAYERS: tl.constexpr):
+    """One more step of the online softmax (``m``, ``l``, the output's planes): a MiniCache pair's
+    retained tokens of the block that starts at token ``first`` (their offsets ``kept_at``,
+    ``_kept_offsets``), exact, from the block's slots [R, LAYERS, 2 (K, V), H, D] in the model dtype
+    (``q``'s), layer LAYER's."""
     dtype = q.dtype
     r = tl.arange(0, RP)
     held = (kept_at >= 0) & (first + kept_at < L)
     d = tl.arange(0, D)[None, :]
-    if HEAD_INDEX:
-        k = _outlier_rows(page, r, held, h, h, KEPT, KEPT_STATS, KEPT_K_BITS, H, D, RP).to(dtype)
-    else:
-        rows = (page + KEPT).to(tl.pointer_type(dtype)) + ((r[:, None] * LAYERS + LAYER) * 2 * H + h) * D + d
-        k = tl.load(rows, mask=held[:, None], other=0.0)
+    rows = (page + KEPT).to(tl.pointer_type(dtype)) + ((r[:, None] * LAYERS + LAYER) * 2 * H + h) * D + d
+    k = tl.load(rows, mask=held[:, None], other=0.0)
     s = tl.dot(tl.broadcast_to(q, (GP, D)), tl.trans(k)) * q_scale
     valid = held[None, :]
     if ONE_ROW:  # one query row: its logits alone (ROW_QUERY: every row is the query's)
@@ -262,11 +287,7 @@ def _retained_tokens(page, kept_at, first, L, h, q, q_scale, gmask, m, l, acc0, 
         p = tl.where(gmask, p1, 0.0)
     else:
         m, l, alpha, p = _softmax_step(s, valid, m, l, GP, False)
-    if HEAD_INDEX:
-        v = _outlier_rows(page, r, held, h, H + h, KEPT_V, KEPT_STATS, KEPT_V_BITS, H, D, RP).to(dtype)
-    else:
-        v = tl.load(rows + H * D, mask=held[:, None], other=0.0)
-    v0, v1, v2, v3 = _split_planes(v, VP)
+    v0, v1, v2, v3 = _split_planes(tl.load(rows + H * D, mask=held[:, None], other=0.0), VP)
     p = p.to(dtype)
     acc0 = acc0 * alpha + tl.dot(p, v0)
     if VP > 1:
@@ -487,10 +508,14 @@ def _decode_kernel(
                     acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_WIDTH), c3)
         if R > 0:
             if t % TPP == 0:
-                m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
-                    page, kept, (t // TPP) * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP,
-                    VP, ONE_ROW, ROW_QUERY, RP, KEPT, LAYER, LAYERS, HEAD_INDEX, KEPT_V, KEPT_STATS, KEPT_K_BITS,
-                    KEPT_V_BITS)
+                if HEAD_INDEX:
+                    m, l, acc0, acc1, acc2, acc3 = _outlier_tokens(
+                        page, (t // TPP) * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP,
+                        VP, ONE_ROW, ROW_QUERY, R, INDEX, KEPT, KEPT_V, KEPT_STATS, KEPT_K_BITS, KEPT_V_BITS)
+                else:
+                    m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
+                        page, kept, (t // TPP) * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H,
+                        D, GP, VP, ONE_ROW, ROW_QUERY, RP, KEPT, LAYER, LAYERS)
 
     if not SPLIT:
         dst = out_ptr + ((row0 + r) * out_stride + head * D)[:, None] + dv * VP
