@@ -47,8 +47,9 @@ def test_decode_equals_reference_small(layer_format, num_splits, block, tile, HQ
 @pytest.mark.parametrize("HQ", [4, 2], ids=["GQA", "MHA"])
 def test_outlier_tokens_are_read_from_their_slots(num_splits, HQ):
     """Pages whose first token is a strong outlier (an attention sink): the kernel reads each block's
-    outliers exactly from their slots and leaves them out of the codes, as the reference does. The
-    codes alone (the outliers' rows repeat another token's) give a clearly different answer."""
+    outliers from their slots (8-bit K, 4-bit V rows) and leaves them out of the codes, as the
+    reference does. The codes alone (the outliers' rows repeat another token's) give a clearly
+    different answer."""
     B, H, D = 16, 2, 64
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=2, v_bits=2, outlier_tokens=2), dtype, B, H, D)
