@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvcompress.formats import KVPageFormat
-from vllm_kvcompress.formats import outliers
+from vllm_kvcompress.formats import KVPageFormat, outliers
 
 from .launch import Variant, launch
 

@@ -9,7 +9,7 @@ reference codes their K rows as another token's, ``fill_rows``; their codes are 
 attention reads them from their slots. A slot codes each row (one token, one head, K or V) on its
 own min-max grid, float16 zero and scale as the codecs': K on ``K_BITS`` bits, V on ``V_BITS``
 (``quantize_rows``). On SmolLM2's and Qwen2.5-Coder's prose at 2 bits this reads back the same
-perplexity as 16-bit slots (docs/formats.md) in a third of their bytes.
+perplexity as 16-bit slots (docs/formats.md) in 40% of their bytes.
 
 A block whose first write holds no more than ``count`` tokens (a decoding request's new block)
 keeps none: there is nothing to compare against. Later writes append under the codec's rule and
