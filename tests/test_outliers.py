@@ -65,6 +65,17 @@ def test_capacity_counts_the_slots():
     assert ratio(1) == pytest.approx(8 * 65536 / (128 * 2 * -(-page // 256)), abs=1e-6)
 
 
+@pytest.mark.parametrize("heads,outlier_bytes", [(3, 16 + 192 + 96 + 32), (2, 16 + 128 + 64 + 16)])
+def test_the_2_bit_outlier_preset_holds_6_5x_at_head_size_64(heads, outlier_bytes):
+    """quant-k2v2-o1-clip at SmolLM2's (3 KV heads) and Qwen2.5-Coder's (2) shapes: 2-bit K and V codes,
+    K's zero and scale per channel, V's per token, and the outlier's offset, 8-bit K and 4-bit V
+    codes and four float16 statistics a head (regions rounded up to 16 bytes) hold 6.5x bfloat16."""
+    fmt = KVPageFormat.from_layer_format(load_config("quant-k2v2-o1-clip").default, torch.bfloat16, 128, heads, 64)
+    regions = heads * (2 * 128 * 64 * 2 // 8 + 64 * 2 * 2 + 128 * 2 * 2) + outlier_bytes
+    assert fmt.page_bytes == 128 * 2 * -(-regions // 256)  # 128 slots of whole bfloat16 elements
+    assert fmt.dense_page_bytes() / fmt.page_bytes >= 6.5
+
+
 def test_appends_keep_the_first_writes_outliers():
     """Through the torch write path: a prompt's first block in two writes keeps the outliers of the
     first; a block begun by a decode's single token keeps none; reading back gives the outliers'
