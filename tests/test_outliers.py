@@ -1,4 +1,4 @@
-"""Outlier tokens (``outlier_tokens``): a block's most deviant tokens kept exact, outside its statistics."""
+"""Outlier tokens (``outlier_tokens``): a block's most deviant tokens kept apart on their own grids, outside its statistics."""
 
 import pytest
 import torch

@@ -47,8 +47,8 @@ class LayerFormat(BaseModel):
         0, ge=0, description="cap on the recent window in tokens (16-bit copies kept per page); 0 = no window")
     outlier_tokens: int = Field(
         0, ge=0, le=8,
-        description="tokens a block and KV head keeps exact, outside the block's statistics: the most deviant K "
-                    "of the block's first write (the attention sink among them)")
+        description="tokens a block and KV head keeps apart (8-bit K, 4-bit V), outside the block's statistics: "
+                    "the most deviant K of the block's first write (the attention sink among them)")
     k_clip: bool = Field(
         False, description="K's grid per channel narrowed about its middle to the least squared error over the "
                            "block's first write (values beyond on the end levels); with outlier_tokens, which keep "

@@ -1,4 +1,4 @@
-"""Outlier tokens: a few tokens of each block and KV head kept exact, outside the block's statistics.
+"""Outlier tokens: a few tokens of each block and KV head kept apart, outside the block's statistics.
 
 K's statistics per channel span a block's tokens, so one token far from the others (the attention
 sink, whose K sits apart in many channels) stretches every channel's grid and costs the block's
