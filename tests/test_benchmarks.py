@@ -654,16 +654,15 @@ def test_outlier_experiment_keeps_only_k_exact_with_konly():
     assert not torch.equal(konly[1][0, 0, 7], value[0, 0, 7])
 
 
-
 def test_outlier_experiment_codes_kept_v_on_4_bits_with_keptv4():
     """``keptv4`` with ``--kept-bits 8``: a kept token's V on its own 4-bit grid (15 steps between its
     smallest and largest value), its K on 8 bits as without the option."""
+    from benchmarks.experiments.outliers import Setting
+
     torch.manual_seed(0)
     key, value = torch.randn(1, 1, 140, 8), torch.randn(1, 1, 140, 8)
     key[0, 0, 7] += 20.0
     query = torch.randn(1, 1, 12, 8)
-    from benchmarks.experiments.outliers import Setting
-
     eight = Setting.parse("2/2/1", 8).cached(None, query, key, value, 1.0)
     four = Setting.parse("2/2/1/keptv4", 8).cached(None, query, key, value, 1.0)
     assert torch.equal(four[0], eight[0])
@@ -671,6 +670,7 @@ def test_outlier_experiment_codes_kept_v_on_4_bits_with_keptv4():
     lo, step = row.min().half().float(), ((row.max() - row.min().half().float()) / 15).half().float()
     torch.testing.assert_close(four[1][0, 0, 7], torch.floor((row - lo) / step + 0.5).clamp(0, 15) * step + lo)
     assert not torch.allclose(eight[1][0, 0, 7], four[1][0, 0, 7])
+
 
 FAKE_VLLM_CLI = '''
 import http.server, json, sys

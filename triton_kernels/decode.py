@@ -26,7 +26,7 @@ from vllm_kvcompress.formats.merged import MergedLayer
 from vllm_kvcompress.launch_plans import LaunchPlans
 from vllm_kvcompress.token_rows import TokenGroups
 
-from .addressing import code_unit_ptr
+from .addressing import code_unit_ptr, unpack_codes
 from .launch import Compiled, Variant, device_index, hooked, launch, stream_handle
 
 
@@ -224,13 +224,13 @@ def _outlier_row(page, j, held, h, stat_row, CODES: tl.constexpr, STATS: tl.cons
     [R, H, D * BITS / 8] at byte CODES, float16 (zero, scale) [R, 2 H, 2] at byte STATS, row
     ``stat_row`` of the 2 H (h for K, H + h for V); zeros unless ``held`` [1]."""
     c = tl.arange(0, D)[None, :]
-    per_byte: tl.constexpr = 8 // BITS  # channel c at bits (c % per_byte) * BITS of byte c // per_byte
+    per_byte: tl.constexpr = 8 // BITS  # channel c at position c % per_byte of byte c // per_byte
     at = page + CODES + (j * H + h) * (D // per_byte) + c // per_byte
-    codes = (tl.load(at, mask=held[:, None], other=0).to(tl.int32) >> ((c % per_byte) * BITS)) & ((1 << BITS) - 1)
+    codes = unpack_codes(tl.load(at, mask=held[:, None], other=0).to(tl.int32), c % per_byte, BITS)
     stats = (page + STATS).to(tl.pointer_type(tl.float16)) + (j * 2 * H + stat_row) * 2 + tl.arange(0, 1)
     zero = tl.load(stats, mask=held, other=0.0).to(tl.float32)
     scale = tl.load(stats + 1, mask=held, other=0.0).to(tl.float32)
-    return codes.to(tl.float32) * scale[:, None] + zero[:, None]
+    return codes * scale[:, None] + zero[:, None]
 
 
 @triton.jit
@@ -242,19 +242,20 @@ def _outlier_tokens(page, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2
     the block that starts at token ``first`` (``formats.outliers``: head h's offsets [H, R] int16 at
     byte INDEX, rows coded on their own grids, ``_outlier_row``). A block keeps one or two: each is one
     row of logits and products in float32, not a tile of the tensor cores padded to 16 tokens."""
-    qf = tl.broadcast_to(q, (GP, D)).to(tl.float32) * q_scale
+    qf = q.to(tl.float32) * q_scale  # [1, D] with ROW_QUERY, else [GP, D]
     for j in tl.static_range(R):
         at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + h * R + j + tl.arange(0, 1)).to(tl.int32)
         held = (at >= 0) & (first + at < L)
         k = _outlier_row(page, j, held, h, h, K_CODES, STATS, K_BITS, H, D)
-        s = tl.sum(qf * k, 1)[:, None]  # [GP, 1]
+        s = tl.sum(qf * k, 1)[:, None]  # [1 or GP, 1]
         if ONE_ROW:  # one query row: its logit alone (ROW_QUERY: every row is the query's)
             m, l, alpha, p1 = _softmax_step((tl.max(s, 0) if ROW_QUERY else tl.sum(s, 0))[None, :], held[None, :],
                                             m, l, GP, True)
             p = tl.where(gmask, p1, 0.0)
         else:
             m, l, alpha, p = _softmax_step(s, held[None, :], m, l, GP, False)
-        v0, v1, v2, v3 = _split_planes(_outlier_row(page, j, held, h, H + h, V_CODES, STATS, V_BITS, H, D), VP)
+        v = _outlier_row(page, j, held, h, H + h, V_CODES, STATS, V_BITS, H, D)
+        v0, v1, v2, v3 = _split_planes(v, VP)
         acc0 = acc0 * alpha + p * v0
         if VP > 1:
             acc1 = acc1 * alpha + p * v1

@@ -22,28 +22,25 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat, outliers
 
+from .addressing import pack_units
+from .grid import code_on, min_max_stats
 from .launch import Variant, launch
 
 _EPS = tl.constexpr(outliers.DEVIATION_EPS)
-_SCALE_EPS = tl.constexpr(outliers.SCALE_EPS)
 
 
 @triton.jit
 def _store_row(x, codes_at, stats_at, BITS: tl.constexpr, D: tl.constexpr):
     """Code one row ``x`` [D] float32 on its min-max grid (``outliers.quantize_rows``): packed codes
-    at ``codes_at`` (uint8), float16 zero and scale at ``stats_at``."""
-    top = (1 << BITS) - 1
-    zero = tl.min(x, 0).to(tl.float16).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(x, 0) - zero, top + 0.0), _SCALE_EPS).to(tl.float16).to(tl.float32)
-    q = tl.floor(tl.math.div_rn(x - zero, scale + tl.zeros_like(x)) + 0.5)
-    q = tl.minimum(tl.maximum(q, 0.0), top + 0.0).to(tl.int32)
-    if BITS == 4:  # channel 2j in the low half of byte j, 2j + 1 in the high half
-        lo, hi = tl.split(tl.reshape(q, [D // 2, 2]))
-        tl.store(codes_at + tl.arange(0, D // 2), (lo | (hi << 4)).to(tl.uint8))
-    else:
-        tl.store(codes_at + tl.arange(0, D), q.to(tl.uint8))
-    tl.store(stats_at, zero.to(tl.float16))
-    tl.store(stats_at + 1, scale.to(tl.float16))
+    (``packing``'s order) at ``codes_at``, float16 zero and scale at ``stats_at``."""
+    top: tl.constexpr = (1 << BITS) - 1
+    per_byte: tl.constexpr = 8 // BITS
+    zero, scale = min_max_stats(tl.min(x, 0), tl.max(x, 0), top)
+    q = tl.minimum(tl.maximum(code_on(x, zero.to(tl.float32), scale.to(tl.float32)), 0.0), top)
+    codes = tl.reshape(q.to(tl.uint32), [D // per_byte, per_byte])
+    tl.store(codes_at + tl.arange(0, D // per_byte), pack_units(codes, tl.arange(0, per_byte)[None, :], 1, BITS))
+    tl.store(stats_at, zero)
+    tl.store(stats_at + 1, scale)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

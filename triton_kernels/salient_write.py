@@ -28,8 +28,9 @@ from vllm_kvcompress.config import SalientSpec
 from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
 from vllm_kvcompress.salient_torch import chunk_writes, last_block_random_scores
 
+from .grid import code_on, min_max_stats
 from .salient_decode import plane
-from .write import _code_on, _half, _min_max_stats, _widened_span
+from .write import _half, _widened_span
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
 TILE = 32  # tokens a program holds at once
@@ -107,9 +108,9 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         lo = tl.minimum(lo, tl.min(tl.where(new, x, float("inf")), 0)[None, :, :])
         hi = tl.maximum(hi, tl.max(tl.where(new, x, float("-inf")), 0)[None, :, :])
     has_old = num_stored > 0
-    kept = has_old & (_code_on(lo, k_zero, k_scale) >= 0.0) & (_code_on(hi, k_zero, k_scale) <= _TOP)
-    wide_zero, wide_scale = _min_max_stats(*_widened_span(lo, hi, k_zero, k_zero + k_scale * _TOP), _TOP)
-    own_zero, own_scale = _min_max_stats(lo, hi, _TOP)
+    kept = has_old & (code_on(lo, k_zero, k_scale) >= 0.0) & (code_on(hi, k_zero, k_scale) <= _TOP)
+    wide_zero, wide_scale = min_max_stats(*_widened_span(lo, hi, k_zero, k_zero + k_scale * _TOP), _TOP)
+    own_zero, own_scale = min_max_stats(lo, hi, _TOP)
     zero = tl.where(kept, k_zero.to(tl.float16), tl.where(has_old, wide_zero, own_zero))
     step = tl.where(kept, k_scale.to(tl.float16), tl.where(has_old, wide_scale, own_scale))
 
@@ -157,14 +158,14 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
 
         k_high, k_low, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch,
                                    shift, k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
-        k_codes = tl.minimum(tl.maximum(_code_on(x, zero.to(tl.float32), step.to(tl.float32)), 0.0), _TOP)
+        k_codes = tl.minimum(tl.maximum(code_on(x, zero.to(tl.float32), step.to(tl.float32)), 0.0), _TOP)
         k_codes = tl.where(kept & earlier, k_high * 4 + k_low, k_codes.to(tl.int32))
 
         v_new = tl.load(v_ptr + (first + t - num_stored) * v_row_stride + h * D + ch, mask=new, other=0.0)
         v_new = v_new.to(tl.float32)
-        v_zero, v_scale = _min_max_stats(tl.min(tl.min(tl.where(new, v_new, float("inf")), 2), 1),
+        v_zero, v_scale = min_max_stats(tl.min(tl.min(tl.where(new, v_new, float("inf")), 2), 1),
                                          tl.max(tl.max(tl.where(new, v_new, float("-inf")), 2), 1), _TOP)
-        v_code = _code_on(v_new, v_zero.to(tl.float32)[:, None, None], v_scale.to(tl.float32)[:, None, None])
+        v_code = code_on(v_new, v_zero.to(tl.float32)[:, None, None], v_scale.to(tl.float32)[:, None, None])
         lows = earlier & (old_slot != NONE)[:, None, None]
         old_row = (h * R + tl.where(old_slot != NONE, old_slot, 0))[:, None, None]
         v_stored = (plane(page, V_HIGH, h * B + t, u, shift, earlier, U) * 4

@@ -45,6 +45,7 @@ from vllm_kvcompress.formats.layout import TensorLayout, page_layout
 from vllm_kvcompress.formats.codecs import CLIP_DENOMINATOR, EPS, WIDEN_MARGIN
 
 from .addressing import load_units, pack_units, store_units, unpack_codes
+from .grid import code_on, min_max_stats
 from .launch import Variant, launch
 from .outlier_select import choose_outliers
 
@@ -80,20 +81,6 @@ _CLIP_DENOMINATOR = tl.constexpr(CLIP_DENOMINATOR)
 
 
 @triton.jit
-def _code_on(x, zero, step):
-    """Unclamped code of ``x`` on the grid ``zero + k * step``, rounded half up as the reference."""
-    return tl.floor(tl.math.div_rn(x - zero, step + tl.zeros_like(x)) + 0.5)
-
-
-@triton.jit
-def _min_max_stats(lo, hi, FULL_TOP: tl.constexpr):
-    """float16 (zero, scale) of the grid spanning ``lo .. hi`` with codes 0..FULL_TOP."""
-    zero = lo.to(tl.float16)
-    scale = tl.maximum(tl.math.div_rn(hi - zero.to(tl.float32), FULL_TOP + tl.zeros_like(hi)), _EPS).to(tl.float16)
-    return zero, scale
-
-
-@triton.jit
 def _widened_span(lo, hi, zero, grid_top):
     """Bounds of a widened channel's grid: its stored grid ``zero .. grid_top`` and its new values
     ``lo .. hi``, moved out by WIDEN_MARGIN of the span on each side they pass (``codecs.widened_span``)."""
@@ -121,10 +108,10 @@ def _least_error_span(x, weight, mn, mx, top: tl.constexpr):
             shrunk = (1.0 - k / _CLIP_DENOMINATOR) * half
             lo = mid - shrunk
             hi = mid + shrunk
-        zero, step = _min_max_stats(lo, hi, top)
+        zero, step = min_max_stats(lo, hi, top)
         zero = zero.to(tl.float32)
         step = step.to(tl.float32)
-        codes = tl.minimum(tl.maximum(_code_on(x, zero, step), 0.0), top)
+        codes = tl.minimum(tl.maximum(code_on(x, zero, step), 0.0), top)
         error = codes * step + zero - x
         error = tl.sum(weight * (error * error), 0)[None, :, :]
         better = error < least
@@ -220,14 +207,14 @@ def _encode_rows(src_ptr, src_stride, t, j, is_new, valid, page, h, units, units
             first_other = tl.min(tl.where(is_kept, BLOCK, row), 0)
             weight = tl.where(is_kept, 0.0, 1.0) + tl.where(row == first_other, tl.sum(is_kept.to(tl.float32), 0), 0.0)
             mn, mx = _least_error_span(x, tl.where(valid & is_new, weight[:, None, None], 0.0), mn, mx, top)
-    zero_h, scale_h = _min_max_stats(mn, mx, top)
+    zero_h, scale_h = min_max_stats(mn, mx, top)
     if PER_CHANNEL and CS < 0:  # append rule: channels whose new values fit their grid keep it
-        q_old = _code_on(x_new, zero, scale)
+        q_old = code_on(x_new, zero, scale)
         off_grid = tl.max((newm & ((q_old < 0.0) | (q_old > top))).to(tl.int32), 0)[None, :, :]
         keep = (off_grid == 0) & has_old
         zero_h = tl.where(keep, zero.to(tl.float16), zero_h)
         scale_h = tl.where(keep, scale.to(tl.float16), scale_h)
-    codes = tl.minimum(tl.maximum(_code_on(x, zero_h.to(tl.float32), scale_h.to(tl.float32)), 0.0), top)
+    codes = tl.minimum(tl.maximum(code_on(x, zero_h.to(tl.float32), scale_h.to(tl.float32)), 0.0), top)
     if PER_CHANNEL and CS < 0:
         codes = tl.where(keep & oldm, old_codes, codes)
     codes = tl.where(rows_ok, codes, 0.0).to(tl.uint32)
@@ -257,7 +244,7 @@ def _append_on_grid(src_ptr, src_stride, i, off, page, h, units, D: tl.constexpr
     top: tl.constexpr = (1 << BITS) - 1.0
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
     sz = (h * D + ch) * 2
-    q = _code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0))
+    q = code_on(x, _half(page + ZERO + sz, ch_ok, 0.0), _half(page + SCALE + sz, ch_ok, 1.0))
     misfit = tl.max((ch_ok & ((q < 0.0) | (q > top))).to(tl.int32), 1)
     packed = pack_units(tl.where(ch_ok & (misfit[:, None] == 0), q, 0.0).to(tl.uint32), p, 1, BITS)
     store_units(page, CODES, off, h, units, ROW, BLOCK, BITS, 0, packed, (units * VALS < D) & (misfit == 0))
@@ -282,9 +269,9 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
     zero = _half(page + ZERO + sz, ch_ok, 0.0)
     scale = _half(page + SCALE + sz, ch_ok, 1.0)
     x = tl.load(src_ptr + i * src_stride + h * D + ch, mask=ch_ok, other=0.0).to(tl.float32)
-    q = _code_on(x, zero, scale)
+    q = code_on(x, zero, scale)
     widen = ch_ok & ((q < 0.0) | (q > top))
-    wide_zero, wide_scale = _min_max_stats(*_widened_span(x, x, zero, zero + scale * top), top)
+    wide_zero, wide_scale = min_max_stats(*_widened_span(x, x, zero, zero + scale * top), top)
     new_zero = tl.where(widen, wide_zero.to(tl.float32), zero)
     new_step = tl.where(widen, wide_scale.to(tl.float32), scale)
     unit_ok = units_ok[None, :] & (units[None, :] * VALS < D)
@@ -294,7 +281,7 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
         unit = load_units(page, CODES, t2, h, units[None, :], ROW, BLOCK, BITS, 0, (t2 < off) & unit_ok)[:, :, None]
         old_codes = unpack_codes(unit, p, BITS)
         values = tl.where(t == off, x, old_codes * scale + zero)
-        codes = tl.minimum(tl.maximum(_code_on(values, new_zero, new_step), 0.0), top)
+        codes = tl.minimum(tl.maximum(code_on(values, new_zero, new_step), 0.0), top)
         codes = tl.where(widen | (t == off), codes, old_codes)
         packed = pack_units(tl.where(ch_ok, codes, 0.0).to(tl.uint32), p, 2, BITS)
         store_units(page, CODES, t2, h, units[None, :], ROW, BLOCK, BITS, 0, packed, (t2 <= off) & unit_ok)

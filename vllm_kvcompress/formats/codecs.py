@@ -35,6 +35,22 @@ CLIP_DENOMINATOR = 16
 CLIP_RATIOS = tuple(1 - k / CLIP_DENOMINATOR for k in range(CLIP_DENOMINATOR // 2 + 1))
 
 
+def min_max_grid(lo: torch.Tensor, hi: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 zero and scale (as float32) of the grid spanning ``lo .. hi`` with codes 0 .. ``top``."""
+    zero = lo.to(_SCALE_DTYPE).float()
+    return zero, ((hi - zero) / top).clamp_min(EPS).to(_SCALE_DTYPE).float()
+
+
+def codes_on(x: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Unclamped codes of ``x`` on the grid ``zero + k * step``, rounded half up (as the kernels do)."""
+    return torch.floor((x - zero) / step + 0.5)
+
+
+def min_max_codes(x: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, top: float) -> torch.Tensor:
+    """int32 codes of ``x`` on the grid ``zero + k * step`` (``codes_on``), clamped to 0 .. ``top``."""
+    return codes_on(x, zero, step).clamp_(min=0).clamp_(max=top).to(torch.int32)
+
+
 def widened_span(lo: torch.Tensor, hi: torch.Tensor, zero: torch.Tensor, grid_top: torch.Tensor):
     """The bounds a widened channel's grid spans: its stored grid ``zero .. grid_top`` and its new
     values ``lo .. hi``, moved out by ``WIDEN_MARGIN`` of that span on each side the new values pass
@@ -262,13 +278,13 @@ class MinMaxCodec:
             if searched.any():
                 lo, hi = self._least_error_span(x, stat_rows, mn, mx)
                 mn, mx = torch.where(searched, lo, mn), torch.where(searched, hi, mx)
-        zero, scale = self._grid(mn, mx)
+        zero, scale = min_max_grid(mn, mx, self.top)
         keep = None
         if appending:
             keep = self._grid_kept(x, stat_rows, old_zero, old_scale) & has_stored
             zero = torch.where(keep, old_zero, zero)
             scale = torch.where(keep, old_scale, scale)
-        codes = self._codes(x, zero, scale)
+        codes = min_max_codes(x, zero, scale, self.top)
         if keep is not None:
             codes = torch.where(keep & earlier, self._page_codes(stored), codes)
         codes = torch.where(mask, codes, 0)
@@ -285,29 +301,17 @@ class MinMaxCodec:
         best_lo, best_hi, least = mn, mx, torch.full_like(mn, float("inf"))
         for ratio in CLIP_RATIOS:
             lo, hi = (mn, mx) if ratio == 1.0 else (mid - ratio * half, mid + ratio * half)
-            zero, step = self._grid(lo, hi)
-            error = torch.where(rows, (self._codes(x, zero, step) * step + zero - x) ** 2, 0).sum(1, keepdim=True)
+            zero, step = min_max_grid(lo, hi, self.top)
+            coded = min_max_codes(x, zero, step, self.top) * step + zero
+            error = torch.where(rows, (coded - x) ** 2, 0).sum(1, keepdim=True)
             better = error < least
             least = torch.where(better, error, least)
             best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
         return best_lo, best_hi
 
-    def _grid(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float16 zero and scale (as float32) of the grid spanning ``lo .. hi``."""
-        zero = lo.to(_SCALE_DTYPE).float()
-        return zero, ((hi - zero) / self.top).clamp_min(EPS).to(_SCALE_DTYPE).float()
-
-    @staticmethod
-    def _codes_unclamped(x: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        return torch.floor((x - zero) / step + 0.5)  # round half up, as the kernels do
-
-    def _codes(self, x: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        codes = self._codes_unclamped(x, zero, step).clamp_(min=0)
-        return codes.clamp_(max=self.top).to(torch.int32)
-
     def _grid_kept(self, x: torch.Tensor, new: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         """[N, 1, H, D] bool: every ``new`` value of the channel rounds onto its stored grid."""
-        q = self._codes_unclamped(x, zero, step)
+        q = codes_on(x, zero, step)
         return torch.where(new, (q >= 0) & (q <= self.top), True).all(dim=1, keepdim=True)
 
     def _codes_to_page(self, rows: torch.Tensor) -> torch.Tensor:

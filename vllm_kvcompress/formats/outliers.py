@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
+from .codecs import min_max_codes, min_max_grid
 from .packing import pack, unpack
 
 NONE = -1  # an unused outlier slot's token index
 DEVIATION_EPS = 1e-6  # added to a channel's standard deviation (a constant channel scores 0, not nan)
 K_BITS, V_BITS = 8, 4  # an outlier row's codes: the sink's K spans far more than its V
-SCALE_EPS = 1e-6  # the smallest scale, as the codecs'
 
 
 def deviation(k: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
@@ -85,13 +85,10 @@ def scatter(x: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch
 
 def quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [..., D] -> packed codes [..., D * bits / 8] uint8 and float16 (zero, scale) [..., 2]:
-    each row on its own min-max grid, codes rounded half up."""
-    x = x.float()
-    zero = x.amin(-1, keepdim=True).half().float()
-    top = (1 << bits) - 1
-    scale = ((x.amax(-1, keepdim=True) - zero) / top).clamp_min(SCALE_EPS).half().float()
-    codes = torch.floor((x - zero) / scale + 0.5).clamp(0, top)
-    return pack(codes.to(torch.int32), bits), torch.cat([zero, scale], -1).half()
+    each row on its own min-max grid, as the codecs code."""
+    x, top = x.float(), (1 << bits) - 1
+    zero, scale = min_max_grid(x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), top)
+    return pack(min_max_codes(x, zero, scale, top), bits), torch.cat([zero, scale], -1).half()
 
 
 def dequantize_rows(codes: torch.Tensor, stats: torch.Tensor, bits: int, head_size: int) -> torch.Tensor:
