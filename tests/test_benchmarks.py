@@ -672,6 +672,26 @@ def test_outlier_experiment_codes_kept_v_on_4_bits_with_keptv4():
     assert not torch.allclose(eight[1][0, 0, 7], four[1][0, 0, 7])
 
 
+def test_outlier_experiment_codes_v_in_a_hadamard_frame_with_vrot():
+    """``vrot``: V's channels turned by the orthonormal Hadamard matrix (Kronecker powers of
+    [[1, 1], [1, -1]] / sqrt 2) before the per-token grid and back after; K as without the option."""
+    from benchmarks.experiments.outliers import Setting, _grid_codes
+
+    torch.manual_seed(0)
+    key, value = torch.randn(1, 1, 140, 8), torch.randn(1, 1, 140, 8)
+    query = torch.randn(1, 1, 12, 8)
+    plain = Setting.parse("2/2/1", 16).cached(None, query, key, value, 1.0)
+    turned = Setting.parse("2/2/1/vrot", 16).cached(None, query, key, value, 1.0)
+    h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]]) / 2 ** 0.5
+    turn = torch.kron(torch.kron(h2, h2), h2)
+    v = value[0, 0, :128] @ turn
+    want = _grid_codes(v, v, -1, 2, False) @ turn.T
+    kept = (turned[1][0, 0, :128] - value[0, 0, :128]).abs().amax(-1) < 1e-5  # the block's outlier token
+    assert torch.equal(turned[0], plain[0]) and kept.sum() == 1
+    torch.testing.assert_close(turned[1][0, 0, :128][~kept], want[~kept])
+    assert not torch.allclose(turned[1][0, 0, :128][~kept], plain[1][0, 0, :128][~kept])
+
+
 FAKE_VLLM_CLI = '''
 import http.server, json, sys
 args = sys.argv[1:]

@@ -350,7 +350,7 @@ def _decode_kernel(
     token, left out of its tile. R > 0: the block's kept tokens (``_retained_tokens``: a pair's
     retained tokens, layer LAYER of its slots at KEPT, their offsets at INDEX; or, HEAD_INDEX, a
     layer page's outlier tokens, ``formats.outliers``, each head's own, left out of their tiles by
-    offset) are attended exactly once a block, after its first tile.
+    offset) are attended exactly after the split's tiles, a block at a time.
 
     ``half_ptr`` is the cache seen as float16 (scales and zeros are read through it, so that the
     compiler knows their alignment and vectorizes the loads).
@@ -507,16 +507,17 @@ def _decode_kernel(
                 if VP > 2:
                     acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_WIDTH), c2)
                     acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_WIDTH), c3)
-        if R > 0:
-            if t % TPP == 0:
-                if HEAD_INDEX:
-                    m, l, acc0, acc1, acc2, acc3 = _outlier_tokens(
-                        page, (t // TPP) * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP,
-                        VP, ONE_ROW, ROW_QUERY, R, INDEX, KEPT, KEPT_V, KEPT_STATS, KEPT_K_BITS, KEPT_V_BITS)
-                else:
-                    m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
-                        page, kept, (t // TPP) * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H,
-                        D, GP, VP, ONE_ROW, ROW_QUERY, RP, KEPT, LAYER, LAYERS)
+    if R > 0:  # the kept tokens of the split's blocks, in a loop of their own (the tiles' stays lean)
+        for b in range(t_start // TPP, tl.cdiv(t_end, TPP)):
+            page = cache_ptr + tl.load(block_table_ptr + row0 * bt_stride + b).to(tl.int64) * page_bytes
+            if HEAD_INDEX:
+                m, l, acc0, acc1, acc2, acc3 = _outlier_tokens(
+                    page, b * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP,
+                    VP, ONE_ROW, ROW_QUERY, R, INDEX, KEPT, KEPT_V, KEPT_STATS, KEPT_K_BITS, KEPT_V_BITS)
+            else:
+                m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
+                    page, _kept_offsets(page, h, R, RP, INDEX, HEAD_INDEX), b * BLOCK, L, h, q, q_scale, gmask, m,
+                    l, acc0, acc1, acc2, acc3, H, D, GP, VP, ONE_ROW, ROW_QUERY, RP, KEPT, LAYER, LAYERS)
 
     if not SPLIT:
         dst = out_ptr + ((row0 + r) * out_stride + head * D)[:, None] + dv * VP

@@ -21,7 +21,8 @@ quantized before its rotary embedding, KVQuant's pre-RoPE keys: rotated back by 
 position, quantized, rotated again), ``clip`` / ``clipk`` / ``clipv`` (each statistics group's range
 narrowed to the least squared error, values beyond it on the end levels), ``konly`` (kept tokens'
 K exact, their V coded per token as every other token's), ``keptv4`` (with ``--kept-bits 8``: kept
-tokens' V on 4 bits).
+tokens' V on 4 bits), ``vrot`` (V's channels turned by a Hadamard rotation before coding and back
+after, QuaRot's: attention's output would be turned back once instead of every V).
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ class Setting:
                                  k_coded)
             qk = _turn(_grid_codes(k_coded, others, -2, self.k_bits, "narrow3" in self.options, self._clips("k")),
                        angles, 1.0)
+            turn_v = _hadamard(v.shape[-1]) if "vrot" in self.options else None
+            if turn_v is not None:
+                v = v @ turn_v
             qv = self._v(v)
             exact_k, exact_v = k, v
             if self.kept_bits == 8:
@@ -128,7 +132,8 @@ class Setting:
             if "konly" in self.options:
                 exact_v = qv
             k_out[0, :, a:b] = torch.where(keep, exact_k, qk).to(key.dtype)
-            v_out[0, :, a:b] = torch.where(keep, exact_v, qv).to(value.dtype)
+            v_read = torch.where(keep, exact_v, qv)
+            v_out[0, :, a:b] = (v_read if turn_v is None else v_read @ turn_v.T).to(value.dtype)
         window = slice(max(n - self._recent(), 0), n)  # empty without ``recentR``
         k_out[0, :, window], v_out[0, :, window] = key[0, :, window], value[0, :, window]
         return k_out, v_out
@@ -151,6 +156,14 @@ class Setting:
     def _recent(self) -> int:
         """R of a ``recentR`` option, else 0."""
         return next((int(o[len("recent"):]) for o in self.options if o.startswith("recent")), 0)
+
+
+def _hadamard(n: int) -> torch.Tensor:
+    """[n, n] orthonormal Hadamard matrix (Sylvester's construction; n a power of 2)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n ** 0.5
 
 
 def _turn(x: torch.Tensor, angles, sign: float) -> torch.Tensor:
