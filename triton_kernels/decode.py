@@ -226,11 +226,13 @@ def _outlier_row(page, j, held, h, stat_row, CODES: tl.constexpr, STATS: tl.cons
     c = tl.arange(0, D)[None, :]
     per_byte: tl.constexpr = 8 // BITS  # channel c at position c % per_byte of byte c // per_byte
     at = page + CODES + (j * H + h) * (D // per_byte) + c // per_byte
-    codes = unpack_codes(tl.load(at, mask=held[:, None], other=0).to(tl.int32), c % per_byte, BITS)
+    codes = unpack_codes(tl.load(at).to(tl.int32), c % per_byte, BITS)
     stats = (page + STATS).to(tl.pointer_type(tl.float16)) + (j * 2 * H + stat_row) * 2 + tl.arange(0, 1)
-    zero = tl.load(stats, mask=held, other=0.0).to(tl.float32)
-    scale = tl.load(stats + 1, mask=held, other=0.0).to(tl.float32)
-    return codes * scale[:, None] + zero[:, None]
+    zero = tl.load(stats).to(tl.float32)
+    scale = tl.load(stats + 1).to(tl.float32)
+    # the loads wait for nothing: an empty slot's bytes (another request's, or never written) are
+    # read and dropped here
+    return tl.where(held[:, None], codes * scale[:, None] + zero[:, None], 0.0)
 
 
 @triton.jit
