@@ -22,7 +22,8 @@ position, quantized, rotated again), ``clip`` / ``clipk`` / ``clipv`` (each stat
 narrowed to the least squared error, values beyond it on the end levels), ``konly`` (kept tokens'
 K exact, their V coded per token as every other token's), ``keptv4`` (with ``--kept-bits 8``: kept
 tokens' V on 4 bits), ``vrot`` (V's channels turned by a Hadamard rotation before coding and back
-after, QuaRot's: attention's output would be turned back once instead of every V).
+after, QuaRot's: attention's output would be turned back once instead of every V), ``blockN``
+(blocks of N tokens instead of 128: K's statistics and the outlier choice per N tokens).
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ class Setting:
     def parse(cls, text: str, kept_bits: int) -> "Setting":
         k, v, count, *rest = text.split("/")
         rule = rest[0] if rest and rest[0] in ("deviant", "first-token", "block-start") else "deviant"
-        return cls(int(k), int(v), int(count), rule, tuple(r for r in rest if r != rule), kept_bits)
+        options = tuple(r for r in rest if r != rule)
+        block = next((int(o[len("block"):]) for o in options if o.startswith("block") and o != "block-start"), 128)
+        return cls(int(k), int(v), int(count), rule, options, kept_bits, block)
 
     def _kept(self, k: torch.Tensor, start: int) -> torch.Tensor:
         """[H, n] bool: the block's tokens kept (k [H, n, D] from token ``start``)."""
