@@ -692,6 +692,23 @@ def test_outlier_experiment_codes_v_in_a_hadamard_frame_with_vrot():
     assert not torch.allclose(turned[1][0, 0, :128][~kept], plain[1][0, 0, :128][~kept])
 
 
+def test_outlier_experiment_takes_k_statistics_per_block_of_n_with_blockN():
+    """``block64``: K's per-channel grids and the outlier choice per 64 tokens, so a far value in the
+    second 64 tokens no longer widens the first 64's grids."""
+    from benchmarks.experiments.outliers import Setting, _grid_codes
+
+    torch.manual_seed(0)
+    key, value = torch.randn(1, 1, 140, 8), torch.randn(1, 1, 140, 8)
+    key[0, 0, 100, 3] = 50.0  # one far value in the second half of the first 128 tokens
+    query = torch.randn(1, 1, 12, 8)
+    whole = Setting.parse("2/2/0", 16).cached(None, query, key, value, 1.0)
+    halves = Setting.parse("2/2/0/block64", 16).cached(None, query, key, value, 1.0)
+    first = key[0, 0, :64]
+    torch.testing.assert_close(halves[0][0, 0, :64], _grid_codes(first, first, -2, 2, False))
+    torch.testing.assert_close(whole[0][0, 0, :128], _grid_codes(key[0, 0, :128], key[0, 0, :128], -2, 2, False))
+    assert (halves[0][0, 0, :64, 3] - first[:, 3]).abs().max() < (whole[0][0, 0, :64, 3] - first[:, 3]).abs().max()
+
+
 FAKE_VLLM_CLI = '''
 import http.server, json, sys
 args = sys.argv[1:]
