@@ -3,9 +3,10 @@
 The layer decode kernel (``decode.paged_decode`` over a ``MergedLayer``) reads the history: the
 merged directions where a layer page keeps its codes, each token's logit and probability scaled by
 the layer's norms, the retained tokens (norms stored negated) left out of their tiles and attended
-exactly from their slots once a block. What the pages do not hold yet, a decode row's own new token
-(the pair's pages take the step's tokens after both layers' attention), is attended first by
-``_own_token_kernel``; the decode kernel continues from its output and log-sum-exp (``prior_lse``).
+exactly from their slots after the tiles, a block at a time. What the pages do not hold yet, a
+decode row's own new token (the pair's pages take the step's tokens after both layers' attention),
+is attended first by ``_own_token_kernel``; the decode kernel continues from its output and
+log-sum-exp (``prior_lse``).
 """
 
 from __future__ import annotations
