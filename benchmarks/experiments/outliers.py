@@ -81,8 +81,7 @@ class Setting:
         k, v, count, *rest = text.split("/")
         rule = rest[0] if rest and rest[0] in ("deviant", "first-token", "block-start") else "deviant"
         options = tuple(r for r in rest if r != rule)
-        block = next((int(o[len("block"):]) for o in options if o.startswith("block") and o != "block-start"), 128)
-        return cls(int(k), int(v), int(count), rule, options, kept_bits, block)
+        return cls(int(k), int(v), int(count), rule, options, kept_bits, _numbered(options, "block", 128))
 
     def _kept(self, k: torch.Tensor, start: int) -> torch.Tensor:
         """[H, n] bool: the block's tokens kept (k [H, n, D] from token ``start``)."""
@@ -158,7 +157,12 @@ class Setting:
 
     def _recent(self) -> int:
         """R of a ``recentR`` option, else 0."""
-        return next((int(o[len("recent"):]) for o in self.options if o.startswith("recent")), 0)
+        return _numbered(self.options, "recent", 0)
+
+
+def _numbered(options: tuple[str, ...], name: str, default: int) -> int:
+    """N of an option ``nameN`` (``recent128``, ``block64``), else ``default``."""
+    return next((int(o[len(name):]) for o in options if o.startswith(name) and o[len(name):].isdigit()), default)
 
 
 def _hadamard(n: int) -> torch.Tensor:
