@@ -36,6 +36,20 @@ def test_three_bit_plane_layout():
     assert packed_row_bytes(64, 3) == 24 and packed_row_bytes(128, 3) == 48
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_min_max_grid_on_the_gpu_equals_the_cpu(bits):
+    """A grid's scale is the IEEE quotient on either device (as in the kernels): torch on a GPU would
+    multiply by the reciprocal of a plain number, and a million spans would show it."""
+    from vllm_kvcompress.formats.codecs import min_max_grid
+    lo, hi = torch.randn(2, 1_000_000).sort(0).values
+    top = (1 << bits) - 1
+    cpu = min_max_grid(lo, hi, top)
+    gpu = min_max_grid(lo.cuda(), hi.cuda(), top)
+    for a, b in zip(cpu, gpu):
+        assert torch.equal(a, b.cpu())
+
+
 def _codec(bits, axis, scaling=False, B=128, H=4, D=64):
     return MinMaxCodec(bits, axis, scaling, B, H, D)
 

@@ -236,23 +236,22 @@ def _outlier_row(page, j, held, h, stat_row, CODES: tl.constexpr, STATS: tl.cons
 
 
 @triton.jit
-def _outlier_tokens(page, first, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H: tl.constexpr,
+def _outlier_tokens(page, first, L, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, H: tl.constexpr,
                     D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
-                    ROW_QUERY: tl.constexpr, R: tl.constexpr, INDEX: tl.constexpr, K_CODES: tl.constexpr,
+                    R: tl.constexpr, INDEX: tl.constexpr, K_CODES: tl.constexpr,
                     V_CODES: tl.constexpr, STATS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
     """One more step of the online softmax (``m``, ``l``, the output's planes) per outlier token of
     the block that starts at token ``first`` (``formats.outliers``: head h's offsets [H, R] int16 at
     byte INDEX, rows coded on their own grids, ``_outlier_row``). A block keeps one or two: each is one
-    row of logits and products in float32, not a tile of the tensor cores padded to 16 tokens."""
-    qf = q.to(tl.float32) * q_scale  # [1, D] with ROW_QUERY, else [GP, D]
+    row of logits and products in float32, not a tile of the tensor cores padded to 16 tokens.
+    ``qk``: the scaled query in float32, [1, D] with ONE_ROW (the one row), else [GP, D]."""
     for j in tl.static_range(R):
         at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + h * R + j + tl.arange(0, 1)).to(tl.int32)
         held = (at >= 0) & (first + at < L)
         k = _outlier_row(page, j, held, h, h, K_CODES, STATS, K_BITS, H, D)
-        s = tl.sum(qf * k, 1)[:, None]  # [1 or GP, 1]
-        if ONE_ROW:  # one query row: its logit alone (ROW_QUERY: every row is the query's)
-            m, l, alpha, p1 = _softmax_step((tl.max(s, 0) if ROW_QUERY else tl.sum(s, 0))[None, :], held[None, :],
-                                            m, l, GP, True)
+        s = tl.sum(qk * k, 1)[:, None]  # [1 or GP, 1]
+        if ONE_ROW:
+            m, l, alpha, p1 = _softmax_step(s, held[None, :], m, l, GP, True)
             p = tl.where(gmask, p1, 0.0)
         else:
             m, l, alpha, p = _softmax_step(s, held[None, :], m, l, GP, False)
@@ -510,12 +509,16 @@ def _decode_kernel(
                     acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_WIDTH), c2)
                     acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_WIDTH), c3)
     if R > 0:  # the kept tokens of the split's blocks, in a loop of their own (the tiles' stays lean)
+        if ONE_ROW and not ROW_QUERY:  # the products' other rows are zero: the query row alone
+            qk = tl.sum(qf, 0)[None, :]
+        else:
+            qk = qf
         for b in range(t_start // TPP, tl.cdiv(t_end, TPP)):
             page = cache_ptr + tl.load(block_table_ptr + row0 * bt_stride + b).to(tl.int64) * page_bytes
             if HEAD_INDEX:
                 m, l, acc0, acc1, acc2, acc3 = _outlier_tokens(
-                    page, b * BLOCK, L, h, q, q_scale, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP,
-                    VP, ONE_ROW, ROW_QUERY, R, INDEX, KEPT, KEPT_V, KEPT_STATS, KEPT_K_BITS, KEPT_V_BITS)
+                    page, b * BLOCK, L, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP,
+                    VP, ONE_ROW, R, INDEX, KEPT, KEPT_V, KEPT_STATS, KEPT_K_BITS, KEPT_V_BITS)
             else:
                 m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
                     page, _kept_offsets(page, h, R, RP, INDEX, HEAD_INDEX), b * BLOCK, L, h, q, q_scale, gmask, m,
@@ -646,10 +649,11 @@ def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, t
         V_SCALE=lay.v.scale, V_ZERO=lay.v.zero, V_CS=lay.v.channel_scale, V_GROUP=lay.v.token_group,
         ASM=asm_unpack, ORDERED=ordered,
         ONE_ROW=one_row,
-        # 2-bit K only: scaling four planes of one row saves most (H200, MHA 2/2, batch 64 at 4,096
-        # tokens 382.8 -> 369.4 us, a serving step's rows 122.4 -> 113.6); at 4 and 8 bits the
-        # compiled loop came out no faster (4/4 402.0 against 399.1, serving 131.2 against 128.1)
-        ROW_QUERY=one_row and lay.k.bits == 2,
+        # 2- and 3-bit K (four planes): scaling four planes of one row saves most (H200, MHA 2/2,
+        # batch 64 at 4,096 tokens 382.8 -> 369.4 us, a serving step's rows 122.4 -> 113.6; 3/2 with
+        # an outlier a block, serving 269.7 -> 249.6); at 4 and 8 bits the compiled loop came out no
+        # faster (4/4 402.0 against 399.1, serving 131.2 against 128.1)
+        ROW_QUERY=one_row and lay.k.bits in (2, 3),
         PRIOR=prior,
         **_kept_constants(fmt),
     )

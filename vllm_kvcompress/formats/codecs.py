@@ -36,9 +36,12 @@ CLIP_RATIOS = tuple(1 - k / CLIP_DENOMINATOR for k in range(CLIP_DENOMINATOR // 
 
 
 def min_max_grid(lo: torch.Tensor, hi: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16 zero and scale (as float32) of the grid spanning ``lo .. hi`` with codes 0 .. ``top``."""
+    """float16 zero and scale (as float32) of the grid spanning ``lo .. hi`` with codes 0 .. ``top``.
+    ``top`` divides as a tensor: torch on a GPU multiplies by the reciprocal of a number, one rounding
+    more than the kernels' IEEE division, which moves some scales by a float16 step."""
     zero = lo.to(_SCALE_DTYPE).float()
-    return zero, ((hi - zero) / top).clamp_min(EPS).to(_SCALE_DTYPE).float()
+    span = hi - zero
+    return zero, (span / torch.full_like(span, top)).clamp_min(EPS).to(_SCALE_DTYPE).float()
 
 
 def codes_on(x: torch.Tensor, zero: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
