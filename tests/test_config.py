@@ -33,6 +33,9 @@ def test_json_file(tmp_path):
     ("default: {k_bits: 4, kbits: 4}", ["unknown field 'default.kbits'", "k_bits"]),
     ("default: {k_axis: row}", ["default.k_axis", "'row'", "channel", "token"]),
     ("default: [k_bits: 4", ["malformed YAML"]),
+    ("default: {k_bits: 4, v_rotation: true}", ["v_rotation", "v_bits = 16", "allowed: v_bits below 16"]),
+    ("default: {k_bits: 4, v_bits: 4, v_axis: channel, v_rotation: true}", ["v_rotation", "v_axis = 'channel'",
+                                                                           "v_axis 'token'"]),
     ("- 1\n- 2", ["expected a mapping"]),
 ])
 def test_bad_files_name_field_value_and_allowed(tmp_path, text, expected):

@@ -141,6 +141,35 @@ def test_backend_output_equals_reference_attention(request, monkeypatch, model_n
                                    lambda v: fake_quant(v, bits, "token", 128)) > 0
 
 
+def _sylvester_hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Hadamard matrix from its closed form: entry (i, j) is (-1)^popcount(i & j) / sqrt(n)."""
+    i = torch.arange(n)
+    bits = (i[:, None] & i[None, :]).flatten().tolist()
+    signs = torch.tensor([1.0 - 2.0 * (bin(b).count("1") % 2) for b in bits]).view(n, n)
+    return signs / n ** 0.5
+
+
+@pytest.mark.parametrize("model_name", ["mha", "gqa"])
+def test_rotated_v_pages_equal_reference_attention(request, monkeypatch, tmp_path, model_name):
+    """``v_rotation``: every layer's attention output equals attention whose earlier V went onto 2-bit
+    per-token grids after turning by the Hadamard matrix, and was turned back; K as at 2 bits."""
+    from reference_quant import fake_quant
+
+    model = request.getfixturevalue(model_name)
+    cfg = tmp_path / "rotated.yaml"
+    cfg.write_text("default: {k_bits: 2, v_bits: 2, v_rotation: true}\n")
+    recorded = record_attention(monkeypatch)
+    with engine(model, str(cfg), **CHUNKS) as llm:
+        for p in (prose(300, 41), prose(170, 42)):
+            greedy(llm, [p], max_tokens=1)
+
+    def rotated_history(v):
+        h = _sylvester_hadamard(v.shape[-1])
+        return fake_quant(v @ h, 2, "token", 128) @ h.T
+
+    assert check_chunked_attention(recorded, lambda k: fake_quant(k, 2, "channel", 128), rotated_history) > 0
+
+
 @pytest.mark.parametrize("setting, message", [
     ({"default": {"k_bits": 5}}, "field 'default.k_bits' = 5 is not allowed; allowed: 2, 3, 4, 8, 16"),
     ({"default": {"k_bits": 4}, "colour": "red"}, "unknown field 'colour'"),

@@ -53,6 +53,10 @@ class LayerFormat(BaseModel):
         False, description="K's grid per channel narrowed about its middle to the least squared error over the "
                            "block's first write (values beyond on the end levels); with outlier_tokens, which keep "
                            "the attention sink out of it")
+    v_rotation: bool = Field(
+        False, description="V's channels turned by an orthonormal Hadamard matrix before quantizing (QuaRot's), "
+                           "the attention output turned back once: a few large channels no longer set every "
+                           "token's grid (head size a power of 2)")
     k_codec: str | None = Field(
         None, description="a registered codec (formats.CODECS) that stores K; default: raw at 16 bits, minmax below")
     v_codec: str | None = Field(None, description="likewise for V")
@@ -73,6 +77,12 @@ class LayerFormat(BaseModel):
             if not self.outlier_tokens:
                 raise ValueError("k_clip needs outlier_tokens >= 1: a narrowed grid cuts the attention sink's K "
                                  "(SmolLM2 2/2 bits: +59% perplexity without outliers, +8% with one; docs/formats.md)")
+        if self.v_rotation and (self.v_bits == 16 or self.k_only or self.v_axis != "token" or self.v_channel_scaling
+                                or self.v_codec is not None):
+            raise ValueError(f"v_rotation turns V before its per-token grids; not with v_bits = {self.v_bits}, "
+                             f"k_only = {self.k_only}, v_axis = {self.v_axis!r}, v_channel_scaling = "
+                             f"{self.v_channel_scaling}, v_codec = {self.v_codec!r} (allowed: v_bits below 16, "
+                             "v_axis 'token', the default codec, no channel scaling, not k_only)")
         if self.outlier_tokens:
             if self.k_bits == 16:
                 raise ValueError(f"outlier_tokens = {self.outlier_tokens} needs quantized K (k_bits below 16)")
@@ -98,6 +108,7 @@ class LayerFormat(BaseModel):
         window = f" +{self.rpc_fraction:.0%} recent (<= {self.rpc_tokens}) at 16-bit" if self.has_recent_window else ""
         outliers = f" +{self.outlier_tokens} outlier token(s) a block at 8/4-bit" if self.outlier_tokens else ""
         outliers += " +K grids clipped" if self.k_clip else ""
+        outliers += " +V rotated" if self.v_rotation else ""
         k_codec, v_codec = (f"[{c}]" if c else "" for c in (self.k_codec, self.v_codec))
         return (f"K{self.k_bits}/{self.k_axis}{k_codec} V{self.v_bits}/{self.v_axis}{v_codec}{scaling}{window}"
                 f"{outliers}")

@@ -1,0 +1,26 @@
+"""V's channels turned before quantizing (``LayerFormat.v_rotation``, QuaRot's Hadamard rotation).
+
+A token's V has a few channels far larger than the rest; on a per-token grid they set the step
+for all. Turned by an orthonormal Hadamard matrix, every channel carries a share of each, and the
+grid fits them all. Attention's output is linear in V, so the pages keep V turned and the output
+is turned back once a step: ``sum_j p_j (v_j H) H^T = sum_j p_j v_j``. Sylvester's H is symmetric,
+so turning back is the same product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[n, n] float32 orthonormal Hadamard matrix (Sylvester's construction; n a power of 2), built
+    on ``device`` by device operations only (allowed while a CUDA graph is captured)."""
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h * n ** -0.5
+
+
+def turn(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., n] times ``h`` over its last axis, in float32, back in ``x``'s dtype."""
+    return (x.float() @ h).to(x.dtype)
