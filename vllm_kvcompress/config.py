@@ -106,12 +106,12 @@ class LayerFormat(BaseModel):
             return f"K{self.k_bits}/{self.k_axis} only (V = K W_KV)"
         scaling = "+chscale" if self.v_channel_scaling and self.v_bits != 16 else ""
         window = f" +{self.rpc_fraction:.0%} recent (<= {self.rpc_tokens}) at 16-bit" if self.has_recent_window else ""
-        outliers = f" +{self.outlier_tokens} outlier token(s) a block at 8/4-bit" if self.outlier_tokens else ""
-        outliers += " +K grids clipped" if self.k_clip else ""
-        outliers += " +V rotated" if self.v_rotation else ""
+        extras = f" +{self.outlier_tokens} outlier token(s) a block at 8/4-bit" if self.outlier_tokens else ""
+        extras += " +K grids clipped" if self.k_clip else ""
+        extras += " +V rotated" if self.v_rotation else ""
         k_codec, v_codec = (f"[{c}]" if c else "" for c in (self.k_codec, self.v_codec))
         return (f"K{self.k_bits}/{self.k_axis}{k_codec} V{self.v_bits}/{self.v_axis}{v_codec}{scaling}{window}"
-                f"{outliers}")
+                f"{extras}")
 
 
 def _overrides_of(model: type[BaseModel]) -> type[BaseModel]:

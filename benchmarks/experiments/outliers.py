@@ -37,6 +37,7 @@ import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
 from vllm_kvcompress.formats import CLIP_RATIOS  # the pages' ratios
+from vllm_kvcompress.formats.rotation import hadamard  # the pages' turn of V (``v_rotation``)
 
 
 def _grid_codes(x: torch.Tensor, ref: torch.Tensor, dim: int, bits: int, narrow3: bool,
@@ -123,7 +124,7 @@ class Setting:
                                  k_coded)
             qk = _turn(_grid_codes(k_coded, others, -2, self.k_bits, "narrow3" in self.options, self._clips("k")),
                        angles, 1.0)
-            turn_v = _hadamard(v.shape[-1]) if "vrot" in self.options else None
+            turn_v = hadamard(v.shape[-1]) if "vrot" in self.options else None
             if turn_v is not None:
                 v = v @ turn_v
             qv = self._v(v)
@@ -163,14 +164,6 @@ class Setting:
 def _numbered(options: tuple[str, ...], name: str, default: int) -> int:
     """N of an option ``nameN`` (``recent128``, ``block64``), else ``default``."""
     return next((int(o[len(name):]) for o in options if o.startswith(name) and o[len(name):].isdigit()), default)
-
-
-def _hadamard(n: int) -> torch.Tensor:
-    """[n, n] orthonormal Hadamard matrix (Sylvester's construction; n a power of 2)."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / n ** 0.5
 
 
 def _turn(x: torch.Tensor, angles, sign: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     h = torch.ones(1, 1, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h * n ** -0.5
+    return h / n ** 0.5
 
 
 def turn(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
