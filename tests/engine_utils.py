@@ -68,16 +68,32 @@ def prompt_logprobs(llm, prompts) -> list[torch.Tensor]:
     return result
 
 
+def sylvester_hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Hadamard matrix from its closed form: entry (i, j) is (-1)^popcount(i & j) / sqrt(n)."""
+    i = torch.arange(n)
+    bits = (i[:, None] & i[None, :]).flatten().tolist()
+    signs = torch.tensor([1.0 - 2.0 * (bin(b).count("1") % 2) for b in bits]).view(n, n)
+    return signs / n ** 0.5
+
+
 def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, block: int,
-                              chunk: int, outliers: int = 0) -> list[torch.Tensor]:
+                              chunk: int, outliers: int = 0, v_turned: bool = False) -> list[torch.Tensor]:
     """Hugging Face Llama run as the engine runs a prompt in chunks of ``chunk`` tokens (a multiple
     of ``block``): each chunk attends to its own K/V exactly and to earlier chunks' K/V through the
-    format's arithmetic (with ``outliers``, each block's most deviant tokens kept exact)."""
+    format's arithmetic (with ``outliers``, each block's most deviant tokens kept exact; with
+    ``v_turned``, V quantized after turning by the Hadamard matrix and turned back)."""
     import torch.nn.functional as F
     from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
 
+    def quant_v(v):  # [T, H, D]
+        if not v_turned:
+            return fake_quant(v, v_bits, "token", block)
+        h = sylvester_hadamard(v.shape[-1])
+        return fake_quant(v @ h, v_bits, "token", block) @ h.T
+
     def chunked_quantized_attention(module, query, key, value, attention_mask, **kwargs):
         # query [batch, heads, seq, head]; key/value [batch, kv_heads, seq, head] after RoPE, as vLLM stores them
+        assert not (outliers and v_turned), "one lever at a time"
         if outliers:
             both = [fake_quant_with_outliers(kb.transpose(0, 1), vb.transpose(0, 1), k_bits, v_bits, block, outliers)
                     for kb, vb in zip(key, value)]
@@ -85,7 +101,7 @@ def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, bloc
             vq = torch.stack([v.transpose(0, 1) for _, v, _ in both])
         else:
             kq = torch.stack([fake_quant(kb.transpose(0, 1), k_bits, "channel", block).transpose(0, 1) for kb in key])
-            vq = torch.stack([fake_quant(vb.transpose(0, 1), v_bits, "token", block).transpose(0, 1) for vb in value])
+            vq = torch.stack([quant_v(vb.transpose(0, 1)).transpose(0, 1) for vb in value])
         outs = []
         for a in range(0, key.shape[2], chunk):
             b = min(a + chunk, key.shape[2])

@@ -33,7 +33,8 @@ def build_tokenizer(path: Path, vocab_size: int = 512):
 
 
 def build_llama(path: Path, num_kv_heads: int = 4, num_heads: int = 4, hidden: int = 256,
-                layers: int = 4, seed: int = 0, init_range: float = 0.02, train_steps: int = 150) -> Path:
+                layers: int = 4, seed: int = 0, init_range: float = 0.02, train_steps: int = 150,
+                attention_bias: bool = False) -> Path:
     """Write a small Llama (head size hidden/num_heads) and its tokenizer to ``path``.
 
     A few training steps on ``CORPUS`` make its greedy choices confident, as a
@@ -49,7 +50,7 @@ def build_llama(path: Path, num_kv_heads: int = 4, num_heads: int = 4, hidden: i
     tok = build_tokenizer(path)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_kv_heads, max_position_embeddings=2048,
+                         num_key_value_heads=num_kv_heads, max_position_embeddings=2048, attention_bias=attention_bias,
                          initializer_range=init_range, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id, tie_word_embeddings=False, torch_dtype="float32")
     torch.manual_seed(seed)

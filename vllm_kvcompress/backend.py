@@ -32,7 +32,6 @@ from . import paged_torch, policy, salient_torch
 from .engine_config import ModelKVShape, active_config, layer_page_format, layer_plans, platform_device
 from .formats import KVPageFormat
 from .formats.merged import MergedPairFormat
-from .formats.rotation import hadamard, turn
 from .formats.salient import SalientTokensFormat
 from .kernels import registry
 from .slim_loader import ATTRIBUTE
@@ -203,7 +202,6 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         # in a merged pair (MiniCache): 0 the first layer, 1 the second (which shares the first one's cache)
         self._pair_layer = int(kv_sharing_target_layer_name is not None)
         self._format: KVPageFormat | None = None
-        self._v_turn: torch.Tensor | None = None  # ``rotation.hadamard`` where the pages keep V turned
         self._decode_kernel = None  # decode rows' kernel (None: the torch path takes the decodes)
         self._prompt_kernel = None  # prompt tokens' kernel, as decode rows (None: the torch path)
         self._write = paged_torch.write_tokens
@@ -241,8 +239,6 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             self._format = layer_page_format(self._config, index, self._num_layers, self._dtype, kv_cache.shape[2],
                                              self.num_kv_heads, self.head_size)
             plan = self._plan_layer(self._format, layer, kv_cache.device)
-            if getattr(self._format, "v_rotated", False):
-                self._v_turn = hadamard(self.head_size, kv_cache.device)
             logger.info_once("kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens)",
                              kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}")
             logger.debug("kv-compression: layer %d: %s", index, plan.describe())
@@ -276,10 +272,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return
         pages = self._pages(kv_cache, fmt)
         self._warm_up(pages, key.dtype)
-        value = value[:n].view(n, self.num_kv_heads, -1)
-        if self._v_turn is not None:
-            value = turn(value, self._v_turn)
-        self._write(pages, fmt, key[:n].view(n, self.num_kv_heads, -1), value, slot_mapping)
+        self._write(pages, fmt, key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1),
+                    slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KVCompressMetadata | None, output: torch.Tensor,
@@ -317,20 +311,15 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             rows = md.token_rows
             k_new = key[start:t].view(t - start, self.num_kv_heads, self.head_size)
             v_new = value[start:t].view(t - start, self.num_kv_heads, self.head_size)
-            if self._v_turn is not None:  # the chunk's own V in the pages' frame
-                v_new = turn(v_new, self._v_turn)
             if self._prompt_kernel is not None and rows is not None:
                 self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:])
+                return output
+            rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
+            if slim is not None:
+                out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new, v_new)
             else:
-                rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:],
-                        self.scale)
-                if slim is not None:
-                    out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new, v_new)
-                else:
-                    out[start:] = paged_torch.attend(q[start:], pages, fmt, *rest, self.sliding_window,
-                                                     key=k_new, value=v_new)
-        if self._v_turn is not None:  # every row's output back from the pages' frame
-            out.copy_(turn(out, self._v_turn))
+                out[start:] = paged_torch.attend(q[start:], pages, fmt, *rest, self.sliding_window,
+                                                 key=k_new, value=v_new)
         return output
 
     def _forward_salient(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,

@@ -55,8 +55,8 @@ class LayerFormat(BaseModel):
                            "the attention sink out of it")
     v_rotation: bool = Field(
         False, description="V's channels turned by an orthonormal Hadamard matrix before quantizing (QuaRot's), "
-                           "the attention output turned back once: a few large channels no longer set every "
-                           "token's grid (head size a power of 2)")
+                           "folded into the V and output projections at load: a few large channels no longer set "
+                           "every token's grid (head size a power of 2, unquantized weights)")
     k_codec: str | None = Field(
         None, description="a registered codec (formats.CODECS) that stores K; default: raw at 16 bits, minmax below")
     v_codec: str | None = Field(None, description="likewise for V")
@@ -229,6 +229,9 @@ class KVCompressionConfig(BaseModel):
 
     def uses_k_only(self, num_layers: int) -> bool:
         return any(self.layer_format(i).k_only for i in range(num_layers))
+
+    def uses_v_rotation(self, num_layers: int) -> bool:
+        return any(self.layer_format(i).v_rotation for i in range(num_layers))
 
     def check_layers(self, num_layers: int) -> None:
         """Refuse layer indices the model doesn't have."""

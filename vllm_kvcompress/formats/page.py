@@ -44,15 +44,11 @@ class KVPageFormat:
     recent: UncompressedCodec | None = None  # ring of 16-bit copies: K's heads, then V's
     window_fraction: float = 0.0
     outliers: int = 0  # tokens a block and KV head keeps exact, outside the statistics (``outliers``)
-    v_rotated: bool = False  # V stored turned by ``rotation.hadamard`` (the backend turns it and the output)
 
     @classmethod
     def from_layer_format(cls, fmt, dtype: torch.dtype, block_size: int, num_kv_heads: int,
                           head_size: int) -> "KVPageFormat":
         shape = (dtype, block_size, num_kv_heads, head_size)
-        if fmt.v_rotation and head_size & (head_size - 1):
-            raise ValueError(f"v_rotation needs a head size that is a power of 2 (a Hadamard matrix); this model's "
-                             f"is {head_size} (allowed: v_rotation false)")
         k = codec_for("k_codec", TensorSpec(fmt.k_bits, fmt.k_axis, codec=fmt.k_codec, clip=fmt.k_clip), *shape)
         v = None if fmt.k_only else codec_for("v_codec", TensorSpec(fmt.v_bits, fmt.v_axis, fmt.v_channel_scaling,
                                                                  fmt.v_codec), *shape)
@@ -60,19 +56,18 @@ class KVPageFormat:
             if fmt.outlier_tokens >= block_size:
                 raise ValueError(f"outlier_tokens = {fmt.outlier_tokens} must be below the block size "
                                  f"({block_size} tokens)")
-            return cls(k, v, block_size, dtype, outliers=fmt.outlier_tokens, v_rotated=fmt.v_rotation)
+            return cls(k, v, block_size, dtype, outliers=fmt.outlier_tokens)
         if fmt.rpc_tokens >= block_size:
             raise ValueError(f"rpc_tokens = {fmt.rpc_tokens} must be below the block size ({block_size} tokens)")
         recent = UncompressedCodec(dtype, fmt.rpc_tokens, 2 * num_kv_heads, head_size)
-        return cls(k, v, block_size, dtype, recent, fmt.rpc_fraction, v_rotated=fmt.v_rotation)
+        return cls(k, v, block_size, dtype, recent, fmt.rpc_fraction)
 
     def __hash__(self) -> int:  # kept: formats key the kernels' caches at every launch
         return self._hash
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.k, self.v, self.block_size, self.dtype, self.recent, self.window_fraction, self.outliers,
-                     self.v_rotated))
+        return hash((self.k, self.v, self.block_size, self.dtype, self.recent, self.window_fraction, self.outliers))
 
     def __getstate__(self) -> dict:
         """Without the kept hash and sizes: a hash holds only in the process that computed it."""

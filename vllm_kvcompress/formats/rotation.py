@@ -3,8 +3,8 @@
 A token's V has a few channels far larger than the rest; on a per-token grid they set the step
 for all. Turned by an orthonormal Hadamard matrix, every channel carries a share of each, and the
 grid fits them all. Attention's output is linear in V, so the pages keep V turned and the output
-is turned back once a step: ``sum_j p_j (v_j H) H^T = sum_j p_j v_j``. Sylvester's H is symmetric,
-so turning back is the same product.
+is turned back: ``sum_j p_j (v_j H) H^T = sum_j p_j v_j``. Both turns are folded into the model's
+projections at load (``v_rotation_loader``). Sylvester's H is symmetric: turning back is the same product.
 """
 
 from __future__ import annotations
@@ -19,8 +19,3 @@ def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
     return h / n ** 0.5
-
-
-def turn(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """``x`` [..., n] times ``h`` over its last axis, in float32, back in ``x``'s dtype."""
-    return (x.float() @ h).to(x.dtype)

@@ -1,0 +1,73 @@
+"""``v_rotation``: V's Hadamard turn folded into the model's weights when they are loaded.
+
+Each layer that keeps V turned gets its V projection's rows turned (``v H`` comes out of the
+projection itself, bias included) and its output projection's columns turned back, head by head
+(``o_proj(out H) = o_proj(out)`` with ``W_O H`` in place of ``W_O``). Attention is linear in V, so
+the layer computes what it did before and its pages hold turned V, at no cost per step: the
+backend and kernels never see the turn. Needs unquantized projection weights (a fused
+``qkv_proj`` and ``o_proj``) and a head size that is a power of 2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import KVCompressionConfig, KVCompressionConfigError
+from .formats.rotation import hadamard
+
+
+def _refuse(layer_name: str, why: str) -> KVCompressionConfigError:
+    return KVCompressionConfigError(f"kv-compression v_rotation: {layer_name} {why} (allowed: v_rotation false "
+                                    "for this layer)")
+
+
+def _turn_rows(w: torch.Tensor, h: torch.Tensor) -> None:
+    """``w`` [heads * n, ...] in place: each head's n rows replaced by ``h`` times them."""
+    n = h.shape[0]
+    blocks = w.view(-1, n, *w.shape[1:]).float()
+    w.copy_(torch.einsum("ij,bj...->bi...", h, blocks).reshape(w.shape).to(w.dtype))
+
+
+def _turn_columns(w: torch.Tensor, h: torch.Tensor) -> None:
+    """``w`` [out, heads * n] in place: each head's n columns times ``h``."""
+    n = h.shape[0]
+    w.copy_((w.float().view(w.shape[0], -1, n) @ h).reshape(w.shape).to(w.dtype))
+
+
+def fold_into(parent: torch.nn.Module, attn) -> None:
+    """Turn ``parent``'s V projection and turn its output projection back, for ``attn``'s heads
+    (those of this worker's shard under tensor parallelism)."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    name, d = attn.layer_name, attn.head_size
+    if d & (d - 1):
+        raise _refuse(name, f"has head size {d}; a Hadamard matrix needs a power of 2")
+    qkv, o = getattr(parent, "qkv_proj", None), getattr(parent, "o_proj", None)
+    if qkv is None or o is None:
+        raise _refuse(name, "has no fused qkv_proj and o_proj to fold the turn into")
+    for proj in (qkv, o):
+        if not isinstance(getattr(proj, "quant_method", None), UnquantizedLinearMethod):
+            raise _refuse(name, f"has quantized weights ({type(proj.quant_method).__name__}); the turn is folded "
+                                "into unquantized ones")
+    h = hadamard(d, qkv.weight.device)
+    q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
+    with torch.no_grad():
+        _turn_rows(qkv.weight[q_size + kv_size:q_size + 2 * kv_size], h)
+        if getattr(qkv, "bias", None) is not None:
+            _turn_rows(qkv.bias[q_size + kv_size:q_size + 2 * kv_size], h)
+        _turn_columns(o.weight, h)
+
+
+def fold_v_rotation(model: torch.nn.Module, cfg: KVCompressionConfig) -> int:
+    """Fold the turn into every attention layer of ``model`` whose format has ``v_rotation``;
+    returns how many."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    folded = 0
+    for _, parent in model.named_modules():
+        attn = getattr(parent, "attn", None)
+        if isinstance(attn, Attention) and cfg.layer_format(extract_layer_index(attn.layer_name)).v_rotation:
+            fold_into(parent, attn)
+            folded += 1
+    return folded
