@@ -174,7 +174,8 @@ def test_rotated_v_needs_a_power_of_2_head_size(tmp_path):
     from tiny_models import build_llama
 
     model = build_llama(tmp_path / "d48", hidden=192, train_steps=0)
-    with pytest.raises(KVCompressionConfigError, match="has head size 48; a Hadamard matrix needs a power of 2"):
+    with pytest.raises(KVCompressionConfigError, match=r"has head size 48; a Hadamard matrix needs a power of 2 "
+                       r"\(allowed: v_rotation false, e.g. a config with default: \{k_bits: 4, v_bits: 2\}\)"):
         LLM(str(model), enforce_eager=True, kv_cache_memory_bytes=32 << 20,
             additional_config={"kv_compression": {"default": {"k_bits": 4, "v_bits": 2, "v_rotation": True}}})
 

@@ -9,6 +9,7 @@ from engine_utils import engine, greedy, kv_capacity_tokens, prose
 PROMPTS = [prose(30 + 41 * i, seed=i) for i in range(4)]
 BUDGET = 64 << 20
 PER_LAYER = "default: {k_bits: 4, v_bits: 4}\nlayers:\n  0: {k_bits: 8, v_bits: 8}\n  3: {k_bits: 2, v_bits: 2}\n"
+ROTATED = "default: {k_bits: 4, v_bits: 4, v_rotation: true}\n"  # the turn folded into each rank's shard
 
 
 def _predicted_tokens(setting: str, num_kv_heads: int) -> int:
@@ -23,14 +24,14 @@ def _predicted_tokens(setting: str, num_kv_heads: int) -> int:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("setting", ["quant-k4v4", "per-layer"])
+@pytest.mark.parametrize("setting", ["quant-k4v4", "per-layer", "rotated"])
 def test_tensor_parallel_matches_one_process(gqa, setting, tmp_path, monkeypatch):
     """TP 2 over 2 KV heads: each rank pages one head, so the same memory a rank holds the tokens
     that one-head pages predict (about twice one process's), and greedy tokens are unchanged."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core a worker
-    if setting == "per-layer":
-        setting = str(tmp_path / "per-layer.yaml")
-        (tmp_path / "per-layer.yaml").write_text(PER_LAYER)
+    if setting in ("per-layer", "rotated"):
+        (tmp_path / f"{setting}.yaml").write_text(PER_LAYER if setting == "per-layer" else ROTATED)
+        setting = str(tmp_path / f"{setting}.yaml")
     runs = {}
     for tp in (1, 2):
         with engine(gqa, setting, kv_bytes=BUDGET, tensor_parallel_size=tp, distributed_executor_backend="mp") as llm:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from .config import KVCompressionConfig, KVCompressionConfigError
+from .config import KVCompressionConfig, KVCompressionConfigError, LayerFormat
 from .formats.rotation import hadamard
 
 
-def _refuse(layer_name: str, why: str) -> KVCompressionConfigError:
-    return KVCompressionConfigError(f"kv-compression v_rotation: {layer_name} {why} (allowed: v_rotation false "
-                                    "for this layer)")
+def _refuse(layer_name: str, why: str, fmt: LayerFormat) -> KVCompressionConfigError:
+    unturned = {k: v for k, v in fmt.model_dump(exclude_defaults=True).items() if k != "v_rotation"}
+    flow = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in unturned.items())
+    return KVCompressionConfigError(f"kv-compression v_rotation: {layer_name} {why} (allowed: v_rotation false, "
+                                    f"e.g. a config with default: {{{flow}}})")
 
 
 def _turn_rows(w: torch.Tensor, h: torch.Tensor) -> None:
@@ -34,21 +36,22 @@ def _turn_columns(w: torch.Tensor, h: torch.Tensor) -> None:
     w.copy_((w.float().view(w.shape[0], -1, n) @ h).reshape(w.shape).to(w.dtype))
 
 
-def fold_into(parent: torch.nn.Module, attn) -> None:
+def fold_into(parent: torch.nn.Module, attn, fmt: LayerFormat) -> None:
     """Turn ``parent``'s V projection and turn its output projection back, for ``attn``'s heads
-    (those of this worker's shard under tensor parallelism)."""
+    (those of this worker's shard under tensor parallelism); ``fmt``, the layer's format, names the
+    unturned alternative where the turn cannot be folded."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
     name, d = attn.layer_name, attn.head_size
     if d & (d - 1):
-        raise _refuse(name, f"has head size {d}; a Hadamard matrix needs a power of 2")
+        raise _refuse(name, f"has head size {d}; a Hadamard matrix needs a power of 2", fmt)
     qkv, o = getattr(parent, "qkv_proj", None), getattr(parent, "o_proj", None)
     if qkv is None or o is None:
-        raise _refuse(name, "has no fused qkv_proj and o_proj to fold the turn into")
+        raise _refuse(name, "has no fused qkv_proj and o_proj to fold the turn into", fmt)
     for proj in (qkv, o):
         if not isinstance(getattr(proj, "quant_method", None), UnquantizedLinearMethod):
             raise _refuse(name, f"has quantized weights ({type(proj.quant_method).__name__}); the turn is folded "
-                                "into unquantized ones")
+                                "into unquantized ones", fmt)
     h = hadamard(d, qkv.weight.device)
     q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
     with torch.no_grad():
@@ -67,7 +70,10 @@ def fold_v_rotation(model: torch.nn.Module, cfg: KVCompressionConfig) -> int:
     folded = 0
     for _, parent in model.named_modules():
         attn = getattr(parent, "attn", None)
-        if isinstance(attn, Attention) and cfg.layer_format(extract_layer_index(attn.layer_name)).v_rotation:
-            fold_into(parent, attn)
+        if not isinstance(attn, Attention):
+            continue
+        fmt = cfg.layer_format(extract_layer_index(attn.layer_name))
+        if fmt.v_rotation:
+            fold_into(parent, attn, fmt)
             folded += 1
     return folded
