@@ -67,12 +67,14 @@ def main() -> None:
                             hidden=1024, layers=4))
     prompts = [prose(400, i) for i in range(6)] + ["The quick brown fox"]
     report = {}
+    rotated = {"default": {"k_bits": 8, "v_bits": 8, "v_rotation": True}}  # V's turn folded into bf16 weights
     settings = () if args.compare_only else (
-        ("quant-k8v8", True), ("quant-k4v4", True), ("quant-k4v4", False), ("quant-k2v2", True))
+        ("quant-k8v8", True), ("quant-k4v4", True), ("quant-k4v4", False), ("quant-k2v2", True),
+        ("k8v8, V turned", False))
     if settings:
         stock = run(model, None, True, prompts)
     for setting, eager in settings:
-        r = run(model, setting, eager, prompts)
+        r = run(model, rotated if setting == "k8v8, V turned" else setting, eager, prompts)
         same = sum(a == b for s, o in zip(stock["tokens"], r["tokens"]) for a, b in zip(s, o))
         dl = max(abs(a - b) for s, o in zip(stock["logprobs"], r["logprobs"]) for a, b in zip(s, o))
         key = f"{setting} {'eager' if eager else 'graphs+compile'}"
