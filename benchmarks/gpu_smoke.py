@@ -52,6 +52,9 @@ def run(model: str, setting, eager: bool, prompts, torch_path: bool = False) -> 
 
 
 def main() -> None:
+    import os
+
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # a forked engine fails once CUDA is up here
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare-only", action="store_true", help="only Triton kernels vs the torch path")
