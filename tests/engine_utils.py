@@ -81,15 +81,16 @@ def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, bloc
     """Hugging Face Llama run as the engine runs a prompt in chunks of ``chunk`` tokens (a multiple
     of ``block``): each chunk attends to its own K/V exactly and to earlier chunks' K/V through the
     format's arithmetic (with ``outliers``, each block's most deviant tokens kept exact; with
-    ``v_turned``, V quantized after turning by the Hadamard matrix and turned back)."""
+    ``v_turned``, V quantized without its projection's bias after turning by the Hadamard matrix,
+    then turned back and the bias added)."""
     import torch.nn.functional as F
     from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
 
-    def quant_v(v):  # [T, H, D]
+    def quant_v(v, bias):  # [T, H, D], [H, D]
         if not v_turned:
             return fake_quant(v, v_bits, "token", block)
         h = sylvester_hadamard(v.shape[-1])
-        return fake_quant(v @ h, v_bits, "token", block) @ h.T
+        return fake_quant((v - bias) @ h, v_bits, "token", block) @ h.T + bias
 
     def chunked_quantized_attention(module, query, key, value, attention_mask, **kwargs):
         # query [batch, heads, seq, head]; key/value [batch, kv_heads, seq, head] after RoPE, as vLLM stores them
@@ -101,7 +102,9 @@ def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, bloc
             vq = torch.stack([v.transpose(0, 1) for _, v, _ in both])
         else:
             kq = torch.stack([fake_quant(kb.transpose(0, 1), k_bits, "channel", block).transpose(0, 1) for kb in key])
-            vq = torch.stack([quant_v(vb.transpose(0, 1)).transpose(0, 1) for vb in value])
+            bias = module.v_proj.bias
+            bias = torch.zeros(value.shape[1], value.shape[-1]) if bias is None else bias.view(value.shape[1], -1)
+            vq = torch.stack([quant_v(vb.transpose(0, 1), bias).transpose(0, 1) for vb in value])
         outs = []
         for a in range(0, key.shape[2], chunk):
             b = min(a + chunk, key.shape[2])

@@ -143,18 +143,28 @@ def test_backend_output_equals_reference_attention(request, monkeypatch, model_n
 
 @pytest.fixture(scope="module")
 def gqa_with_bias(tmp_path_factory):
-    """A tiny trained GQA Llama whose projections have biases (as Qwen2's K/V do)."""
+    """A tiny trained GQA Llama whose projections have biases, V's larger than V's spread across
+    channels (as in some of Qwen2's layers)."""
+    from safetensors.torch import load_file, save_file
     from tiny_models import build_llama
-    return build_llama(tmp_path_factory.mktemp("models") / "gqa-bias", num_kv_heads=2, num_heads=4,
+
+    path = build_llama(tmp_path_factory.mktemp("models") / "gqa-bias", num_kv_heads=2, num_heads=4,
                        attention_bias=True)
+    weights = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    for name, w in weights.items():
+        if name.endswith("v_proj.bias"):
+            weights[name] = torch.randn(w.shape, generator=gen)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
 
 
 @pytest.mark.parametrize("model_name", ["mha", "gqa_with_bias"])
 def test_rotated_v_equals_reference(request, model_name):
     """``v_rotation``: prompt logprobs (chunks of 128 tokens) equal a Hugging Face model whose earlier
-    chunks' V goes onto 2-bit per-token grids after turning by the closed-form Hadamard matrix and is
-    turned back; and differ from the same bits unturned. Bounds as in
-    test_prompt_logprobs_equal_torch_reference."""
+    chunks' V, less its projection's bias, goes onto 2-bit per-token grids after turning by the
+    closed-form Hadamard matrix and is turned back; and differ from the same bits unturned. Bounds
+    as in test_prompt_logprobs_equal_torch_reference."""
     model = request.getfixturevalue(model_name)
     prompts = [prose(300, 51), prose(140, 52)]
     with engine(model, {"default": {"k_bits": 4, "v_bits": 2, "v_rotation": True}}, **CHUNKS) as llm:

@@ -1,10 +1,10 @@
 """``v_rotation``: V's Hadamard turn folded into the model's weights when they are loaded.
 
 Each layer that keeps V turned gets its V projection's rows turned (``v H`` comes out of the
-projection itself, bias included) and its output projection's columns turned back, head by head
-(``o_proj(out H) = o_proj(out)`` with ``W_O H`` in place of ``W_O``). Attention is linear in V, so
-the layer computes what it did before and its pages hold turned V, at no cost per step: the
-backend and kernels never see the turn. Needs unquantized projection weights (a fused
+projection itself) and its output projection's columns turned back, head by head
+(``o_proj(out H) = o_proj(out)`` with ``W_O H`` in place of ``W_O``); a V bias moves to the output
+projection (``_move_v_bias``). Attention is linear in V, so the layer computes what it did before
+and its pages hold turned V, at no cost per step: the backend and kernels never see the turn. Needs unquantized projection weights (a fused
 ``qkv_proj`` and ``o_proj``) and a head size that is a power of 2.
 """
 
@@ -55,10 +55,31 @@ def fold_into(parent: torch.nn.Module, attn, fmt: LayerFormat) -> None:
     h = hadamard(d, qkv.weight.device)
     q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
     with torch.no_grad():
-        _turn_rows(qkv.weight[q_size + kv_size:q_size + 2 * kv_size], h)
         if getattr(qkv, "bias", None) is not None:
-            _turn_rows(qkv.bias[q_size + kv_size:q_size + 2 * kv_size], h)
+            if o.skip_bias_add:
+                raise _refuse(name, "has a V bias and an output projection that leaves its bias to the model", fmt)
+            _move_v_bias(qkv.bias[q_size + kv_size:q_size + 2 * kv_size], o, d, attn.num_heads // attn.num_kv_heads)
+        _turn_rows(qkv.weight[q_size + kv_size:q_size + 2 * kv_size], h)
         _turn_columns(o.weight, h)
+
+
+def _move_v_bias(v_bias: torch.Tensor, o, head_size: int, group: int) -> None:
+    """The V projection's bias (this shard's, zeroed in place) moved to the output projection's:
+    attention weights sum to 1, so each output row carries its KV head's bias whole, and ``W_O b``
+    can be added after ``o_proj`` instead. The pages then hold V without a constant offset per
+    channel, which each token's grid would otherwise have to span. Under tensor parallelism the
+    shards' parts are summed (``o_proj`` adds its bias once, on the first rank)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+
+    per_query_head = v_bias.float().view(-1, head_size).repeat_interleave(group, 0).flatten()
+    moved = o.weight.float() @ per_query_head
+    if get_tensor_model_parallel_world_size() > 1:
+        moved = tensor_model_parallel_all_reduce(moved)
+    if o.bias is None:
+        o.bias = torch.nn.Parameter(moved.to(o.weight.dtype), requires_grad=False)
+    else:
+        o.bias.copy_((o.bias.float() + moved).to(o.bias.dtype))
+    v_bias.zero_()
 
 
 def fold_v_rotation(model: torch.nn.Module, cfg: KVCompressionConfig) -> int:
