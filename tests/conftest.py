@@ -20,3 +20,22 @@ def gqa(tmp_path_factory):
     """The same with grouped-query attention (4 heads, 2 KV heads)."""
     from tiny_models import build_llama
     return build_llama(tmp_path_factory.mktemp("models") / "gqa", num_kv_heads=2, num_heads=4)
+
+
+@pytest.fixture(scope="session")
+def gqa_with_bias(tmp_path_factory):
+    """A tiny trained GQA Llama whose projections have biases, V's larger than V's spread across
+    channels (as in some of Qwen2's layers)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tiny_models import build_llama
+
+    path = build_llama(tmp_path_factory.mktemp("models") / "gqa-bias", num_kv_heads=2, num_heads=4,
+                       attention_bias=True)
+    weights = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    for name, w in weights.items():
+        if name.endswith("v_proj.bias"):
+            weights[name] = torch.randn(w.shape, generator=gen)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -141,24 +141,6 @@ def test_backend_output_equals_reference_attention(request, monkeypatch, model_n
                                    lambda v: fake_quant(v, bits, "token", 128)) > 0
 
 
-@pytest.fixture(scope="module")
-def gqa_with_bias(tmp_path_factory):
-    """A tiny trained GQA Llama whose projections have biases, V's larger than V's spread across
-    channels (as in some of Qwen2's layers)."""
-    from safetensors.torch import load_file, save_file
-    from tiny_models import build_llama
-
-    path = build_llama(tmp_path_factory.mktemp("models") / "gqa-bias", num_kv_heads=2, num_heads=4,
-                       attention_bias=True)
-    weights = load_file(path / "model.safetensors")
-    gen = torch.Generator().manual_seed(5)
-    for name, w in weights.items():
-        if name.endswith("v_proj.bias"):
-            weights[name] = torch.randn(w.shape, generator=gen)
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
-
-
 @pytest.mark.parametrize("model_name", ["mha", "gqa_with_bias"])
 def test_rotated_v_equals_reference(request, model_name):
     """``v_rotation``: prompt logprobs (chunks of 128 tokens) equal a Hugging Face model whose earlier

@@ -25,9 +25,12 @@ def _predicted_tokens(setting: str, num_kv_heads: int) -> int:
 
 @pytest.mark.engine
 @pytest.mark.parametrize("setting", ["quant-k4v4", "per-layer", "rotated"])
-def test_tensor_parallel_matches_one_process(gqa, setting, tmp_path, monkeypatch):
+def test_tensor_parallel_matches_one_process(request, setting, tmp_path, monkeypatch):
     """TP 2 over 2 KV heads: each rank pages one head, so the same memory a rank holds the tokens
-    that one-head pages predict (about twice one process's), and greedy tokens are unchanged."""
+    that one-head pages predict (about twice one process's), and greedy tokens are unchanged. With
+    V turned, on a model with large V biases: each rank folds its shard, and the biases moved to the
+    output projection are summed over the ranks."""
+    gqa = request.getfixturevalue("gqa_with_bias" if setting == "rotated" else "gqa")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core a worker
     if setting in ("per-layer", "rotated"):
         (tmp_path / f"{setting}.yaml").write_text(PER_LAYER if setting == "per-layer" else ROTATED)
