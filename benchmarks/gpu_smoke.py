@@ -71,16 +71,16 @@ def main() -> None:
     prompts = [prose(400, i) for i in range(6)] + ["The quick brown fox"]
     report = {}
     rotated = {"default": {"k_bits": 8, "v_bits": 8, "v_rotation": True}}  # V's turn folded into bf16 weights
-    settings = () if args.compare_only else (
-        ("quant-k8v8", True), ("quant-k4v4", True), ("quant-k4v4", False), ("quant-k2v2", True),
-        ("k8v8, V turned", False))
+    settings = () if args.compare_only else (  # (name, setting, eager)
+        ("quant-k8v8", "quant-k8v8", True), ("quant-k4v4", "quant-k4v4", True), ("quant-k4v4", "quant-k4v4", False),
+        ("quant-k2v2", "quant-k2v2", True), ("k8v8, V turned", rotated, False))
     if settings:
         stock = run(model, None, True, prompts)
-    for setting, eager in settings:
-        r = run(model, rotated if setting == "k8v8, V turned" else setting, eager, prompts)
+    for name, setting, eager in settings:
+        r = run(model, setting, eager, prompts)
         same = sum(a == b for s, o in zip(stock["tokens"], r["tokens"]) for a, b in zip(s, o))
         dl = max(abs(a - b) for s, o in zip(stock["logprobs"], r["logprobs"]) for a, b in zip(s, o))
-        key = f"{setting} {'eager' if eager else 'graphs+compile'}"
+        key = f"{name} {'eager' if eager else 'graphs+compile'}"
         if r["kv_tokens"] <= stock["kv_tokens"]:
             raise SystemExit(f"{key}: compression is not active (is the plugin installed?)")
         report[key] = {"greedy_same": f"{same}/{32 * len(prompts)}", "max_logprob_diff_vs_stock": dl,

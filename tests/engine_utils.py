@@ -86,6 +86,8 @@ def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, bloc
     import torch.nn.functional as F
     from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
 
+    assert not (outliers and v_turned), "one lever at a time"
+
     def quant_v(v, bias):  # [T, H, D], [H, D]
         if not v_turned:
             return fake_quant(v, v_bits, "token", block)
@@ -94,7 +96,6 @@ def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, bloc
 
     def chunked_quantized_attention(module, query, key, value, attention_mask, **kwargs):
         # query [batch, heads, seq, head]; key/value [batch, kv_heads, seq, head] after RoPE, as vLLM stores them
-        assert not (outliers and v_turned), "one lever at a time"
         if outliers:
             both = [fake_quant_with_outliers(kb.transpose(0, 1), vb.transpose(0, 1), k_bits, v_bits, block, outliers)
                     for kb, vb in zip(key, value)]
@@ -125,6 +126,18 @@ def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, bloc
             logp = model(ids).logits[0].log_softmax(-1)
             result.append(logp[:-1].gather(1, ids[0, 1:, None])[:, 0])
     return result
+
+
+def assert_equal_to_reference(got, want, without, effect: float) -> None:
+    """Prompt logprobs from the engine (``got``) equal the reference's (``want``): median token within
+    1e-4, every token within 5e-2 (a block whose min/max crosses a float16 rounding step of its
+    scale shifts all its codes); and the reference without the lever under test (``without``)
+    differs somewhere by more than ``effect``, so the check tells the two apart."""
+    for g, w, p in zip(got, want, without):
+        diff = (g - w).abs()
+        print(f"max {diff.max():.2e}, p99 {diff.quantile(0.99):.2e}, lever's effect {(p - w).abs().max():.2e}")
+        assert diff.median() < 1e-4 and diff.max() < 5e-2, (diff.median(), diff.max())
+        assert (p - w).abs().max() > effect
 
 
 def record_attention(monkeypatch) -> list:

@@ -8,8 +8,10 @@ from engine_utils import engine, greedy, kv_capacity_tokens, prose
 
 PROMPTS = [prose(30 + 41 * i, seed=i) for i in range(4)]
 BUDGET = 64 << 20
-PER_LAYER = "default: {k_bits: 4, v_bits: 4}\nlayers:\n  0: {k_bits: 8, v_bits: 8}\n  3: {k_bits: 2, v_bits: 2}\n"
-ROTATED = "default: {k_bits: 4, v_bits: 4, v_rotation: true}\n"  # the turn folded into each rank's shard
+CONFIGS = {  # settings written to a file
+    "per-layer": "default: {k_bits: 4, v_bits: 4}\nlayers:\n  0: {k_bits: 8, v_bits: 8}\n  3: {k_bits: 2, v_bits: 2}\n",
+    "rotated": "default: {k_bits: 4, v_bits: 4, v_rotation: true}\n",  # the turn folded into each rank's shard
+}
 
 
 def _predicted_tokens(setting: str, num_kv_heads: int) -> int:
@@ -24,16 +26,17 @@ def _predicted_tokens(setting: str, num_kv_heads: int) -> int:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("setting", ["quant-k4v4", "per-layer", "rotated"])
-def test_tensor_parallel_matches_one_process(request, setting, tmp_path, monkeypatch):
+@pytest.mark.parametrize("setting, model_name", [("quant-k4v4", "gqa"), ("per-layer", "gqa"),
+                                                 ("rotated", "gqa_with_bias")])
+def test_tensor_parallel_matches_one_process(request, setting, model_name, tmp_path, monkeypatch):
     """TP 2 over 2 KV heads: each rank pages one head, so the same memory a rank holds the tokens
     that one-head pages predict (about twice one process's), and greedy tokens are unchanged. With
     V turned, on a model with large V biases: each rank folds its shard, and the biases moved to the
     output projection are summed over the ranks."""
-    gqa = request.getfixturevalue("gqa_with_bias" if setting == "rotated" else "gqa")
+    gqa = request.getfixturevalue(model_name)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core a worker
-    if setting in ("per-layer", "rotated"):
-        (tmp_path / f"{setting}.yaml").write_text(PER_LAYER if setting == "per-layer" else ROTATED)
+    if setting in CONFIGS:
+        (tmp_path / f"{setting}.yaml").write_text(CONFIGS[setting])
         setting = str(tmp_path / f"{setting}.yaml")
     runs = {}
     for tp in (1, 2):

@@ -230,9 +230,6 @@ class KVCompressionConfig(BaseModel):
     def uses_k_only(self, num_layers: int) -> bool:
         return any(self.layer_format(i).k_only for i in range(num_layers))
 
-    def uses_v_rotation(self, num_layers: int) -> bool:
-        return any(self.layer_format(i).v_rotation for i in range(num_layers))
-
     def check_layers(self, num_layers: int) -> None:
         """Refuse layer indices the model doesn't have."""
         named = [("layers", i) for i in self.layers] + [("full_precision_layers", i) for i in self.full_precision_layers]

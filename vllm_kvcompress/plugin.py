@@ -265,11 +265,12 @@ def _hook_weight_loading() -> None:
             from .slim_loader import attach_slim_layers
             n = attach_slim_layers(model, cfg, model_config.dtype)
             logger.info("kv-compression slim: W_KV attached to %d layers; their pages hold K only", n)
-        if cfg is not None and cfg.uses_v_rotation(model_config.get_total_num_hidden_layers()):
+        if cfg is not None:
             from .v_rotation_loader import fold_v_rotation
             n = fold_v_rotation(model, cfg)
-            logger.info("kv-compression v_rotation: V's Hadamard turn folded into the V and output projections "
-                        "of %d layers; their pages hold V turned", n)
+            if n:
+                logger.info("kv-compression v_rotation: V's Hadamard turn folded into the V and output "
+                            "projections of %d layers; their pages hold V turned", n)
         original(model, model_config, target_device)
 
     base_loader.process_weights_after_loading = process_weights_after_loading

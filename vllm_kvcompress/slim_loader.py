@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .attention_layers import attention_layers, kv_rows
 from .config import KVCompressionConfig, KVCompressionConfigError
 from .slim import Rotary, SlimLayer, check_conditioning, load_weights, max_amplification, w_kv_from_projections
 
@@ -27,9 +28,8 @@ def _k_and_v_weights(parent, attn, layer_name: str) -> tuple[torch.Tensor, torch
         raise KVCompressionConfigError(
             f"kv-compression slim: {layer_name} has a K/V projection bias, which slim attention does not "
             "handle (allowed: attention without bias)")
-    q_size, kv_size = attn.num_heads * attn.head_size, attn.num_kv_heads * attn.head_size
-    w = qkv.weight
-    return w[q_size:q_size + kv_size], w[q_size + kv_size:q_size + 2 * kv_size]
+    k_rows, v_rows = kv_rows(attn)
+    return qkv.weight[k_rows], qkv.weight[v_rows]
 
 
 def _rotary_of(parent, layer_name: str) -> Rotary:
@@ -45,15 +45,9 @@ def _rotary_of(parent, layer_name: str) -> Rotary:
 
 def attach_slim_layers(model: torch.nn.Module, cfg: KVCompressionConfig, dtype: torch.dtype) -> int:
     """Give every K-only attention layer of ``model`` its ``SlimLayer``; returns how many."""
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.models.utils import extract_layer_index
-
     stored = load_weights(Path(cfg.slim_weights)) if cfg.slim_weights else None
-    found: dict[int, tuple[Attention, object]] = {}
-    for _, parent in model.named_modules():
-        attn = getattr(parent, "attn", None)
-        if isinstance(attn, Attention) and cfg.layer_format(extract_layer_index(attn.layer_name)).k_only:
-            found[extract_layer_index(attn.layer_name)] = (attn, parent)
+    found = {index: (attn, parent) for index, attn, parent in attention_layers(model)
+             if cfg.layer_format(index).k_only}
     w_kv, cond = {}, {}
     for index, (attn, parent) in sorted(found.items()):
         if stored is not None:

@@ -4,14 +4,16 @@ Each layer that keeps V turned gets its V projection's rows turned (``v H`` come
 projection itself) and its output projection's columns turned back, head by head
 (``o_proj(out H) = o_proj(out)`` with ``W_O H`` in place of ``W_O``); a V bias moves to the output
 projection (``_move_v_bias``). Attention is linear in V, so the layer computes what it did before
-and its pages hold turned V, at no cost per step: the backend and kernels never see the turn. Needs unquantized projection weights (a fused
-``qkv_proj`` and ``o_proj``) and a head size that is a power of 2.
+and its pages hold turned V, at no cost per step: the backend and kernels never see the turn.
+Needs unquantized projection weights (a fused ``qkv_proj`` and ``o_proj``) and a head size that is
+a power of 2.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .attention_layers import attention_layers, kv_rows
 from .config import KVCompressionConfig, KVCompressionConfigError, LayerFormat
 from .formats.rotation import hadamard
 
@@ -24,16 +26,13 @@ def _refuse(layer_name: str, why: str, fmt: LayerFormat) -> KVCompressionConfigE
 
 
 def _turn_rows(w: torch.Tensor, h: torch.Tensor) -> None:
-    """``w`` [heads * n, ...] in place: each head's n rows replaced by ``h`` times them."""
-    n = h.shape[0]
-    blocks = w.view(-1, n, *w.shape[1:]).float()
-    w.copy_(torch.einsum("ij,bj...->bi...", h, blocks).reshape(w.shape).to(w.dtype))
+    """``w`` [heads * n, in] in place: each head's n rows replaced by ``h`` times them."""
+    w.copy_((h @ w.float().view(-1, h.shape[0], w.shape[1])).view(w.shape).to(w.dtype))
 
 
 def _turn_columns(w: torch.Tensor, h: torch.Tensor) -> None:
     """``w`` [out, heads * n] in place: each head's n columns times ``h``."""
-    n = h.shape[0]
-    w.copy_((w.float().view(w.shape[0], -1, n) @ h).reshape(w.shape).to(w.dtype))
+    w.copy_((w.float().view(w.shape[0], -1, h.shape[0]) @ h).view(w.shape).to(w.dtype))
 
 
 def fold_into(parent: torch.nn.Module, attn, fmt: LayerFormat) -> None:
@@ -52,14 +51,14 @@ def fold_into(parent: torch.nn.Module, attn, fmt: LayerFormat) -> None:
         if not isinstance(getattr(proj, "quant_method", None), UnquantizedLinearMethod):
             raise _refuse(name, f"has quantized weights ({type(proj.quant_method).__name__}); the turn is folded "
                                 "into unquantized ones", fmt)
-    h = hadamard(d, qkv.weight.device)
-    q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
+    _, v_rows = kv_rows(attn)
     with torch.no_grad():
-        if getattr(qkv, "bias", None) is not None:
+        if qkv.bias is not None:
             if o.skip_bias_add:
                 raise _refuse(name, "has a V bias and an output projection that leaves its bias to the model", fmt)
-            _move_v_bias(qkv.bias[q_size + kv_size:q_size + 2 * kv_size], o, d, attn.num_heads // attn.num_kv_heads)
-        _turn_rows(qkv.weight[q_size + kv_size:q_size + 2 * kv_size], h)
+            _move_v_bias(qkv.bias[v_rows], o, d, attn.num_heads // attn.num_kv_heads)
+        h = hadamard(d, qkv.weight.device)
+        _turn_rows(qkv.weight[v_rows], h)
         _turn_columns(o.weight, h)
 
 
@@ -85,15 +84,9 @@ def _move_v_bias(v_bias: torch.Tensor, o, head_size: int, group: int) -> None:
 def fold_v_rotation(model: torch.nn.Module, cfg: KVCompressionConfig) -> int:
     """Fold the turn into every attention layer of ``model`` whose format has ``v_rotation``;
     returns how many."""
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.models.utils import extract_layer_index
-
     folded = 0
-    for _, parent in model.named_modules():
-        attn = getattr(parent, "attn", None)
-        if not isinstance(attn, Attention):
-            continue
-        fmt = cfg.layer_format(extract_layer_index(attn.layer_name))
+    for index, attn, parent in attention_layers(model):
+        fmt = cfg.layer_format(index)
         if fmt.v_rotation:
             fold_into(parent, attn, fmt)
             folded += 1

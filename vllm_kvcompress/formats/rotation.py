@@ -13,8 +13,8 @@ import torch
 
 
 def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[n, n] float32 orthonormal Hadamard matrix (Sylvester's construction; n a power of 2), float32
-    whatever the default dtype (vLLM sets the model's while it loads one)."""
+    """[n, n] orthonormal Hadamard matrix (Sylvester's construction; n a power of 2), in float32
+    whatever torch's default dtype (vLLM sets the model's while it loads one)."""
     h = torch.ones(1, 1, dtype=torch.float32, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
