@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--compare-only", action="store_true", help="only Triton kernels vs the torch path")
     ap.add_argument("--compare", nargs="+", default=["quant-k4v4", "quant-k2v2"],
                     help="settings whose Triton path is compared with the torch path")
+    ap.add_argument("--rows", nargs="+", default=None, metavar="NAME",
+                    help="only these comparisons with stock vLLM (by name: quant-k8v8, quant-k4v4, quant-k2v2, "
+                         "'k8v8, V turned')")
     ap.add_argument("--mha", action="store_true",
                     help="a model with one query head a KV head (whose 4/4 decode rows go to the CUDA kernel)")
     args = ap.parse_args()
@@ -74,6 +77,7 @@ def main() -> None:
     settings = () if args.compare_only else (  # (name, setting, eager)
         ("quant-k8v8", "quant-k8v8", True), ("quant-k4v4", "quant-k4v4", True), ("quant-k4v4", "quant-k4v4", False),
         ("quant-k2v2", "quant-k2v2", True), ("k8v8, V turned", rotated, False))
+    settings = [row for row in settings if args.rows is None or row[0] in args.rows]
     if settings:
         stock = run(model, None, True, prompts)
     for name, setting, eager in settings:

@@ -124,10 +124,19 @@ def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, bl
     fmt, cache, table, q, seq_lens, nbytes = _decode_case(bits, num_seqs, hq, hkv, d, ctx, block, lens)
     out = torch.empty_like(q)
     order = None if as_drawn else longest_first(seq_lens)
+    turn = {"block_rope": _block_rope(d, block)} if fmt.k_block_frame else {}
     ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out, row_order=order,
-                                       **tuning))
+                                       **turn, **tuning))
     name = f"ours {_name(bits)}" + " CUDA" * cuda + " as drawn" * as_drawn + "".join(f" {k}={v}" for k, v in tuning.items())
     return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
+
+
+def _block_rope(d: int, block: int):
+    """RoPE's table (base 10,000) for keys in block frames (``k_block_frame``), on the GPU."""
+    from vllm_kvcompress.block_rope import BlockRope
+
+    angles = torch.arange(block)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)[None, :]
+    return BlockRope(torch.cat([angles.cos(), angles.sin()], dim=-1).float().cuda())
 
 
 def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 16,
@@ -469,7 +478,8 @@ def bench_minicache_step(lens: list[int], hq: int, hkv: int, d: int, block: int 
             {"kernel": f"quant-k4v4 {label}: 2 layers (2 decodes + 2 writes)", "ms": 2 * (four_decode + four_write)}]
 
 
-def bench_preset_step(preset: str, lens: list[int], hq: int, hkv: int, d: int, block: int = 128) -> list[dict]:
+def bench_preset_step(preset: str, lens: list[int], hq: int, hkv: int, d: int, block: int = 128,
+                      tunings: list[dict] = ()) -> list[dict]:
     """A preset's decode rows of context ``lens`` (Triton) and a decode step's cache write (Triton, and
     CUDA where it serves the format): for formats the 4-bit preset's figures compare with
     (``quant-k3v2-o1``'s outlier tokens, 3-bit codes)."""
@@ -477,6 +487,7 @@ def bench_preset_step(preset: str, lens: list[int], hq: int, hkv: int, d: int, b
     from vllm_kvcompress.policy import KernelPolicy
 
     rows = [bench_ours(preset, len(lens), hq, hkv, d, max(lens), block, lens=lens),
+            *[bench_ours(preset, len(lens), hq, hkv, d, max(lens), block, lens=lens, **t) for t in tunings],
             bench_write(preset, len(lens), hkv, d, block)]
     device = registry.Device.of("cuda", torch.cuda.get_device_capability())
     context = registry.LayerContext(device, torch.bfloat16, hq)
@@ -603,6 +614,8 @@ def main() -> None:
                     help="with --step: also the MHA decode alone of 3 to 40 rows with these split counts")
     ap.add_argument("--presets", nargs="*", default=[], metavar="PRESET",
                     help="only these presets' decode rows and decode-step write (Triton, and CUDA where it serves)")
+    ap.add_argument("--preset-tunings", nargs="*", default=[], metavar="TILE,WARPS,STAGES",
+                    help="with --presets: also their decode rows at these tunings")
     ap.add_argument("--minicache", action="store_true",
                     help="MiniCache's merged pair of layers in parts (decode, write), beside two 4-bit layers")
     ap.add_argument("--zipcache", action="store_true",
@@ -619,9 +632,10 @@ def main() -> None:
                 print(f"{name:24s} {r['kernel']:42s} {r['host_us']:6.1f} us of host time a call")
         return
     if args.presets:
+        tunings = [dict(zip(("tile", "num_warps", "num_stages"), map(int, t.split(",")))) for t in args.preset_tunings]
         for name, hq, hkv, d in SHAPES:
             for preset in args.presets:
-                for r in bench_preset_step(preset, serving_lens(144, 900), hq, hkv, d):
+                for r in bench_preset_step(preset, serving_lens(144, 900), hq, hkv, d, tunings=tunings):
                     print(f"{name:24s} {preset:16s} {r['kernel']:40s} {r['ms'] * 1e3:8.1f} us")
         return
     if args.minicache:

@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from . import paged_torch, policy, salient_torch
+from . import block_rope, paged_torch, policy, salient_torch
 from .engine_config import ModelKVShape, active_config, layer_page_format, layer_plans, platform_device
 from .formats import KVPageFormat
 from .formats.merged import MergedPairFormat
@@ -272,8 +272,10 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return
         pages = self._pages(kv_cache, fmt)
         self._warm_up(pages, key.dtype)
-        self._write(pages, fmt, key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1),
-                    slot_mapping)
+        k = key[:n].view(n, self.num_kv_heads, -1)
+        if fmt.k_block_frame:  # padding slots (-1) turn by some offset and are not written
+            k = getattr(layer, block_rope.ATTRIBUTE).turn(k, slot_mapping[:n] % fmt.block_size, -1.0).to(k.dtype)
+        self._write(pages, fmt, k, value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KVCompressMetadata | None, output: torch.Tensor,
@@ -297,6 +299,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return output
         self._warm_up(pages, q.dtype)
         slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load
+        frame = getattr(layer, block_rope.ATTRIBUTE) if fmt.k_block_frame else None  # likewise
+        turn = {} if frame is None else {"block_rope": frame}
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
             # A CUDA graph keeps the launch for every later batch of this size: size splits for any context.
@@ -305,21 +309,21 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             if slim is not None:
                 self._decode_kernel(*decode_args, slim, out=out[:nd])
             else:
-                self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order)
+                self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order, **turn)
         start = md.query_start_loc[nd]
         if start < t:  # prompt tokens (a full CUDA graph's padding has none)
             rows = md.token_rows
             k_new = key[start:t].view(t - start, self.num_kv_heads, self.head_size)
             v_new = value[start:t].view(t - start, self.num_kv_heads, self.head_size)
             if self._prompt_kernel is not None and rows is not None:
-                self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:])
+                self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:], **turn)
                 return output
             rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if slim is not None:
                 out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new, v_new)
             else:
                 out[start:] = paged_torch.attend(q[start:], pages, fmt, *rest, self.sliding_window,
-                                                 key=k_new, value=v_new)
+                                                 key=k_new, value=v_new, **turn)
         return output
 
     def _forward_salient(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,

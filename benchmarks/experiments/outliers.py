@@ -18,7 +18,8 @@ layout, every 11th channel on a 2-bit grid, as the pages store them; else dense 
 64 channels), ``recentR`` (the context's newest R tokens read exactly, as KIVI's residual: a
 window that costs memory only for the tokens it holds, R x 16 bits a request), ``prerope`` (K
 quantized before its rotary embedding, KVQuant's pre-RoPE keys: rotated back by each token's
-position, quantized, rotated again), ``clip`` / ``clipk`` / ``clipv`` (each statistics group's range
+position, quantized, rotated again), ``blockrope`` (K turned back only by its offset in its block,
+so a block's keys share the frame of its first position), ``clip`` / ``clipk`` / ``clipv`` (each statistics group's range
 narrowed to the least squared error, values beyond it on the end levels), ``konly`` (kept tokens'
 K exact, their V coded per token as every other token's), ``keptv4`` (with ``--kept-bits 8``: kept
 tokens' V on 4 bits), ``vrot`` (V's channels turned by a Hadamard rotation before coding and back
@@ -117,7 +118,12 @@ class Setting:
         for a in range(0, n, self.block):
             b = min(a + self.block, n)
             k, v = key[0, :, a:b].float(), value[0, :, a:b].float()
-            angles = None if cos is None else (cos[a:b], sin[a:b])
+            if cos is None:
+                angles = None
+            elif "blockrope" in self.options:  # turned back only by the token's offset in its block
+                angles = (cos[:b - a], sin[:b - a])
+            else:
+                angles = (cos[a:b], sin[a:b])
             k_coded = _turn(k, angles, -1.0)  # the frame K is quantized in: before RoPE with ``prerope``
             keep = self._kept(k_coded, a)[..., None]
             others = torch.where(keep, k_coded.masked_fill(keep, float("nan")).nanmedian(1, keepdim=True).values,
@@ -145,7 +151,7 @@ class Setting:
         """cos, sin [n, D] of positions 0..n-1 (a window's cache starts at its first token) for
         ``prerope``, with the layer's own embedding where layers differ (Gemma 3's sliding ones);
         else (None, None)."""
-        if "prerope" not in self.options:
+        if "prerope" not in self.options and "blockrope" not in self.options:
             return None, None
         x = torch.zeros(1, n, 1)
         positions = torch.arange(n)[None]
