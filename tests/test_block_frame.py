@@ -182,3 +182,13 @@ def test_tables_come_from_the_layers_rope_and_compose(rope_type, neox, refusal):
         table = _table(layer_rope, 64, "layer 7")
     angles = rope_angles(torch.arange(table.shape[0]), 64) / (4.0 if rope_type == "linear" else 1.0)
     torch.testing.assert_close(table, torch.cat([angles.cos(), angles.sin()], -1).float(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("heads,head_size", [(3, 64), (8, 128), (1, 256)])
+def test_the_frame_preset_holds_the_clip_presets_tokens(heads, head_size):
+    """The frame costs no bytes: quant-k2v2-o1-frame's page is quant-k2v2-o1-clip's, at SmolLM2's,
+    the Llama-2-7B and Gemma 3's shapes."""
+    pages = [KVPageFormat.from_layer_format(load_config(name).default, torch.bfloat16, 128, heads, head_size).page_bytes
+             for name in ("quant-k2v2-o1-frame", "quant-k2v2-o1-clip")]
+    assert pages[0] == pages[1]
+    assert load_config("quant-k2v2-o1-frame").default.k_block_frame
