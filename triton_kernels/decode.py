@@ -310,10 +310,10 @@ def _outlier_tokens(page, first, L, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, 
     row of logits and products in float32, not a tile of the tensor cores padded to 16 tokens.
     ``qk``: the scaled query in float32, [1, D] with ONE_ROW (the one row), else [GP, D]. K_FRAME:
     keys in their block's frame, turned forward by their offsets as ``_framed_logits`` turns them."""
+    ch, partner, sign = _plane_channels(0, 1, D)  # a row's channels in order, and their partners
     for j in tl.static_range(R):
         at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + h * R + j + tl.arange(0, 1)).to(tl.int32)
         held = (at >= 0) & (first + at < L)
-        ch, partner, sign = _plane_channels(0, 1, D)
         k = _outlier_row(page, j, held, h, h, ch, K_CODES, STATS, K_BITS, H, D)
         if K_FRAME:  # R(j) k = cos k - sign sin k_partner (the query's sign, negated)
             angle = rope_ptr + tl.maximum(at, 0)[:, None] * (2 * D) + (ch % KP) * (D // KP) + ch // KP

@@ -209,6 +209,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._warm_ups: list = []
         self._kv_cache: torch.Tensor | None = None  # the tensor self._cache_pages views
         self._cache_pages: torch.Tensor | None = None
+        # pages with K in block frames: the layer's RoPE table for the write and the readers, found once
+        self._turn: dict[str, block_rope.BlockRope] = {}
 
     def _plan_layer(self, fmt: KVPageFormat, layer, device: torch.device) -> registry.LayerPlan:
         """Ask the registry which implementation serves each operation here; build and load those."""
@@ -238,6 +240,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             index = extract_layer_index(layer.layer_name)
             self._format = layer_page_format(self._config, index, self._num_layers, self._dtype, kv_cache.shape[2],
                                              self.num_kv_heads, self.head_size)
+            if self._format.k_block_frame:  # attached at model load
+                self._turn = {"block_rope": getattr(layer, block_rope.ATTRIBUTE)}
             plan = self._plan_layer(self._format, layer, kv_cache.device)
             logger.info_once("kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens)",
                              kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}")
@@ -274,7 +278,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._warm_up(pages, key.dtype)
         k = key[:n].view(n, self.num_kv_heads, -1)
         if fmt.k_block_frame:  # padding slots (-1) turn by some offset and are not written
-            k = getattr(layer, block_rope.ATTRIBUTE).turn(k, slot_mapping[:n] % fmt.block_size, -1.0).to(k.dtype)
+            k = self._turn["block_rope"].turn(k, slot_mapping[:n] % fmt.block_size, -1.0).to(k.dtype)
         self._write(pages, fmt, k, value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -299,8 +303,6 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return output
         self._warm_up(pages, q.dtype)
         slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load
-        frame = getattr(layer, block_rope.ATTRIBUTE) if fmt.k_block_frame else None  # likewise
-        turn = {} if frame is None else {"block_rope": frame}
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
             # A CUDA graph keeps the launch for every later batch of this size: size splits for any context.
@@ -309,21 +311,21 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             if slim is not None:
                 self._decode_kernel(*decode_args, slim, out=out[:nd])
             else:
-                self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order, **turn)
+                self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order, **self._turn)
         start = md.query_start_loc[nd]
         if start < t:  # prompt tokens (a full CUDA graph's padding has none)
             rows = md.token_rows
             k_new = key[start:t].view(t - start, self.num_kv_heads, self.head_size)
             v_new = value[start:t].view(t - start, self.num_kv_heads, self.head_size)
             if self._prompt_kernel is not None and rows is not None:
-                self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:], **turn)
+                self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:], **self._turn)
                 return output
             rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if slim is not None:
                 out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new, v_new)
             else:
                 out[start:] = paged_torch.attend(q[start:], pages, fmt, *rest, self.sliding_window,
-                                                 key=k_new, value=v_new, **turn)
+                                                 key=k_new, value=v_new, **self._turn)
         return output
 
     def _forward_salient(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
