@@ -240,7 +240,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             index = extract_layer_index(layer.layer_name)
             self._format = layer_page_format(self._config, index, self._num_layers, self._dtype, kv_cache.shape[2],
                                              self.num_kv_heads, self.head_size)
-            if self._format.k_block_frame:  # attached at model load
+            if isinstance(self._format, KVPageFormat) and self._format.k_block_frame:  # attached at model load
                 self._turn = {"block_rope": getattr(layer, block_rope.ATTRIBUTE)}
             plan = self._plan_layer(self._format, layer, kv_cache.device)
             logger.info_once("kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens)",
@@ -277,7 +277,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         pages = self._pages(kv_cache, fmt)
         self._warm_up(pages, key.dtype)
         k = key[:n].view(n, self.num_kv_heads, -1)
-        if fmt.k_block_frame:  # padding slots (-1) turn by some offset and are not written
+        if self._turn:  # K in block frames; padding slots (-1) turn by some offset and are not written
             k = self._turn["block_rope"].turn(k, slot_mapping[:n] % fmt.block_size, -1.0).to(k.dtype)
         self._write(pages, fmt, k, value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
 
