@@ -36,6 +36,7 @@ from .zipcache_sim import ZipSimSpec
 from .models import Model
 
 GSM8K_MIN = 0.1  # GSM8K runs on the compressed settings only above this 16-bit accuracy
+GOALS = ((3.5, 1.0), (5.0, 3.0), (6.5, 10.0))  # the frontier's targets: (KV tokens vs 16-bit, perplexity increase %)
 # --text: where the perplexity windows and greedy prompts come from, (dataset, what it is)
 TEXTS = {"essays": ("essays", "Paul Graham's essays"),
          "code": ("humaneval", "HumanEval's Python problems with their canonical solutions")}
@@ -395,5 +396,11 @@ def frontier(result: dict, path) -> None:
     ax.set(xlabel="KV tokens vs 16-bit (same memory)", ylabel=f"perplexity increase @{ctx} (%)",
            yscale="symlog", title="quality per byte (squares: reference rows on the transformers model)")
     ax.axhline(0, color="gray", lw=0.5)
+    (left, right), (bottom, top) = ax.get_xlim(), ax.get_ylim()
+    for x, y in GOALS:  # a point right of and below a corner meets that goal
+        ax.plot([x, x, right], [bottom, y, y], ls=":", lw=0.8, color="gray")
+        ax.annotate(f"goal {x:g}x, +{y:g}%", (x, y), fontsize=6, color="gray", xytext=(-2, 2),
+                    textcoords="offset points", ha="right")
+    ax.set(xlim=(left, right), ylim=(bottom, top))
     report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result['text']}, "
                                   f"{result['device']}")
