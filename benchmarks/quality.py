@@ -397,10 +397,11 @@ def frontier(result: dict, path) -> None:
            yscale="symlog", title="quality per byte (squares: reference rows on the transformers model)")
     ax.axhline(0, color="gray", lw=0.5)
     (left, right), (bottom, top) = ax.get_xlim(), ax.get_ylim()
-    for x, y in GOALS:  # a point right of and below a corner meets that goal
-        ax.plot([x, x, right], [bottom, y, y], ls=":", lw=0.8, color="gray")
-        ax.annotate(f"goal {x:g}x, +{y:g}%", (x, y), fontsize=6, color="gray", xytext=(-2, 2),
-                    textcoords="offset points", ha="right")
+    top = max(top, 1.5 * max(y for _, y in GOALS))
+    for i, (x, y) in enumerate(GOALS):  # a point right of and below a corner meets that goal
+        label = "goals: " + ", ".join(f"{x:g}x within +{y:g}%" for x, y in GOALS) if i == 0 else None
+        ax.plot([x, x, right], [bottom, y, y], ls=":", lw=0.8, color="gray", label=label)
     ax.set(xlim=(left, right), ylim=(bottom, top))
+    ax.legend(loc="upper left", fontsize=7)
     report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result['text']}, "
                                   f"{result['device']}")
