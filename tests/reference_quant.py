@@ -80,7 +80,8 @@ def appended_channel_quant(pieces: list[torch.Tensor], bits: int) -> tuple[torch
 
 def _clipped_grid(values: torch.Tensor, bits: int, ratios) -> tuple[torch.Tensor, torch.Tensor]:
     """zero and step per channel (dim 1) of ``values`` [n, D]: the min-max range shrunk about its
-    middle by the first of ``ratios`` whose grid codes the values with the least squared error."""
+    middle by the first of ``ratios`` whose grid codes the values with the least squared error, each
+    value's error weighted by its squared distance from the middle."""
     mn, mx = values.amin(0), values.amax(0)
     zeros, steps = [], []
     for c in range(values.shape[1]):
@@ -89,7 +90,8 @@ def _clipped_grid(values: torch.Tensor, bits: int, ratios) -> tuple[torch.Tensor
             mid, half = (mn[c] + mx[c]) * 0.5, (mx[c] - mn[c]) * 0.5
             lo, hi = (mn[c], mx[c]) if ratio == 1 else (mid - ratio * half, mid + ratio * half)
             zero, step = _span_grid(lo, hi, bits)
-            error = ((_quant(values[:, c], zero, step, bits) * step + zero - values[:, c]) ** 2).sum()
+            error = (((_quant(values[:, c], zero, step, bits) * step + zero - values[:, c])
+                      * (values[:, c] - mid)) ** 2).sum()
             if best is None or error < best[0]:
                 best = (error, zero, step)
         zeros.append(best[1])

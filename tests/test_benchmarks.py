@@ -604,11 +604,13 @@ def test_outlier_experiment_quantizes_keys_before_their_rotation():
     assert torch.equal(got[0, :, 128:], key[0, :, 128:])
 
 
-def test_outlier_experiment_narrows_k_grids_to_the_least_squared_error():
+@pytest.mark.parametrize("option", ["clipk", "wclipk"])
+def test_outlier_experiment_narrows_k_grids_to_the_least_squared_error(option):
     """``clipk`` in the outlier experiment: each K channel's 2-bit grid spans the range about its
     middle, shrunk by the ratio whose grid has the least squared error over the block (values beyond
-    on the end levels); V keeps its min-max grid. The reference is written out here from that
-    rule, one channel and ratio at a time."""
+    on the end levels); ``wclipk``: each value's error weighted by its squared distance from the
+    middle. V keeps its min-max grid. The reference is written out here from that rule, one channel
+    and ratio at a time."""
     from benchmarks.experiments.outliers import CLIP_RATIOS, Setting
 
     torch.manual_seed(0)
@@ -616,7 +618,7 @@ def test_outlier_experiment_narrows_k_grids_to_the_least_squared_error():
     key[0, 0, 5, 3] = 9.0  # one far value stretches channel 3's range
     query = torch.randn(1, 1, 12, 8)  # 128 cached tokens: one block
     plain = Setting.parse("2/2/0", 16).cached(None, query, key, value, 1.0)
-    clipped = Setting.parse("2/2/0/clipk", 16).cached(None, query, key, value, 1.0)
+    clipped = Setting.parse(f"2/2/0/{option}", 16).cached(None, query, key, value, 1.0)
 
     def grid(x, lo, hi):  # 2-bit min-max codes with float16 statistics, round half up
         zero = torch.tensor(lo).half().float()
@@ -627,12 +629,13 @@ def test_outlier_experiment_narrows_k_grids_to_the_least_squared_error():
         x = key[0, 0, :128, c]
         lo, hi = x.min().item(), x.max().item()
         mid, half = (lo + hi) / 2, (hi - lo) / 2
-        best = min(CLIP_RATIOS, key=lambda a: (grid(x, mid - a * half, mid + a * half) - x).square().sum().item())
+        weight = (x - mid) ** 2 if option == "wclipk" else 1.0
+        best = min(CLIP_RATIOS, key=lambda a: ((grid(x, mid - a * half, mid + a * half) - x) ** 2 * weight).sum().item())
         expected = grid(x, mid - best * half, mid + best * half)
         assert torch.allclose(clipped[0][0, 0, :128, c], expected, atol=1e-6), c
         if c == 3:
             assert best < 1.0 and clipped[0][0, 0, 5, 3] == expected.max() < 9.0
-            errors = [(out[0, 0, :128, c] - x).square().sum() for out in (clipped[0], plain[0])]
+            errors = [((out[0, 0, :128, c] - x) ** 2 * weight).sum() for out in (clipped[0], plain[0])]
             assert errors[0] < errors[1]
     assert torch.equal(clipped[1], plain[1])
 

@@ -94,9 +94,11 @@ def _widened_span(lo, hi, zero, grid_top):
 def _least_error_span(x, weight, mn, mx, top: tl.constexpr):
     """Per channel of ``x`` [ROWS, UC, PER], ``mn .. mx`` shrunk about its middle by the ratio
     ``1 - k / CLIP_DENOMINATOR`` (k = 0 .. CLIP_DENOMINATOR / 2) whose grid has the least squared
-    error, each row's counted ``weight`` [ROWS, 1, 1] times (``MinMaxCodec._least_error_span``)."""
+    error, each value's weighted by its squared distance from the middle and each row's counted
+    ``weight`` [ROWS, 1, 1] times (``MinMaxCodec._least_error_span``)."""
     mid = (mn + mx) * 0.5
     half = (mx - mn) * 0.5
+    weight = weight * (x - mid) * (x - mid)
     best_lo = mn
     best_hi = mx
     least = tl.full(mn.shape, float("inf"), tl.float32)

@@ -20,7 +20,9 @@ window that costs memory only for the tokens it holds, R x 16 bits a request), `
 quantized before its rotary embedding, KVQuant's pre-RoPE keys: rotated back by each token's
 position, quantized, rotated again), ``blockrope`` (K turned back only by its offset in its block,
 so a block's keys share the frame of its first position), ``clip`` / ``clipk`` / ``clipv`` (each statistics group's range
-narrowed to the least squared error, values beyond it on the end levels), ``konly`` (kept tokens'
+narrowed to the least squared error, values beyond it on the end levels; ``wclip`` / ``wclipk`` /
+``wclipv``: each value's error weighted by its squared distance from the range's middle, the pages'
+``k_clip``), ``konly`` (kept tokens'
 K exact, their V coded per token as every other token's), ``keptv4`` (with ``--kept-bits 8``: kept
 tokens' V on 4 bits), ``vrot`` (V's channels turned by a Hadamard rotation before coding and back
 after, QuaRot's: attention's output would be turned back once instead of every V), ``blockN``
@@ -42,10 +44,11 @@ from vllm_kvcompress.formats.rotation import hadamard  # the pages' turn of V (`
 
 
 def _grid_codes(x: torch.Tensor, ref: torch.Tensor, dim: int, bits: int, narrow3: bool,
-                clip: bool = False) -> torch.Tensor:
+                clip: str | None = None) -> torch.Tensor:
     """``x`` quantized on the min-max grid of ``ref`` along ``dim`` (float16 statistics). ``clip``:
     each group's range shrunk about its middle by the ratio of CLIP_RATIOS with the least squared
-    error over ``ref`` (values beyond it take the end levels)."""
+    error over ``ref`` (values beyond it take the end levels); ``"weighted"``: each value's error
+    weighted by its squared distance from the middle (the pages' rule)."""
     top = torch.full((x.shape[-1],), float(2 ** bits - 1))
     if narrow3 and bits == 3:
         top[torch.arange(x.shape[-1]) % 11 == 10] = 3.0
@@ -60,7 +63,8 @@ def _grid_codes(x: torch.Tensor, ref: torch.Tensor, dim: int, bits: int, narrow3
 
     if clip:
         mid, half = (lo + hi) / 2, (hi - lo) / 2
-        errors = torch.stack([(coded(ref, mid - a * half, mid + a * half) - ref).square().sum(dim, keepdim=True)
+        weight = (ref - mid).square() if clip == "weighted" else 1.0
+        errors = torch.stack([((coded(ref, mid - a * half, mid + a * half) - ref).square() * weight).sum(dim, keepdim=True)
                               for a in CLIP_RATIOS])
         ratio = torch.tensor(CLIP_RATIOS)[errors.argmin(0)]
         lo, hi = mid - ratio * half, mid + ratio * half
@@ -106,9 +110,12 @@ class Setting:
             return _grid_codes(g, g, -1, self.v_bits, False, self._clips("v")).flatten(-2)
         return _grid_codes(v, v, -1, self.v_bits, "narrow3" in self.options, self._clips("v"))
 
-    def _clips(self, tensor: str) -> bool:
-        """Whether ``tensor`` ("k" or "v") takes ``clip`` (both), ``clipk`` or ``clipv``."""
-        return "clip" in self.options or f"clip{tensor}" in self.options
+    def _clips(self, tensor: str) -> str | None:
+        """How ``tensor`` ("k" or "v") is clipped: ``clip`` (both), ``clipk``, ``clipv`` (plain squared
+        error), ``wclip``, ``wclipk``, ``wclipv`` (weighted), else None."""
+        if "wclip" in self.options or f"wclip{tensor}" in self.options:
+            return "weighted"
+        return "plain" if "clip" in self.options or f"clip{tensor}" in self.options else None
 
     def cached(self, module, query, key, value, scale):
         """The keys and values a chunk's attention reads: cached blocks through the format."""

@@ -27,10 +27,11 @@ EPS = 1e-6  # the smallest scale
 # so that the product is exact and an FMA in a kernel rounds as the reference does.
 WIDEN_MARGIN = 0.125
 # ``MinMaxCodec.clip``: a channel's grid spans its values' range shrunk about its middle by the one
-# of these ratios whose codes have the least squared error over the block (the first of equals):
-# 1 - k / CLIP_DENOMINATOR, k = 0 .. CLIP_DENOMINATOR / 2, exact in float32 as in a kernel's
-# constants. With one outlier token a block, 2-bit K on SmolLM2 (prose, perplexity @2k) goes from
-# +17.2% to +8.4% and on Qwen2.5-Coder from +12.2% to +1.0%; at 3 and 4 bits it costs (docs/formats.md).
+# of these ratios whose codes have the least squared error over the block (the first of equals),
+# each value's error weighted by its squared distance from the middle: the few large values that
+# attention turns on are not traded for the many small ones (plain squared error cost Gemma 3 twice as
+# much, docs/formats.md). 1 - k / CLIP_DENOMINATOR, k = 0 .. CLIP_DENOMINATOR / 2, exact in float32 as
+# in a kernel's constants. At 3 and 4 bits clipping costs (docs/formats.md).
 CLIP_DENOMINATOR = 16
 CLIP_RATIOS = tuple(1 - k / CLIP_DENOMINATOR for k in range(CLIP_DENOMINATOR // 2 + 1))
 
@@ -299,14 +300,15 @@ class MinMaxCodec:
     def _least_error_span(self, x: torch.Tensor, rows: torch.Tensor, mn: torch.Tensor,
                           mx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per channel, ``mn .. mx`` shrunk about its middle by the ratio of CLIP_RATIOS whose grid
-        codes the channel's ``rows`` of ``x`` with the least squared error (ratio 1: ``mn .. mx``)."""
+        codes the channel's ``rows`` of ``x`` with the least weighted squared error (ratio 1: ``mn ..
+        mx``), each value's error weighted by its squared distance from the middle (CLIP_RATIOS)."""
         mid, half = (mn + mx) * 0.5, (mx - mn) * 0.5
         best_lo, best_hi, least = mn, mx, torch.full_like(mn, float("inf"))
         for ratio in CLIP_RATIOS:
             lo, hi = (mn, mx) if ratio == 1.0 else (mid - ratio * half, mid + ratio * half)
             zero, step = min_max_grid(lo, hi, self.top)
             coded = min_max_codes(x, zero, step, self.top) * step + zero
-            error = torch.where(rows, (coded - x) ** 2, 0).sum(1, keepdim=True)
+            error = torch.where(rows, ((coded - x) * (x - mid)) ** 2, 0).sum(1, keepdim=True)
             better = error < least
             least = torch.where(better, error, least)
             best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
