@@ -391,8 +391,10 @@ def frontier(result: dict, path) -> None:
     for i, r in enumerate(rows):
         y = 100 * (r[f"ppl_{ctx}"] / base - 1)
         ax.scatter(r["kv_vs_16bit"], y, marker="s" if reference_spec(r["setting"]) else "o")
-        ax.annotate(r["setting"], (r["kv_vs_16bit"], y), fontsize=7, xytext=(4, 3 if i % 2 else -9),
-                    textcoords="offset points")  # alternate sides: settings of one capacity lie close
+        # settings of one capacity lie close: alternate above and below, and a second one's label goes left
+        left = any(abs(o["kv_vs_16bit"] - r["kv_vs_16bit"]) < 0.15 for o in rows[:i])
+        ax.annotate(r["setting"], (r["kv_vs_16bit"], y), fontsize=7, xytext=(-4 if left else 4, 3 if i % 2 else -9),
+                    textcoords="offset points", ha="right" if left else "left")
     ax.set(xlabel="KV tokens vs 16-bit (same memory)", ylabel=f"perplexity increase @{ctx} (%)",
            yscale="symlog", title="quality per byte (squares: reference rows on the transformers model)")
     ax.axhline(0, color="gray", lw=0.5)
