@@ -392,17 +392,18 @@ def frontier(result: dict, path) -> None:
         y = 100 * (r[f"ppl_{ctx}"] / base - 1)
         ax.scatter(r["kv_vs_16bit"], y, marker="s" if reference_spec(r["setting"]) else "o")
         # settings of one capacity lie close: alternate above and below, and a second one's label goes left
-        left = any(abs(o["kv_vs_16bit"] - r["kv_vs_16bit"]) < 0.15 for o in rows[:i])
-        ax.annotate(r["setting"], (r["kv_vs_16bit"], y), fontsize=7, xytext=(-4 if left else 4, 3 if i % 2 else -9),
-                    textcoords="offset points", ha="right" if left else "left")
+        second = any(abs(o["kv_vs_16bit"] - r["kv_vs_16bit"]) < 0.15 for o in rows[:i])
+        ax.annotate(r["setting"], (r["kv_vs_16bit"], y), fontsize=7, xytext=(-4 if second else 4, 3 if i % 2 else -9),
+                    textcoords="offset points", ha="right" if second else "left")
     ax.set(xlabel="KV tokens vs 16-bit (same memory)", ylabel=f"perplexity increase @{ctx} (%)",
            yscale="symlog", title="quality per byte (squares: reference rows on the transformers model)")
     ax.axhline(0, color="gray", lw=0.5)
     (left, right), (bottom, top) = ax.get_xlim(), ax.get_ylim()
     top = max(top, 1.5 * max(y for _, y in GOALS))
-    for i, (x, y) in enumerate(GOALS):  # a point right of and below a corner meets that goal
-        label = "goals: " + ", ".join(f"{x:g}x within +{y:g}%" for x, y in GOALS) if i == 0 else None
+    label = "goals: " + ", ".join(f"{x:g}x within +{y:g}%" for x, y in GOALS)
+    for x, y in GOALS:  # a point right of and below a corner meets that goal; one legend entry for all
         ax.plot([x, x, right], [bottom, y, y], ls=":", lw=0.8, color="gray", label=label)
+        label = None
     ax.set(xlim=(left, right), ylim=(bottom, top))
     ax.legend(loc="upper left", fontsize=7)
     report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result['text']}, "

@@ -303,12 +303,13 @@ class MinMaxCodec:
         codes the channel's ``rows`` of ``x`` with the least weighted squared error (ratio 1: ``mn ..
         mx``), each value's error weighted by its squared distance from the middle (CLIP_RATIOS)."""
         mid, half = (mn + mx) * 0.5, (mx - mn) * 0.5
+        spread = (x - mid) ** 2  # each value's weight, the same at every ratio
         best_lo, best_hi, least = mn, mx, torch.full_like(mn, float("inf"))
         for ratio in CLIP_RATIOS:
             lo, hi = (mn, mx) if ratio == 1.0 else (mid - ratio * half, mid + ratio * half)
             zero, step = min_max_grid(lo, hi, self.top)
             coded = min_max_codes(x, zero, step, self.top) * step + zero
-            error = torch.where(rows, ((coded - x) * (x - mid)) ** 2, 0).sum(1, keepdim=True)
+            error = torch.where(rows, (coded - x) ** 2 * spread, 0).sum(1, keepdim=True)  # unwritten rows: NaN
             better = error < least
             least = torch.where(better, error, least)
             best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
