@@ -65,12 +65,19 @@ def main() -> None:
                          "'k8v8, V turned')")
     ap.add_argument("--mha", action="store_true",
                     help="a model with one query head a KV head (whose 4/4 decode rows go to the CUDA kernel)")
+    ap.add_argument("--sliding-window", type=int, default=None, metavar="N",
+                    help="every other layer attends to its newest N tokens only (as Gemma 3's sliding layers)")
     args = ap.parse_args()
     from engine_utils import prose
     from tiny_models import build_llama
 
-    model = str(build_llama(Path(tempfile.mkdtemp()) / "llama-d128", num_kv_heads=8 if args.mha else 2, num_heads=8,
-                            hidden=1024, layers=4))
+    model = build_llama(Path(tempfile.mkdtemp()) / "llama-d128", num_kv_heads=8 if args.mha else 2, num_heads=8,
+                        hidden=1024, layers=4)
+    if args.sliding_window:
+        config = json.loads((model / "config.json").read_text())
+        config.update(sliding_window=args.sliding_window, layer_types=["sliding_attention", "full_attention"] * 2)
+        (model / "config.json").write_text(json.dumps(config))
+    model = str(model)
     prompts = [prose(400, i) for i in range(6)] + ["The quick brown fox"]
     report = {}
     rotated = {"default": {"k_bits": 8, "v_bits": 8, "v_rotation": True}}  # V's turn folded into bf16 weights

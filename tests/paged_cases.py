@@ -69,3 +69,13 @@ def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False, tokens=None):
         if tokens is not None:
             tokens.append((k, v))
     return cache, table
+
+
+def free_before(cache, table, first_keys, block_size):
+    """Each row's blocks wholly before its first visible key (a sliding window's) pointed at one
+    page of NaN bytes, as vLLM frees them: the pages and table a windowed read must see through."""
+    cache = torch.cat([cache, torch.full_like(cache[:1], 0xFF)])
+    table = table.clone()
+    for i, first in enumerate(first_keys):
+        table[i, :max(0, first) // block_size] = cache.shape[0] - 1
+    return cache, table

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 # are (the CPU suite runs the kernels' tests in it, in the same process)
 os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
@@ -63,13 +64,15 @@ def test_mixed_step_rows():
                                                  rows.query_start))
 
 
-def test_backend_step_equals_reference(monkeypatch):
+@pytest.mark.parametrize("window", [None, 12], ids=["full", "sliding-window"])
+def test_backend_step_equals_reference(monkeypatch, window):
     """The backend's forward over a step of two decodes, a chunk with history and two prompts: the
     decodes through the decode kernel, the prompts through the prompt path (their own tokens
     exactly, their history as grouped rows of the decode kernel), each row equal to the torch
     reference over the pages and the step's new K/V (Triton's interpreter on the CPU, where a torch
-    attention stands in for FlashAttention)."""
-    from paged_cases import fill_pages, request_slots
+    attention stands in for FlashAttention). A sliding-window layer's rows see their windows, the
+    pages before them freed (NaN)."""
+    from paged_cases import fill_pages, free_before, request_slots
     from test_triton_prompt import torch_own_chunk_attention
 
     from vllm_kvcompress import paged_torch
@@ -83,14 +86,16 @@ def test_backend_step_equals_reference(monkeypatch):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     B, H, HQ, D = 16, 2, 4, 64
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=4, v_bits=4), dtype, B, H, D)
-    seq_lens, q_lens = [21, 9, 40, 9, 33], [1, 1, 25, 9, 33]
+    seq_lens, q_lens = [37, 9, 40, 9, 33], [1, 1, 25, 9, 33]
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     cache, table = fill_pages(fmt, seq_lens, 2, seed=21)
+    if window is not None:  # each request's first token of the step sees keys from p - window + 1 on
+        cache, table = free_before(cache, table, [L - m - window + 1 for L, m in zip(seq_lens, q_lens)], B)
     gen = torch.Generator().manual_seed(22)
     query, key, value = (torch.randn(qsl[-1], n * D, generator=gen).to(dtype) for n in (HQ, H, H))
-    ref = paged_torch.attend(query.view(-1, HQ, D).float(), cache, fmt, qsl, seq_lens, table, D ** -0.5,
+    ref = paged_torch.attend(query.view(-1, HQ, D).float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, window,
                              key=key.view(-1, H, D), value=value.view(-1, H, D))
     if device == "cpu":
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build of torch has none
@@ -110,7 +115,7 @@ def test_backend_step_equals_reference(monkeypatch):
 
     impl = object.__new__(KVCompressImpl)
     cache = cache.to(device)
-    impl.__dict__.update(num_heads=HQ, head_size=D, num_kv_heads=H, scale=D ** -0.5, sliding_window=None,
+    impl.__dict__.update(num_heads=HQ, head_size=D, num_kv_heads=H, scale=D ** -0.5, sliding_window=window,
                          _format=fmt, _decode_kernel=paged_decode, _prompt_kernel=prompt.paged_prompt, _warm_ups=[],
                          _max_model_len=1024, _kv_cache=cache, _cache_pages=cache, _turn={})
     output = torch.full((qsl[-1], HQ * D), float("nan"), dtype=dtype, device=device)

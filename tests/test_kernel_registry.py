@@ -77,8 +77,9 @@ def test_passed_over_implementations_say_why():
     assert plan.decode.describe().startswith("torch (not cuda, triton: recent 16-bit window (KVmix RPC)")
     assert "not cuda: no nvcc" in _plan(device=H100_NO_NVCC).write.describe()
     assert _plan(pol=KernelPolicy(decode="triton")).decode.describe() == "triton (not cuda: KVCOMPRESS_DECODE=triton)"
-    sliding = _plan(sliding_window=64)
-    assert _names(sliding)[:2] == ("torch", "torch") and "sliding-window layer" in sliding.decode.describe()
+    sliding = _plan(sliding_window=64)  # the Triton kernels read windows, the CUDA decode whole contexts
+    assert _names(sliding)[:2] == ("triton", "flash-attention+triton")
+    assert sliding.decode.describe() == "triton (not cuda: sliding-window layer (the kernel reads whole contexts))"
 
 
 def test_only_kernels_that_run_in_cuda_graphs_say_so():

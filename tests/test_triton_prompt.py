@@ -26,17 +26,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B, H, HQ, D = 16, 2, 4, 64
 
 
-def torch_own_chunk_attention(query, key, value, query_start, max_query_len, sm_scale, out):
+def torch_own_chunk_attention(query, key, value, query_start, max_query_len, sm_scale, out, window=None):
     """What FlashAttention gives ``own_chunk_attention``: each chunk's causal attention over its own
-    tokens into ``out`` and the rows' natural log-sum-exp [Hq, T]."""
+    tokens (within a sliding ``window``) into ``out`` and the rows' natural log-sum-exp [Hq, T]."""
     starts = query_start.tolist()
     lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
     group = query.shape[1] // key.shape[1]
     for a, b in zip(starts, starts[1:]):
         q = query[a:b].float().transpose(0, 1)                                  # [Hq, m, D]
         k, v = (t[a:b].float().repeat_interleave(group, 1).transpose(0, 1) for t in (key, value))
-        scores = (q @ k.transpose(1, 2) * sm_scale).masked_fill(
-            torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        hidden = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu(1)
+        if window is not None:
+            hidden |= torch.ones_like(hidden).tril(-window)
+        scores = (q @ k.transpose(1, 2) * sm_scale).masked_fill(hidden, float("-inf"))
         out[a:b] = (scores.softmax(-1) @ v).transpose(0, 1).to(out.dtype)
         lse[:, a:b] = scores.logsumexp(-1)
     return lse
@@ -92,6 +94,31 @@ def test_prompt_chunks_equal_reference(own_attention, bits, prompt_rows, num_spl
                            num_splits=num_splits, out=out, groups=rows.groups, prior_lse=lse)
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
     assert (got.float().cpu() - read_back).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("prompt_rows", [None, 16, 64], ids=["row-per-program", "8-rows-grouped", "32-rows-grouped"])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_sliding_window_chunks_equal_reference(own_attention, prompt_rows, num_splits):
+    """A sliding-window layer's chunks (window 20): a 25-token chunk after 15 tokens (its first
+    tokens see some history, its last none), a 9-token prompt, a 2-token chunk after 30 and a
+    33-token chunk after 37, with every page wholly before a chunk's first window reading as NaN
+    (vLLM has freed it): each token equals the reference's. Without the window they differ."""
+    from paged_cases import free_before
+    seq_lens, q_lens, window = [40, 9, 32, 70], [25, 9, 2, 33], 20
+    fmt, cache, table, qsl, q, key, value = _chunks(seq_lens, q_lens, seed=11)
+    history = [L - m for L, m in zip(seq_lens, q_lens)]
+    cache, table = free_before(cache, table, [h - window + 1 for h in history], B)
+    ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, window, key=key, value=value)
+    per_group = rows_per_program(HQ // H, prompt_rows) if prompt_rows else 1
+    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), max(history), per_group)
+    assert rows.first_keys(window).tolist() == [h + i - window + 1 for h, m in zip(history, q_lens) for i in range(m)]
+    out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=q.dtype, device=DEVICE)
+    got = prompt.paged_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5, out=out,
+                              window=window, num_splits=num_splits)
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    _, whole_cache, whole_table, *_ = _chunks(seq_lens, q_lens, seed=11)
+    whole = paged_torch.attend(q.float(), whole_cache, fmt, qsl, seq_lens, whole_table, D ** -0.5, key=key, value=value)
+    assert (whole - ref).abs().max() > 0.1
 
 
 def test_chunks_without_history_launch_no_decode(own_attention, monkeypatch):

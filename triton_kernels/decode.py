@@ -299,13 +299,14 @@ def _outlier_row(page, j, held, h, stat_row, c, CODES: tl.constexpr, STATS: tl.c
 
 
 @triton.jit
-def _outlier_tokens(page, first, L, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, rope_ptr, H: tl.constexpr,
+def _outlier_tokens(page, first, L, seen_from, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, rope_ptr, H: tl.constexpr,
                     D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
                     R: tl.constexpr, INDEX: tl.constexpr, K_CODES: tl.constexpr,
                     V_CODES: tl.constexpr, STATS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
                     K_FRAME: tl.constexpr, KP: tl.constexpr):
     """One more step of the online softmax (``m``, ``l``, the output's planes) per outlier token of
-    the block that starts at token ``first`` (``formats.outliers``: head h's offsets [H, R] int16 at
+    the block that starts at token ``first``, for rows that see the keys from ``seen_from`` on (a
+    scalar, or [GP, 1] a row) (``formats.outliers``: head h's offsets [H, R] int16 at
     byte INDEX, rows coded on their own grids, ``_outlier_row``). A block keeps one or two: each is one
     row of logits and products in float32, not a tile of the tensor cores padded to 16 tokens.
     ``qk``: the scaled query in float32, [1, D] with ONE_ROW (the one row), else [GP, D]. K_FRAME:
@@ -320,11 +321,12 @@ def _outlier_tokens(page, first, L, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, 
             k = k * tl.load(angle) - sign * tl.load(angle + D) * _outlier_row(
                 page, j, held, h, h, partner, K_CODES, STATS, K_BITS, H, D)
         s = tl.sum(qk * k, 1)[:, None]  # [1 or GP, 1]
+        seen = held[None, :] & ((first + at)[None, :] >= seen_from)
         if ONE_ROW:
-            m, l, alpha, p1 = _softmax_step(s, held[None, :], m, l, GP, True)
+            m, l, alpha, p1 = _softmax_step(s, seen, m, l, GP, True)
             p = tl.where(gmask, p1, 0.0)
         else:
-            m, l, alpha, p = _softmax_step(s, held[None, :], m, l, GP, False)
+            m, l, alpha, p = _softmax_step(s, seen, m, l, GP, False)
         v = _outlier_row(page, j, held, h, H + h, ch, V_CODES, STATS, V_BITS, H, D)
         v0, v1, v2, v3 = _split_planes(v, VP)
         acc0 = acc0 * alpha + p * v0
@@ -374,8 +376,8 @@ def _retained_tokens(page, kept_at, first, L, h, q, q_scale, gmask, m, l, acc0, 
 # (divisibility by 16, equality to 1): each specialization would be compiled in the middle of serving.
 @triton.jit(do_not_specialize=["bt_stride", "blocks_per_split", "num_splits", "lse_head_stride"])
 def _decode_kernel(
-    q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, group_start_ptr, rope_ptr, out_ptr,
-    part_ptr, lse_ptr, sm_scale, q_stride, out_stride, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
+    q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, group_start_ptr, rope_ptr, first_ptr,
+    out_ptr, part_ptr, lse_ptr, sm_scale, q_stride, out_stride, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
     lse_head_stride,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BLOCK: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, GROUPED: tl.constexpr,
@@ -387,6 +389,7 @@ def _decode_kernel(
     V_NORMS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr, KEPT: tl.constexpr,
     LAYER: tl.constexpr, LAYERS: tl.constexpr, HEAD_INDEX: tl.constexpr, KEPT_V: tl.constexpr,
     KEPT_STATS: tl.constexpr, KEPT_K_BITS: tl.constexpr, KEPT_V_BITS: tl.constexpr, K_FRAME: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one token of a
     prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group starting at
@@ -426,6 +429,11 @@ def _decode_kernel(
     K_FRAME: the pages keep K in its block's frame (``block_rope``); ``rope_ptr`` is the layer's
     table of turns by offset for K's planes (``BlockRope.planar``, ``_framed_logits``).
 
+    WINDOWED (a sliding-window layer): row ``i`` sees the keys from ``first_ptr[i]`` on (a grouped
+    program's rows each their own); the splits share out the blocks from the program's earliest
+    first key on (vLLM has freed the pages before it), each split a whole number of blocks, so
+    that each block's kept tokens are taken by one split.
+
     ``half_ptr`` is the cache seen as float16 (scales and zeros are read through it, so that the
     compiler knows their alignment and vectorizes the loads).
 
@@ -450,8 +458,22 @@ def _decode_kernel(
     else:
         rows_used = r < tl.load(group_rows_ptr + row0)
     L = tl.load(seq_lens_ptr + row0)
-    t_start = split * blocks_per_split * TPP
+    if WINDOWED:
+        if GROUPED:
+            seen_from = tl.load(first_ptr + row0 + r, mask=rows_used, other=L)  # [GP]: each row's first key
+            lo = tl.min(seen_from, 0)
+            seen_from = seen_from[:, None]
+        else:
+            seen_from = tl.load(first_ptr + row0)
+            lo = seen_from
+        lo = tl.maximum(lo, 0)
+        t_start = (lo // BLOCK + split * blocks_per_split) * TPP
+    else:
+        seen_from = 0
+        t_start = split * blocks_per_split * TPP
     t_end = tl.minimum(t_start + blocks_per_split * TPP, tl.cdiv(L, TILE))
+    if WINDOWED:  # from the first key's tile (the kept tokens' loop below still takes its whole block)
+        t_start = tl.maximum(t_start, lo // TILE)
 
     head = h * G + mi % G
     part_row = (row0 + r) * (H * G) + head  # row of the split partials, [tokens * heads]
@@ -482,7 +504,7 @@ def _decode_kernel(
             fq2, fr2 = _framed_query(q_row, gmask, q_scale, 2, KP, D)
             fq3, fr3 = _framed_query(q_row, gmask, q_scale, 3, KP, D)
 
-    if R > 0:  # a tile may hold kept tokens only: from a finite floor, no step gives exp2(nan)
+    if R > 0 or WINDOWED:  # a tile may hold no key a row sees: from a finite floor, no step gives exp2(nan)
         m = tl.full([GP], -1.0e30, tl.float32)
     else:
         m = tl.full([GP], float("-inf"), tl.float32)
@@ -496,7 +518,10 @@ def _decode_kernel(
         page = cache_ptr + block_id * page_bytes
         half = half_ptr + block_id * page_halves
         tok = (t % TPP) * TILE + tl.arange(0, TILE)
-        valid = ((t // TPP) * BLOCK + tok)[None, :] < L
+        pos = ((t // TPP) * BLOCK + tok)[None, :]
+        valid = pos < L
+        if WINDOWED:
+            valid = valid & (pos >= seen_from)
         if K_NORMS >= 0:
             nk = tl.load(half + K_NORMS // 2 + h * BLOCK + tok)
             valid = valid & (nk.to(tl.int16, bitcast=True) >= 0)[None, :]
@@ -602,7 +627,7 @@ def _decode_kernel(
             page = cache_ptr + tl.load(block_table_ptr + row0 * bt_stride + b).to(tl.int64) * page_bytes
             if HEAD_INDEX:
                 m, l, acc0, acc1, acc2, acc3 = _outlier_tokens(
-                    page, b * BLOCK, L, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, rope_ptr, H, D, GP,
+                    page, b * BLOCK, L, seen_from, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, rope_ptr, H, D, GP,
                     VP, ONE_ROW, R, INDEX, KEPT, KEPT_V, KEPT_STATS, KEPT_K_BITS, KEPT_V_BITS, K_FRAME, KP)
             else:
                 m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
@@ -717,12 +742,13 @@ def rows_per_program(group: int, prompt_rows: int = PROMPT_ROWS) -> int:
 
 
 def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, tile: int, group_size: int | None,
-                     asm_unpack: bool, ordered: bool, prior: bool = False) -> dict:
+                     asm_unpack: bool, ordered: bool, prior: bool = False, windowed: bool = False) -> dict:
     """The decode kernel's compile-time constants for a page format, query heads per KV head,
     whether the context is split over programs, the tokens a program takes together (None: one
     token a program, ungrouped), whether codes are unpacked with PTX (on an NVIDIA GPU;
-    Triton's interpreter runs no PTX), whether ungrouped rows come in a given order, and whether
-    the output continues a prior attention (``paged_decode``'s ``prior_lse``)."""
+    Triton's interpreter runs no PTX), whether ungrouped rows come in a given order, whether
+    the output continues a prior attention (``paged_decode``'s ``prior_lse``), and whether rows
+    see a sliding window (``paged_decode``'s ``first_keys``)."""
     lay = page_layout(fmt)
     one_row = group == 1 and group_size is None
     k_frame = getattr(fmt, "k_block_frame", False)  # a MiniCache pair's layer has none
@@ -742,6 +768,7 @@ def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, t
         ROW_QUERY=one_row and lay.k.bits in (2, 3) and not k_frame,
         PRIOR=prior,
         K_FRAME=k_frame,
+        WINDOWED=windowed,
         **_kept_constants(fmt),
     )
 
@@ -795,13 +822,14 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
 
 @functools.cache
 def _variant(fmt: KVPageFormat, group: int, split: bool, group_size: int | None, asm_unpack: bool,
-             tile: int | None, num_warps: int | None, num_stages: int | None, ordered: bool, prior: bool) -> Variant:
+             tile: int | None, num_warps: int | None, num_stages: int | None, ordered: bool, prior: bool,
+             windowed: bool) -> Variant:
     """The decode kernel's variant: constants, and the default tuning where ``tile``, ``num_warps``
     or ``num_stages`` is None."""
     tuning = default_tuning(fmt, group_size is not None)
     return Variant(_decode_kernel,
                    kernel_constants(fmt, group, split, tile or tuning["tile"], group_size, asm_unpack, ordered,
-                                    prior),
+                                    prior, windowed),
                    {"num_warps": num_warps or tuning["num_warps"], "num_stages": num_stages or tuning["num_stages"]})
 
 
@@ -924,7 +952,8 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
                  num_warps: int | None = None, num_stages: int | None = None,
                  programs_per_sm: int = PROGRAMS_PER_SM,
                  groups: TokenGroups | None = None, row_order: torch.Tensor | None = None,
-                 prior_lse: torch.Tensor | None = None, block_rope: BlockRope | None = None) -> torch.Tensor:
+                 prior_lse: torch.Tensor | None = None, block_rope: BlockRope | None = None,
+                 window: int | None = None, first_keys: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
     ``cache`` is the layer's pages as ``[num_blocks, page_bytes]`` uint8 (or a MiniCache pair's, read
@@ -936,7 +965,9 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
     ``prior_lse`` [Hq, N] (float32, rows contiguous): ``out`` already holds each row's attention
     over other keys, with this natural log-sum-exp, and ends up holding the attention over both
     (rows of context 0 keep it as it is). ``block_rope``: the layer's RoPE table, for pages that keep
-    K in block frames (``fmt.k_block_frame``).
+    K in block frames (``fmt.k_block_frame``). ``window`` and ``first_keys`` [N] int32 (a
+    sliding-window layer's, both or neither): row i sees the keys from ``first_keys[i]`` on (which
+    may be below 0), and the splits share out the blocks from there.
 
     On CUDA, the launch is planned (``_DecodePlan``): a later call with the same arguments but its
     query, cache and output (a step's next layer) launches the compiled kernels directly.
@@ -950,6 +981,9 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
     if getattr(fmt, "k_block_frame", False) != (block_rope is not None):
         raise ValueError("block_rope: needed for pages that keep K in block frames, and only for them")
     rope = seq_lens if block_rope is None else block_rope.planar[_planes(fmt.k.bits)]  # likewise without
+    if (window is None) != (first_keys is None):
+        raise ValueError("window and first_keys: both for a sliding-window layer, or neither")
+    first = seq_lens if first_keys is None else first_keys  # likewise without
     key = None
     if _plannable(query.device):
         pointers = query.data_ptr(), cache.data_ptr(), out.data_ptr(), lse.data_ptr()
@@ -957,7 +991,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
         key = (fmt, query.shape, query.dtype, q_stride, out.dtype, out.stride(0), block_table.data_ptr(),
                block_table.stride(0), seq_lens.data_ptr(), None if groups is None else groups.rows.data_ptr(),
                None if groups is None else groups.starts.data_ptr(), None if groups is None else groups.size,
-               rope.data_ptr(),
+               rope.data_ptr(), first.data_ptr(), window,
                None if groups is None else groups.starts.shape[0], None if row_order is None else row_order.data_ptr(),
                None if prior_lse is None else prior_lse.stride(0), sm_scale, max_seq_len, num_splits, tile,
                num_warps, num_stages, programs_per_sm, stream,
@@ -966,15 +1000,18 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
         if plan is not None:
             plan(stream, *pointers)
             return out
+    if window is not None:  # the blocks a row's keys span, from its first key's block on
+        rows = 1 if groups is None else groups.size
+        max_seq_len = min(max_seq_len, (-(-(window + rows - 1) // fmt.block_size) + 1) * fmt.block_size)
     run = split_launch(query, out, fmt, max_seq_len, num_splits, programs_per_sm)
     n, hq, _ = run.query.shape
     h = fmt.k.num_heads
     programs = n if groups is None else groups.starts.shape[0]
     variant = _variant(fmt, hq // h, run.num_splits > 1, None if groups is None else groups.size,
                        query.is_cuda and torch.version.hip is None, tile, num_warps, num_stages,
-                       row_order is not None, prior_lse is not None)
+                       row_order is not None, prior_lse is not None, window is not None)
     starts = groups.starts if groups is not None else row_order if row_order is not None else seq_lens
-    tables = (block_table, seq_lens, seq_lens if groups is None else groups.rows, starts, rope)
+    tables = (block_table, seq_lens, seq_lens if groups is None else groups.rows, starts, rope, first)
     scalars = (sm_scale, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2,
                run.blocks_per_split, run.num_splits, lse.stride(0))
     grid = (programs * h, run.num_splits, 1)
@@ -1003,10 +1040,10 @@ def longest_first(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> to
 
 
 def warm_up(cache: torch.Tensor, fmt: KVPageFormat | MergedLayer, num_query_heads: int,
-            query_dtype: torch.dtype) -> None:
+            query_dtype: torch.dtype, window: int | None = None) -> None:
     """Compile every decode-kernel variant a serving step may launch for this page format, split
     or not: decode rows in a given order, and prompt rows in groups continuing a prior attention
-    (``prompt.paged_prompt``). vLLM's own warm-up (a large prefill, then decode-only CUDA graphs)
+    (``prompt.paged_prompt``); a sliding-window layer's (``window``) see their windows. vLLM's own warm-up (a large prefill, then decode-only CUDA graphs)
     reaches only some of them, and each compile in the middle of serving (about half a second)
     stalls every request of that step. Launches one row over page 0; outputs are discarded."""
     dev = cache.device
@@ -1017,11 +1054,13 @@ def warm_up(cache: torch.Tensor, fmt: KVPageFormat | MergedLayer, num_query_head
                             rows_per_program(num_query_heads // fmt.k.num_heads))
     first = torch.zeros(1, dtype=torch.int32, device=dev)
     prior = torch.zeros(num_query_heads, 1, dtype=torch.float32, device=dev)
-    turn = {}
+    options = {}
     if getattr(fmt, "k_block_frame", False):
-        turn["block_rope"] = BlockRope(torch.zeros(fmt.block_size, fmt.k.head_size, device=dev))
+        options["block_rope"] = BlockRope(torch.zeros(fmt.block_size, fmt.k.head_size, device=dev))
+    if window is not None:
+        options.update(window=window, first_keys=first)
     for num_splits in (1, 2):
         paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
-                     row_order=first, **turn)
+                     row_order=first, **options)
         paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
-                     groups=one_group, prior_lse=prior, **turn)
+                     groups=one_group, prior_lse=prior, **options)

@@ -5,7 +5,8 @@ gives each row's log-sum-exp. The decode kernel then reads the history (the requ
 the chunk) from the pages, every token of a chunk a row over the same history, and continues from
 FlashAttention's output and log-sum-exp (``paged_decode``'s ``prior_lse``): the two parts are merged
 where the history's pass ends, with no kernel of their own and no read-back of the chunk from the
-pages. A chunk with no history keeps FlashAttention's output as it is.
+pages. A chunk with no history keeps FlashAttention's output as it is. In a sliding-window layer,
+both parts see each token's window.
 """
 
 from __future__ import annotations
@@ -23,25 +24,30 @@ from .decode import paged_decode
 
 def paged_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                  fmt: KVPageFormat | MergedLayer, rows: TokenRows, sm_scale: float, out: torch.Tensor,
-                 **tuning) -> torch.Tensor:
+                 window: int | None = None, **tuning) -> torch.Tensor:
     """``query`` [T, Hq, D] and the chunks' new ``key``/``value`` [T, H, D], the chunks laid out by
-    ``rows`` (``token_rows``); the attention goes to ``out`` [T, Hq, D]. ``tuning``: the history
+    ``rows`` (``token_rows``); the attention goes to ``out`` [T, Hq, D]. ``window``: the layer's
+    sliding window (token p sees keys p - window < j <= p). ``tuning``: the history
     kernel's ``tile``, ``num_warps`` and ``num_stages`` where not its defaults (for benchmarks)."""
-    lse = own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out)
+    lse = own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out, window)
     if rows.max_seq_len:  # some chunk has history
+        if window is not None:
+            tuning.update(window=window, first_keys=rows.first_keys(window))
         paged_decode(query, cache, fmt, rows.block_table, rows.seq_lens, sm_scale, rows.max_seq_len, out=out,
                      groups=rows.groups, prior_lse=lse, **tuning)
     return out
 
 
 def own_chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_start: torch.Tensor,
-                        max_query_len: int, sm_scale: float, out: torch.Tensor) -> torch.Tensor:
-    """Each chunk's causal attention over its own tokens into ``out``; the rows' natural log-sum-exp
-    [Hq, T]."""
+                        max_query_len: int, sm_scale: float, out: torch.Tensor,
+                        window: int | None = None) -> torch.Tensor:
+    """Each chunk's causal attention over its own tokens (with a sliding ``window``, token p over
+    those after p - window) into ``out``; the rows' natural log-sum-exp [Hq, T]."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
     _, lse = flash_attn_varlen_func(q=query, k=key, v=value, out=out, cu_seqlens_q=query_start,
                                     max_seqlen_q=max_query_len, cu_seqlens_k=query_start,
                                     max_seqlen_k=max_query_len, softmax_scale=sm_scale, causal=True,
+                                    window_size=(-1, -1) if window is None else (window - 1, 0),
                                     return_softmax_lse=True, fa_version=_flash_attention_version(query.shape[-1]))
     return lse
 

@@ -9,7 +9,7 @@ layer (``kernels.registry.plan``): a kernel, or the torch reference (``paged_tor
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -98,12 +98,20 @@ class KVCompressMetadata:
     decode_max_seq_len: int           # at least the longest decode's context (0: no decodes)
     decode_row_order: torch.Tensor | None  # on CUDA, the decodes longest first (the kernel's row_order)
     token_rows: TokenRows | None  # on CUDA, the prefill chunks (after the decodes): rows over their history
+    _decode_first_keys: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def decode_history_lens(self) -> torch.Tensor:
         """Each decode's context before its new token: what a merged pair's pages hold during the step
         (they take the step's tokens after both layers' attention). Made once a step."""
         return self.decode_seq_lens - 1
+
+    def decode_first_keys(self, window: int) -> torch.Tensor:
+        """The first key each decode sees in a layer of this sliding window: its context less the
+        window (may be below 0). Made once a step for each window."""
+        if window not in self._decode_first_keys:
+            self._decode_first_keys[window] = self.decode_seq_lens - window
+        return self._decode_first_keys[window]
 
 
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
@@ -229,7 +237,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         if isinstance(fmt, MergedPairFormat) and plan.write.name == "torch":
             self._write = paged_torch.write_pair_tokens  # a pair's write takes both layers' tokens
         decode_warm_ups = {c.implementation.load("warm_up") for c in (plan.decode, plan.prompt)} - {None}
-        self._warm_ups = [lambda pages, dtype, w=w: w(pages, fmt, self.num_heads, dtype) for w in decode_warm_ups]
+        self._warm_ups = [lambda pages, dtype, w=w: w(pages, fmt, self.num_heads, dtype, **self._window_args())
+                          for w in decode_warm_ups]
         write_warm_up = plan.write.implementation.load("warm_up")
         if write_warm_up is not None:
             self._warm_ups.append(lambda pages, dtype: write_warm_up(pages, fmt, dtype))
@@ -247,6 +256,15 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                              kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}")
             logger.debug("kv-compression: layer %d: %s", index, plan.describe())
         return self._format
+
+    def _window_args(self, first_keys_of=None) -> dict:
+        """A sliding-window layer's kernel arguments (none for full attention): the window and, where
+        ``first_keys_of`` is given (the step's first keys by window), each row's first key."""
+        if self.sliding_window is None:
+            return {}
+        if first_keys_of is None:
+            return {"window": self.sliding_window}
+        return {"window": self.sliding_window, "first_keys": first_keys_of(self.sliding_window)}
 
     def _warm_up(self, pages: torch.Tensor, dtype: torch.dtype) -> None:
         if self._warm_ups and not torch.cuda.is_current_stream_capturing():
@@ -311,14 +329,16 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             if slim is not None:
                 self._decode_kernel(*decode_args, slim, out=out[:nd])
             else:
-                self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order, **self._turn)
+                self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order, **self._turn,
+                                    **self._window_args(md.decode_first_keys))
         start = md.query_start_loc[nd]
         if start < t:  # prompt tokens (a full CUDA graph's padding has none)
             rows = md.token_rows
             k_new = key[start:t].view(t - start, self.num_kv_heads, self.head_size)
             v_new = value[start:t].view(t - start, self.num_kv_heads, self.head_size)
             if self._prompt_kernel is not None and rows is not None:
-                self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:], **self._turn)
+                self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:], **self._turn,
+                                    **self._window_args())
                 return output
             rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if slim is not None:

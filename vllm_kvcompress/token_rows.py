@@ -20,7 +20,7 @@ cost the host 450 to 600 us a step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +42,15 @@ class TokenRows:
     groups: TokenGroups | None  # None: one token per program
     query_start: torch.Tensor  # [R+1] int32: the chunks' token offsets, from 0 (FlashAttention's cu_seqlens)
     max_query_len: int         # the longest chunk
+    offsets: torch.Tensor      # [T] int32: each token's place in its chunk
+    _first_keys: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def first_keys(self, window: int) -> torch.Tensor:
+        """[T] int32: the first key each token sees in a layer of this sliding ``window`` (token p sees
+        keys p - window < j <= p; the result may be below 0). Made once a step for each window."""
+        if window not in self._first_keys:
+            self._first_keys[window] = self.seq_lens + (self.offsets - (window - 1))
+        return self._first_keys[window]
 
 
 def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -56,7 +65,7 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
     request = np.repeat(np.arange(len(q_lens), dtype=np.int32), q_lens)
     offset = np.arange(num_tokens, dtype=np.int32) - starts[request]
     q_len = q_lens[request]  # of each token's chunk
-    parts = [starts, request, -q_len]  # a token's history: its request's context, less its chunk
+    parts = [starts, request, -q_len, offset]  # a token's history: its request's context, less its chunk
     if rows_per_group > 1:
         per_request = -(-q_lens // rows_per_group)
         first_group = np.repeat(np.cumsum(per_request) - per_request, per_request)
@@ -64,11 +73,11 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
                         + (np.arange(len(first_group), dtype=np.int32) - first_group) * rows_per_group)
         parts += [np.where(offset % rows_per_group == 0, np.minimum(q_len - offset, rows_per_group), 0),
                   group_starts]
-    query_start, request_dev, shift, *grouping = _to_device(parts, seq_lens.device)
+    query_start, request_dev, shift, offset_dev, *grouping = _to_device(parts, seq_lens.device)
     history = seq_lens[request_dev] + shift
     groups = TokenGroups(grouping[0], grouping[1], rows_per_group) if grouping else None
     return TokenRows(history.to(torch.int32), block_table[request_dev], max_seq_len, groups, query_start,
-                     int(q_lens.max(initial=0)))
+                     int(q_lens.max(initial=0)), offset_dev)
 
 
 def _to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -208,9 +208,12 @@ def _triton_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     d = fmt.k.head_size
     if d & (d - 1):
         return f"head size {d} (powers of two only)"
-    if ctx.sliding_window is not None:
-        return "sliding-window layer (the kernel reads whole contexts)"
     return None
+
+
+def _whole_contexts(ctx: LayerContext) -> str | None:
+    """Why a kernel that reads every key of a context cannot serve this layer, or None."""
+    return "sliding-window layer (the kernel reads whole contexts)" if ctx.sliding_window is not None else None
 
 
 def _sixteen_bit_queries(ctx: LayerContext) -> str | None:
@@ -218,7 +221,7 @@ def _sixteen_bit_queries(ctx: LayerContext) -> str | None:
 
 
 def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
-    why = _triton_decode(fmt, ctx) or _sixteen_bit_queries(ctx)
+    why = _triton_decode(fmt, ctx) or _whole_contexts(ctx) or _sixteen_bit_queries(ctx)
     if why is not None:
         return why
     for name, codec, axis in (("K", fmt.k, "channel"), ("V", fmt.v, "token")):
@@ -308,9 +311,7 @@ def _salient_decode(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
     d = fmt.k.head_size
     if d & (d - 1) or d < 16:
         return f"head size {d} (powers of two from 16)"
-    if ctx.sliding_window is not None:
-        return "sliding-window layer (the kernel reads whole contexts)"
-    return None
+    return _whole_contexts(ctx)
 
 
 def _flash_salient_prompt(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
@@ -334,7 +335,7 @@ def _merged_pages(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
     d = fmt.k.head_size
     if d < 16:
         return f"head size {d} (powers of two from 16)"
-    return _triton_decode(fmt.directions, ctx) or _sixteen_bit_queries(ctx)
+    return _triton_decode(fmt.directions, ctx) or _whole_contexts(ctx) or _sixteen_bit_queries(ctx)
 
 
 def _flash_merged_prompt(fmt: MergedPairFormat, ctx: LayerContext) -> str | None:
