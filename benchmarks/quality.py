@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass, replace
 from tqdm import tqdm
 
 from . import humaneval, metrics, needle, report, settings
+from .frontier import frontier
 from .kivi import KiviModel, KiviSpec
 from .zipcache_sim import ZipSimSpec
 from .models import Model
 
 GSM8K_MIN = 0.1  # GSM8K runs on the compressed settings only above this 16-bit accuracy
-GOALS = ((3.5, 1.0), (5.0, 3.0), (6.5, 10.0))  # the frontier's targets: (KV tokens vs 16-bit, perplexity increase %)
 # --text: where the perplexity windows and greedy prompts come from, (dataset, what it is)
 TEXTS = {"essays": ("essays", "Paul Graham's essays"),
          "code": ("humaneval", "HumanEval's Python problems with their canonical solutions")}
@@ -377,34 +377,3 @@ def plot(result: dict, path) -> None:
     ax3.minorticks_off()
     ax1.legend(fontsize=7)
     report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result['device']}")
-
-
-def frontier(result: dict, path) -> None:
-    """KV tokens against 16 bits (x) and perplexity increase at the longest context (y), a point per
-    setting: the engine's rows and the references alike."""
-    ctx = max(result["sizes"]["contexts"])
-    rows = [r for r in result["rows"] if "error" not in r and r.get("kv_vs_16bit") and f"ppl_{ctx}" in r]
-    if not rows:
-        return
-    base = rows[0][f"ppl_{ctx}"]
-    fig, ax = report.figure(1, (6.5, 4.5))
-    for i, r in enumerate(rows):
-        y = 100 * (r[f"ppl_{ctx}"] / base - 1)
-        ax.scatter(r["kv_vs_16bit"], y, marker="s" if reference_spec(r["setting"]) else "o")
-        # settings of one capacity lie close: alternate above and below, and a second one's label goes left
-        second = any(abs(o["kv_vs_16bit"] - r["kv_vs_16bit"]) < 0.15 for o in rows[:i])
-        ax.annotate(r["setting"], (r["kv_vs_16bit"], y), fontsize=7, xytext=(-4 if second else 4, 3 if i % 2 else -9),
-                    textcoords="offset points", ha="right" if second else "left")
-    ax.set(xlabel="KV tokens vs 16-bit (same memory)", ylabel=f"perplexity increase @{ctx} (%)",
-           yscale="symlog", title="quality per byte (squares: reference rows on the transformers model)")
-    ax.axhline(0, color="gray", lw=0.5)
-    (left, right), (bottom, top) = ax.get_xlim(), ax.get_ylim()
-    top = max(top, 1.5 * max(y for _, y in GOALS))
-    label = "goals: " + ", ".join(f"{x:g}x within +{y:g}%" for x, y in GOALS)
-    for x, y in GOALS:  # a point right of and below a corner meets that goal; one legend entry for all
-        ax.plot([x, x, right], [bottom, y, y], ls=":", lw=0.8, color="gray", label=label)
-        label = None
-    ax.set(xlim=(left, right), ylim=(bottom, top))
-    ax.legend(loc="upper left", fontsize=7)
-    report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result['text']}, "
-                                  f"{result['device']}")
