@@ -1,11 +1,13 @@
 """Quality per byte as a picture: KV tokens against 16 bits (x), perplexity increase (y).
 
-    python -m benchmarks.frontier RESULTS.json [LATER.json ...] [--beside KVPRESS.json ...] --out PNG
+    python -m benchmarks.frontier RESULTS.json [LATER.json ...] [--beside KVPRESS.json ...]
+        [--without SETTING ...] --out PNG
 
 redraws the frontier of a ``python -m benchmarks quality`` run (its results.json). A later run on
 the same windows (its 16-bit perplexity the same) replaces the rows of the settings it ran again.
 Rows measured on the same windows elsewhere go beside them: ``benchmarks.kvpress_rows``' output,
 whose 16-bit row equals the engine's (each row is taken against its own run's 16-bit row).
+``--without`` leaves settings out (a preset deleted since the run).
 """
 
 from __future__ import annotations
@@ -104,10 +106,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.frontier", description=__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path, nargs="+", help="a quality run's results.json, then later runs' (if any)")
     p.add_argument("--beside", type=Path, nargs="*", default=[], help="benchmarks.kvpress_rows output (JSON)")
+    p.add_argument("--without", nargs="*", default=[], metavar="SETTING", help="settings left out of the plot")
     p.add_argument("--out", type=Path, required=True, help="the PNG to write")
     args = p.parse_args(argv)
-    runs = [json.loads(r.read_text()) for r in args.results]
-    frontier(merged_runs(runs), args.out, [json.loads(b.read_text()) for b in args.beside])
+    merged = merged_runs([json.loads(r.read_text()) for r in args.results])
+    unknown = set(args.without) - {r["setting"] for r in merged["rows"]}
+    if unknown:
+        raise SystemExit(f"--without {' '.join(sorted(unknown))}: no such setting in the runs")
+    merged["rows"] = [r for r in merged["rows"] if r["setting"] not in args.without]
+    frontier(merged, args.out, [json.loads(b.read_text()) for b in args.beside])
     print(args.out)
 
 

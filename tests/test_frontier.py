@@ -47,3 +47,18 @@ def test_kvpress_rows_go_beside_against_their_own_16_bit_row(tmp_path, monkeypat
     assert "kvpress 16-bit" not in texts
     with pytest.raises(SystemExit, match="model is 'gemma3' in a run to add"):
         frontier(run, tmp_path / "f.png", [kvpress | {"model": "gemma3"}])
+
+
+def test_the_command_leaves_out_settings_and_refuses_unknown_ones(tmp_path, monkeypatch):
+    import json
+
+    from benchmarks import frontier as module
+    drawn = []
+    monkeypatch.setattr(module, "frontier", lambda result, path, beside: drawn.append(result))
+    run = tmp_path / "results.json"
+    run.write_text(json.dumps(_run([("16-bit (auto)", 1.0, 20.0), ("quant-k4v4", 3.66, 20.2),
+                                    ("quant-k2v2-o1-deleted", 6.51, 21.0)])))
+    module.main([str(run), "--without", "quant-k2v2-o1-deleted", "--out", str(tmp_path / "f.png")])
+    assert [r["setting"] for r in drawn[0]["rows"]] == ["16-bit (auto)", "quant-k4v4"]
+    with pytest.raises(SystemExit, match="--without quant-k9: no such setting"):
+        module.main([str(run), "--without", "quant-k9", "--out", str(tmp_path / "f.png")])
