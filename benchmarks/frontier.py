@@ -37,17 +37,19 @@ def frontier(result: dict, path, beside: list[dict] = ()) -> None:
         _check_same_windows(result, other)
         if other["rows"][0]["setting"] != "16-bit":
             raise SystemExit(f"--beside: the first row is {other['rows'][0]['setting']!r}, not the 16-bit one")
-        points += [(f"kvpress {r['setting']}", r["kv_vs_16bit"], _increase(r, other["rows"][0], ctx), "^")
+        points += [(_kvpress_name(r["setting"]), r["kv_vs_16bit"], _increase(r, other["rows"][0], ctx), "^")
                    for r in _plotted(other["rows"][1:], ctx)]
     if not points:
         return
-    fig, ax = report.figure(1, (6.5, 4.5))
+    fig, ax = report.figure(1, (6.5, 5.2))
+    widest = max(x for _, x, _, _ in points)
     for i, (name, x, y, marker) in enumerate(points):
         ax.scatter(x, y, marker=marker)
-        # settings of one capacity lie close: alternate above and below, and a second one's label goes left
-        second = any(abs(o[1] - x) < 0.15 for o in points[:i])
-        ax.annotate(name, (x, y), fontsize=7, xytext=(-4 if second else 4, 3 if i % 2 else -9),
-                    textcoords="offset points", ha="right" if second else "left")
+        # settings of one capacity lie close: alternate above and below; a second one's label, those
+        # at the right edge and kvpress's (drawn among the engine's points) go left
+        left = any(abs(o[1] - x) < 0.15 for o in points[:i]) or x > 0.85 * widest or marker == "^"
+        ax.annotate(name, (x, y), fontsize=7, xytext=(-4 if left else 4, 3 if i % 2 else -9),
+                    textcoords="offset points", ha="right" if left else "left")
     for marker in dict.fromkeys(m for *_, m in points):  # one legend entry a kind of row
         ax.scatter([], [], marker=marker, color="gray", label=MARKERS[marker])
     ax.set(xlabel="KV tokens vs 16-bit (same memory)", ylabel=f"perplexity increase @{ctx} (%)", yscale="symlog",
@@ -60,7 +62,8 @@ def frontier(result: dict, path, beside: list[dict] = ()) -> None:
         ax.plot([x, x, right], [bottom, y, y], ls=":", lw=0.8, color="gray", label=label)
         label = None
     ax.set(xlim=(left, right), ylim=(bottom, top))
-    ax.legend(loc="upper left", fontsize=7)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, fontsize=7)
+    fig.subplots_adjust(bottom=0.27)
     report.save_figure(fig, path, f"{result['model']} ({result['dtype']}), {result['text']}, {result['device']}")
 
 
@@ -82,6 +85,13 @@ def merged_runs(runs: list[dict]) -> dict:
             else:
                 merged["rows"].append(row)
     return merged
+
+
+def _kvpress_name(setting: str) -> str:
+    """``expected_attention-0.8`` -> ``kvpress ExpAttn 0.8``: short enough to label a point."""
+    for long, short in (("expected_attention-", "ExpAttn "), ("snapkv-", "SnapKV "), ("quanto-", "quanto ")):
+        setting = setting.replace(long, short)
+    return f"kvpress {setting}"
 
 
 def _plotted(rows: list[dict], ctx: int) -> list[dict]:

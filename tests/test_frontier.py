@@ -42,7 +42,7 @@ def test_kvpress_rows_go_beside_against_their_own_16_bit_row(tmp_path, monkeypat
                         {"setting": "quanto-int4", "kv_vs_16bit": 2.69, "ppl_2048": 11.0}]}
     frontier(run, tmp_path / "f.png", [kvpress])
     texts = {t.get_text(): t.xy for t in drawn[0].axes[0].texts}
-    assert texts["kvpress quanto-int4"] == pytest.approx((2.69, 10.0))  # +10% against its own 16-bit row
+    assert texts["kvpress quanto int4"] == pytest.approx((2.69, 10.0))  # +10% against its own 16-bit row
     assert texts["quant-k4v4"] == pytest.approx((3.66, 1.0))
     assert "kvpress 16-bit" not in texts
     with pytest.raises(SystemExit, match="model is 'gemma3' in a run to add"):
