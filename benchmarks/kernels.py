@@ -124,19 +124,10 @@ def bench_ours(bits: int, num_seqs: int, hq: int, hkv: int, d: int, ctx: int, bl
     fmt, cache, table, q, seq_lens, nbytes = _decode_case(bits, num_seqs, hq, hkv, d, ctx, block, lens)
     out = torch.empty_like(q)
     order = None if as_drawn else longest_first(seq_lens)
-    turn = {"block_rope": _block_rope(d, block)} if fmt.k_block_frame else {}
     ms = _time_ms(lambda: paged_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, out=out, row_order=order,
-                                       **turn, **tuning))
+                                       **tuning))
     name = f"ours {_name(bits)}" + " CUDA" * cuda + " as drawn" * as_drawn + "".join(f" {k}={v}" for k, v in tuning.items())
     return {"kernel": name, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
-
-
-def _block_rope(d: int, block: int):
-    """RoPE's table (base 10,000) for keys in block frames (``k_block_frame``), on the GPU."""
-    from vllm_kvcompress.block_rope import BlockRope
-
-    angles = torch.arange(block)[:, None] * 10000.0 ** (-torch.arange(0, d, 2) / d)[None, :]
-    return BlockRope(torch.cat([angles.cos(), angles.sin()], dim=-1).float().cuda())
 
 
 def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: int = 16,

@@ -77,28 +77,16 @@ def sylvester_hadamard(n: int) -> torch.Tensor:
 
 
 def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, block: int,
-                              chunk: int, outliers: int = 0, v_turned: bool = False,
-                              k_framed: bool = False) -> list[torch.Tensor]:
+                              chunk: int, outliers: int = 0, v_turned: bool = False) -> list[torch.Tensor]:
     """Hugging Face Llama run as the engine runs a prompt in chunks of ``chunk`` tokens (a multiple
     of ``block``): each chunk attends to its own K/V exactly and to earlier chunks' K/V through the
     format's arithmetic (with ``outliers``, each block's most deviant tokens kept exact; with
     ``v_turned``, V quantized without its projection's bias after turning by the Hadamard matrix,
-    then turned back and the bias added; with ``k_framed``, K quantized after turning back by RoPE's
-    angles of each token's offset in its block, then turned forward again)."""
+    then turned back and the bias added)."""
     import torch.nn.functional as F
     from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
 
-    assert not (outliers and (v_turned or k_framed)), "outliers alone"
-
-    def quant_k(k, inv_freq):  # [T, H, D] after RoPE at positions 0..T-1
-        if not k_framed:
-            return fake_quant(k, k_bits, "channel", block)
-        angles = (torch.arange(k.shape[0]) % block)[:, None].double() * inv_freq.double()[None, :]
-        cos, sin = (torch.cat([f, f], -1)[:, None].float() for f in (angles.cos(), angles.sin()))
-        half = k.shape[-1] // 2
-        turn_half = lambda x: torch.cat([-x[..., half:], x[..., :half]], -1)  # noqa: E731
-        coded = fake_quant(k * cos - turn_half(k) * sin, k_bits, "channel", block)
-        return coded * cos + turn_half(coded) * sin
+    assert not (outliers and v_turned), "one lever at a time"
 
     def quant_v(v, bias):  # [T, H, D], [H, D]
         if not v_turned:
@@ -114,8 +102,7 @@ def reference_prompt_logprobs(model_dir, prompts, k_bits: int, v_bits: int, bloc
             kq = torch.stack([k.transpose(0, 1) for k, _, _ in both])
             vq = torch.stack([v.transpose(0, 1) for _, v, _ in both])
         else:
-            inv_freq = model.model.rotary_emb.inv_freq
-            kq = torch.stack([quant_k(kb.transpose(0, 1), inv_freq).transpose(0, 1) for kb in key])
+            kq = torch.stack([fake_quant(kb.transpose(0, 1), k_bits, "channel", block).transpose(0, 1) for kb in key])
             bias = module.v_proj.bias
             bias = torch.zeros(value.shape[1], value.shape[-1]) if bias is None else bias.view(value.shape[1], -1)
             vq = torch.stack([quant_v(vb.transpose(0, 1), bias).transpose(0, 1) for vb in value])

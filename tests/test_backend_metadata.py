@@ -117,7 +117,7 @@ def test_backend_step_equals_reference(monkeypatch, window):
     cache = cache.to(device)
     impl.__dict__.update(num_heads=HQ, head_size=D, num_kv_heads=H, scale=D ** -0.5, sliding_window=window,
                          _format=fmt, _decode_kernel=paged_decode, _prompt_kernel=prompt.paged_prompt, _warm_ups=[],
-                         _max_model_len=1024, _kv_cache=cache, _cache_pages=cache, _turn={})
+                         _max_model_len=1024, _kv_cache=cache, _cache_pages=cache)
     output = torch.full((qsl[-1], HQ * D), float("nan"), dtype=dtype, device=device)
     impl.forward(SimpleNamespace(), query.to(device), key.to(device), value.to(device), cache, md, output)
     torch.testing.assert_close(output.view(-1, HQ, D).float().cpu(), ref, rtol=2e-2, atol=2e-2)

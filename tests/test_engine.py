@@ -152,19 +152,6 @@ def test_rotated_v_equals_reference(request, model_name):
     assert_equal_to_reference(got, want, plain, effect=5e-2)  # the turn is visible
 
 
-def test_keys_in_block_frames_equal_reference(mha):
-    """``k_block_frame``: prompt logprobs (chunks of 128 tokens) equal a Hugging Face model whose
-    earlier chunks' K, turned back by RoPE's angles of each token's offset in its block (HF's own
-    inverse frequencies), goes onto 2-bit per-channel grids and is turned forward again; and differ
-    from the same bits unframed. Bounds as in test_prompt_logprobs_equal_torch_reference."""
-    prompts = [prose(300, 53), prose(140, 54)]
-    with engine(mha, {"default": {"k_bits": 2, "v_bits": 4, "k_block_frame": True}}, **CHUNKS) as llm:
-        got = [prompt_logprobs(llm, [p])[0] for p in prompts]
-    want = reference_prompt_logprobs(mha, prompts, 2, 4, block=128, chunk=128, k_framed=True)
-    plain = reference_prompt_logprobs(mha, prompts, 2, 4, block=128, chunk=128)
-    assert_equal_to_reference(got, want, plain, effect=5e-2)
-
-
 def test_rotated_v_needs_a_power_of_2_head_size(tmp_path):
     from vllm import LLM
     from vllm_kvcompress.config import KVCompressionConfigError

@@ -58,8 +58,6 @@ def test_every_preset_runs_the_torch_reference_on_the_cpu(preset):
     (LayerFormat(k_bits=8, v_bits=8), H100, AUTO, ("triton", "flash-attention+triton", "cuda")),
     (LayerFormat(k_bits=3, v_bits=3), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
     (LayerFormat(k_bits=4, v_bits=4, outlier_tokens=1), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
-    # keys in block frames: the Triton decode turns them; the write takes K turned back already
-    (LayerFormat(k_bits=4, v_bits=4, k_block_frame=True), H100, AUTO, ("triton", "flash-attention+triton", "cuda")),
     (LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
     (LayerFormat(k_bits=4, v_bits=4, rpc_fraction=0.1, rpc_tokens=16), H100, AUTO, ("torch", "torch", "torch")),
     (LayerFormat(k_bits=4, v_bits=4, k_axis="token"), H100, AUTO, ("torch", "torch", "cuda")),

@@ -128,8 +128,6 @@ def test_capacity_counts_a_pair_once():
     ({"merge": {"start_layer": 2}, "default": {"k_only": True}}, 4, "k_only layers"),
     ({"merge": {"start_layer": 2}, "default": {"k_bits": 4, "v_bits": 4, "rpc_fraction": 0.1, "rpc_tokens": 8}}, 4,
      "recent window"),
-    ({"merge": {"start_layer": 2}, "default": {"k_bits": 4, "v_bits": 4, "k_block_frame": True}}, 4,
-     "k_block_frame cannot be combined with merging"),
     ({"merge": {"start_layer": 2}, "default": {"k_bits": 4, "v_bits": 4, "v_rotation": True}}, 4,
      "v_rotation cannot be combined with merging"),
 ])

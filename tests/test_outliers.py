@@ -140,11 +140,11 @@ from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.triton_kernels import decode, outlier_select
 
-fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=%(k)d, v_bits=%(v)d, outlier_tokens=%(count)d,
-                                                 k_block_frame=%(frame)s), torch.bfloat16, 128, 8, 128)
+fmt = KVPageFormat.from_layer_format(LayerFormat(k_bits=%(k)d, v_bits=%(v)d, outlier_tokens=%(count)d),
+                                     torch.bfloat16, 128, 8, 128)
 runtime = dict(q_ptr="*bf16", cache_ptr="*u8", half_ptr="*fp16", block_table_ptr="*i32", seq_lens_ptr="*i32",
-               group_rows_ptr="*i32", group_start_ptr="*i32", rope_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
-               lse_ptr="*fp32", sm_scale="fp32")
+               group_rows_ptr="*i32", group_start_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32",
+               sm_scale="fp32")
 runtime |= {name: "i32" for name in decode._decode_kernel.arg_names if name not in runtime and name.islower()}
 for group, split, rows in ((1, False, None), (4, True, None), (4, False, 16)):
     compile_for_h100(decode._decode_kernel, runtime,
@@ -155,15 +155,13 @@ compile_for_h100(outlier_select._select_kernel, select, outlier_select._variant(
 """
 
 
-@pytest.mark.parametrize("k_bits,v_bits,count,frame", [(3, 2, 1, False), (4, 4, 2, False), (2, 2, 1, True),
-                                                      (8, 8, 1, True)])
-def test_the_outlier_kernels_compile_for_the_gpu(k_bits, v_bits, count, frame):
-    """The decode kernel's outlier path (MHA one row, GQA split, prompt groups; with K in block
-    frames, its turns) and the choice kernel pass the sm_90 compiler's front end (the CPU suite runs
-    them in the interpreter)."""
+@pytest.mark.parametrize("k_bits,v_bits,count", [(3, 2, 1), (4, 4, 2)])
+def test_the_outlier_kernels_compile_for_the_gpu(k_bits, v_bits, count):
+    """The decode kernel's outlier path (MHA one row, GQA split, prompt groups) and the choice kernel
+    pass the sm_90 compiler's front end (the CPU suite runs them in the interpreter)."""
     from sm90 import compiles_for_h100
 
-    compiles_for_h100(_OUTLIER_KERNELS % dict(k=k_bits, v=v_bits, count=count, frame=frame))
+    compiles_for_h100(_OUTLIER_KERNELS % dict(k=k_bits, v=v_bits, count=count))
 
 
 @pytest.mark.engine

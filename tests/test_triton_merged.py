@@ -224,8 +224,8 @@ compile_for_h100(merged_decode._own_token_kernel, dict(q_ptr="*bf16", key_ptr="*
                                                      if name.endswith("_stride")}),
                  merged_decode._own_token_variant(128, 4).constants)
 layer_runtime = dict(q_ptr="*bf16", cache_ptr="*u8", half_ptr="*fp16", block_table_ptr="*i32", seq_lens_ptr="*i32",
-                     group_rows_ptr="*i32", group_start_ptr="*i32", rope_ptr="*fp32", out_ptr="*bf16",
-                     part_ptr="*fp32", lse_ptr="*fp32", sm_scale="fp32")
+                     group_rows_ptr="*i32", group_start_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
+                     lse_ptr="*fp32", sm_scale="fp32")
 layer_runtime |= {name: "i32" for name in decode._decode_kernel.arg_names if name not in layer_runtime
                   and name.islower()}
 for layer, group, split, rows in ((0, 1, False, None), (1, 4, True, 16)):

@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvcompress.block_rope import BlockRope
 from vllm_kvcompress.formats import KVPageFormat, outliers
 from vllm_kvcompress.formats.layout import page_layout
 from vllm_kvcompress.formats.merged import MergedLayer
@@ -194,69 +193,6 @@ def _f32(ptr):
 
 
 @triton.jit
-def _plane_channels(k: tl.constexpr, P: tl.constexpr, D: tl.constexpr):
-    """Plane k's channels ``j * P + k`` [1, D // P], their NeoX partners (the other half's channel of
-    the same angle) and the partner's sign in the turn: ``R q`` pairs ``q_a`` with ``+q_b`` in the
-    first half and ``q_b`` with ``-q_a`` in the second."""
-    ch = tl.arange(0, D // P)[None, :] * P + k
-    first = ch < D // 2
-    return ch, tl.where(first, ch + D // 2, ch - D // 2), tl.where(first, 1.0, -1.0)
-
-
-@triton.jit
-def _framed_query(q_row, gmask, q_scale, k: tl.constexpr, P: tl.constexpr, D: tl.constexpr):
-    """Plane k of the query rows at ``q_row`` ([GP, 1] row pointers; rows outside ``gmask`` zero),
-    scaled, and of their partners times sign (``_plane_channels``): the left factors of
-    ``_framed_plane_logits``, float16."""
-    ch, partner, sign = _plane_channels(k, P, D)
-    own = tl.load(q_row + ch, mask=gmask, other=0.0).to(tl.float32) * q_scale
-    other = tl.load(q_row + partner, mask=gmask, other=0.0).to(tl.float32) * (sign * q_scale)
-    return own.to(tl.float16), other.to(tl.float16)
-
-
-@triton.jit
-def _framed_logits(page, half, rope_ptr, tok, h, fq0, fr0, fq1, fr1, fq2, fr2, fq3, fr3, K_CODES: tl.constexpr,
-                   K_ROW: tl.constexpr, K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, BLOCK: tl.constexpr,
-                   D: tl.constexpr, K_BITS: tl.constexpr, KP: tl.constexpr, K_WIDTH: tl.constexpr,
-                   ASM: tl.constexpr):
-    """Logits [GP, T] over tokens ``tok`` ([T, 1]) whose K the page keeps in its block's frame
-    (``block_rope``): key ``k'_j`` is read as ``R(j) k'_j``, and ``q . R(j) k'_j = sum_c k'_jc (cos_jc
-    q_c + sin_jc sign_c q_partner(c))``: per plane, two tensor-core products of the query's planes
-    (``fq``, and ``fr`` its partners, ``_framed_query``) with the decoded plane times the tile's cos
-    and sin (``rope_ptr``: ``BlockRope.planar``, each plane's cos and sin contiguous). No plane is
-    reshaped: each key's turn is carried by the table's factors."""
-    if KP == 1:
-        c0 = _byte_codes(page, K_CODES, tok, h, K_ROW, BLOCK, D, 0, ASM)
-        c1, c2, c3 = c0, c0, c0
-    else:
-        c0, c1, c2, c3 = _code_planes(page, K_CODES, tok, h, K_ROW, BLOCK, D, K_BITS, 0, ASM)
-    s = _framed_plane_logits(c0, 1.0, fq0, fr0, half, rope_ptr, tok, h, 0, KP, D, K_SCALE, K_ZERO)
-    if KP > 1:
-        s += _framed_plane_logits(c1, 1.0 / (1 << K_WIDTH), fq1, fr1, half, rope_ptr, tok, h, 1, KP, D, K_SCALE,
-                                  K_ZERO)
-    if KP > 2:
-        s += _framed_plane_logits(c2, 1.0 / (1 << 2 * K_WIDTH), fq2, fr2, half, rope_ptr, tok, h, 2, KP, D, K_SCALE,
-                                  K_ZERO)
-        s += _framed_plane_logits(c3, 1.0 / (1 << 3 * K_WIDTH), fq3, fr3, half, rope_ptr, tok, h, 3, KP, D, K_SCALE,
-                                  K_ZERO)
-    return s
-
-
-@triton.jit
-def _framed_plane_logits(codes, unit, q_own, q_partner, half, rope_ptr, tok, h, k: tl.constexpr, P: tl.constexpr,
-                         D: tl.constexpr, K_SCALE: tl.constexpr, K_ZERO: tl.constexpr):
-    """Plane k's share of ``_framed_logits``: its codes (``_code_planes``: ``1024 + code / unit``)
-    decoded with the plane's channel scales and zeros, times cos and sin of each token's angles."""
-    ch, _, _ = _plane_channels(k, P, D)
-    scale = tl.load(half + K_SCALE // 2 + h * D + ch).to(tl.float32)
-    zero = tl.load(half + K_ZERO // 2 + h * D + ch).to(tl.float32)
-    key = (codes.to(tl.float32) - 1024.0) * (unit * scale) + zero
-    angle = rope_ptr + tok * (2 * D) + k * (D // P) + tl.arange(0, D // P)[None, :]  # ``BlockRope.planar``
-    s = tl.dot(q_own, tl.trans((key * tl.load(angle)).to(tl.float16)))
-    return s + tl.dot(q_partner, tl.trans((key * tl.load(angle + D)).to(tl.float16)))
-
-
-@triton.jit
 def _softmax_step(s, valid, m, l, GP: tl.constexpr, ONE_ROW: tl.constexpr):
     """Logits ``s`` in base 2 (ONE_ROW: the one query row's, [1, T]) into the running maxima ``m``
     and sums ``l`` [GP]: (the new m and l, the earlier terms' factor [GP, 1], the probabilities)."""
@@ -282,11 +218,12 @@ def _kept_offsets(page, h, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexp
 
 
 @triton.jit
-def _outlier_row(page, j, held, h, stat_row, c, CODES: tl.constexpr, STATS: tl.constexpr, BITS: tl.constexpr,
+def _outlier_row(page, j, held, h, stat_row, CODES: tl.constexpr, STATS: tl.constexpr, BITS: tl.constexpr,
                  H: tl.constexpr, D: tl.constexpr):
     """[1, D] float32: head h's outlier ``j`` of K or V (``outliers.quantize_rows``), decoded: codes
     [R, H, D * BITS / 8] at byte CODES, float16 (zero, scale) [R, 2 H, 2] at byte STATS, row
-    ``stat_row`` of the 2 H (h for K, H + h for V), at channels ``c`` [1, D]; zeros unless ``held`` [1]."""
+    ``stat_row`` of the 2 H (h for K, H + h for V); zeros unless ``held`` [1]."""
+    c = tl.arange(0, D)[None, :]
     per_byte: tl.constexpr = 8 // BITS  # channel c at position c % per_byte of byte c // per_byte
     at = page + CODES + (j * H + h) * (D // per_byte) + c // per_byte
     codes = unpack_codes(tl.load(at).to(tl.int32), c % per_byte, BITS)
@@ -299,27 +236,20 @@ def _outlier_row(page, j, held, h, stat_row, c, CODES: tl.constexpr, STATS: tl.c
 
 
 @triton.jit
-def _outlier_tokens(page, first, L, seen_from, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, rope_ptr, H: tl.constexpr,
+def _outlier_tokens(page, first, L, seen_from, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, H: tl.constexpr,
                     D: tl.constexpr, GP: tl.constexpr, VP: tl.constexpr, ONE_ROW: tl.constexpr,
                     R: tl.constexpr, INDEX: tl.constexpr, K_CODES: tl.constexpr,
-                    V_CODES: tl.constexpr, STATS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                    K_FRAME: tl.constexpr, KP: tl.constexpr):
+                    V_CODES: tl.constexpr, STATS: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr):
     """One more step of the online softmax (``m``, ``l``, the output's planes) per outlier token of
     the block that starts at token ``first``, for rows that see the keys from ``seen_from`` on (a
     scalar, or [GP, 1] a row) (``formats.outliers``: head h's offsets [H, R] int16 at
     byte INDEX, rows coded on their own grids, ``_outlier_row``). A block keeps one or two: each is one
     row of logits and products in float32, not a tile of the tensor cores padded to 16 tokens.
-    ``qk``: the scaled query in float32, [1, D] with ONE_ROW (the one row), else [GP, D]. K_FRAME:
-    keys in their block's frame, turned forward by their offsets as ``_framed_logits`` turns them."""
-    ch, partner, sign = _plane_channels(0, 1, D)  # a row's channels in order, and their partners
+    ``qk``: the scaled query in float32, [1, D] with ONE_ROW (the one row), else [GP, D]."""
     for j in tl.static_range(R):
         at = tl.load((page + INDEX).to(tl.pointer_type(tl.int16)) + h * R + j + tl.arange(0, 1)).to(tl.int32)
         held = (at >= 0) & (first + at < L)
-        k = _outlier_row(page, j, held, h, h, ch, K_CODES, STATS, K_BITS, H, D)
-        if K_FRAME:  # R(j) k = cos k - sign sin k_partner (the query's sign, negated)
-            angle = rope_ptr + tl.maximum(at, 0)[:, None] * (2 * D) + (ch % KP) * (D // KP) + ch // KP
-            k = k * tl.load(angle) - sign * tl.load(angle + D) * _outlier_row(
-                page, j, held, h, h, partner, K_CODES, STATS, K_BITS, H, D)
+        k = _outlier_row(page, j, held, h, h, K_CODES, STATS, K_BITS, H, D)
         s = tl.sum(qk * k, 1)[:, None]  # [1 or GP, 1]
         seen = held[None, :] & ((first + at)[None, :] >= seen_from)
         if ONE_ROW:
@@ -327,7 +257,7 @@ def _outlier_tokens(page, first, L, seen_from, h, qk, gmask, m, l, acc0, acc1, a
             p = tl.where(gmask, p1, 0.0)
         else:
             m, l, alpha, p = _softmax_step(s, seen, m, l, GP, False)
-        v = _outlier_row(page, j, held, h, H + h, ch, V_CODES, STATS, V_BITS, H, D)
+        v = _outlier_row(page, j, held, h, H + h, V_CODES, STATS, V_BITS, H, D)
         v0, v1, v2, v3 = _split_planes(v, VP)
         acc0 = acc0 * alpha + p * v0
         if VP > 1:
@@ -376,7 +306,7 @@ def _retained_tokens(page, kept_at, first, L, h, q, q_scale, gmask, m, l, acc0, 
 # (divisibility by 16, equality to 1): each specialization would be compiled in the middle of serving.
 @triton.jit(do_not_specialize=["bt_stride", "blocks_per_split", "num_splits", "lse_head_stride"])
 def _decode_kernel(
-    q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, group_start_ptr, rope_ptr, first_ptr,
+    q_ptr, cache_ptr, half_ptr, block_table_ptr, seq_lens_ptr, group_rows_ptr, group_start_ptr, first_ptr,
     out_ptr, part_ptr, lse_ptr, sm_scale, q_stride, out_stride, bt_stride, page_bytes, page_halves, blocks_per_split, num_splits,
     lse_head_stride,
     H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
@@ -388,7 +318,7 @@ def _decode_kernel(
     ONE_ROW: tl.constexpr, ROW_QUERY: tl.constexpr, PRIOR: tl.constexpr, K_NORMS: tl.constexpr,
     V_NORMS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr, KEPT: tl.constexpr,
     LAYER: tl.constexpr, LAYERS: tl.constexpr, HEAD_INDEX: tl.constexpr, KEPT_V: tl.constexpr,
-    KEPT_STATS: tl.constexpr, KEPT_K_BITS: tl.constexpr, KEPT_V_BITS: tl.constexpr, K_FRAME: tl.constexpr,
+    KEPT_STATS: tl.constexpr, KEPT_K_BITS: tl.constexpr, KEPT_V_BITS: tl.constexpr,
     WINDOWED: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one token of a
@@ -425,9 +355,6 @@ def _decode_kernel(
     retained tokens, layer LAYER of its slots at KEPT, their offsets at INDEX; or, HEAD_INDEX, a
     layer page's outlier tokens, ``formats.outliers``, each head's own, left out of their tiles by
     offset) are attended exactly after the split's tiles, a block at a time.
-
-    K_FRAME: the pages keep K in its block's frame (``block_rope``); ``rope_ptr`` is the layer's
-    table of turns by offset for K's planes (``BlockRope.planar``, ``_framed_logits``).
 
     WINDOWED (a sliding-window layer): row ``i`` sees the keys from ``first_ptr[i]`` on (a grouped
     program's rows each their own); the splits share out the blocks from the program's earliest
@@ -495,14 +422,6 @@ def _decode_kernel(
     else:
         qc = qf
     stat = tl.arange(0, 2)[:, None]  # row 0: scale, row 1: zero
-    if K_FRAME:  # the query's planes and their partners, once a program (``_framed_logits``)
-        fq0, fr0 = _framed_query(q_row, gmask, q_scale, 0, KP, D)
-        fq1, fr1, fq2, fr2, fq3, fr3 = fq0, fr0, fq0, fr0, fq0, fr0
-        if KP > 1:
-            fq1, fr1 = _framed_query(q_row, gmask, q_scale, 1, KP, D)
-        if KP > 2:
-            fq2, fr2 = _framed_query(q_row, gmask, q_scale, 2, KP, D)
-            fq3, fr3 = _framed_query(q_row, gmask, q_scale, 3, KP, D)
 
     if R > 0 or WINDOWED:  # a tile may hold no key a row sees: from a finite floor, no step gives exp2(nan)
         m = tl.full([GP], -1.0e30, tl.float32)
@@ -534,34 +453,30 @@ def _decode_kernel(
             k_row = page + K_CODES + (tok[:, None] * H + h) * K_ROW
             s = tl.dot(q, tl.trans(tl.load(k_row.to(tl.pointer_type(dtype)) + d))) * q_scale
         else:
-            if K_FRAME:
-                s = _framed_logits(page, half, rope_ptr, tok[:, None], h, fq0, fr0, fq1, fr1, fq2, fr2, fq3, fr3,
-                                   K_CODES, K_ROW, K_SCALE, K_ZERO, BLOCK, D, K_BITS, KP, K_WIDTH, ASM)
+            # scale and zero of every channel in one contiguous load, wide enough to be pipelined
+            kstat = tl.load(half + h * D + K_SCALE // 2 + stat * ((K_ZERO - K_SCALE) // 2) + d).to(tl.float32)
+            ks, kz = _rows(kstat)
+            qs = (qc * ks[None, :]).to(tl.float16)
+            bias = tl.sum(qf * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
+            if KP == 1:  # 8 bits
+                s = tl.dot(qs, tl.trans(_byte_codes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, 0, ASM)))
             else:
-                # scale and zero of every channel in one contiguous load, wide enough to be pipelined
-                kstat = tl.load(half + h * D + K_SCALE // 2 + stat * ((K_ZERO - K_SCALE) // 2) + d).to(tl.float32)
-                ks, kz = _rows(kstat)
-                qs = (qc * ks[None, :]).to(tl.float16)
-                bias = tl.sum(qf * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
-                if KP == 1:  # 8 bits
-                    s = tl.dot(qs, tl.trans(_byte_codes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, 0, ASM)))
-                else:
-                    k0, k1, k2, k3 = _code_planes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, 0, ASM)
-                    qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
-                    if ROW_QUERY:  # every row of the products is the query's
-                        qs0 = tl.broadcast_to(qs0, (GP, D // KP))
-                        qs1 = tl.broadcast_to(qs1, (GP, D // KP))
-                        qs2 = tl.broadcast_to(qs2, (GP, D // KP))
-                        qs3 = tl.broadcast_to(qs3, (GP, D // KP))
-                    s = tl.dot(qs0, tl.trans(k0))
-                    s += tl.dot(qs1, tl.trans(k1))
-                    if KP > 2:
-                        s += tl.dot(qs2, tl.trans(k2))
-                        s += tl.dot(qs3, tl.trans(k3))
-                if ROW_QUERY:  # every row is the query's logits: any one of them
-                    s1 = tl.max(s, 0)[None, :] + bias[:, None]
-                else:
-                    s += bias[:, None]
+                k0, k1, k2, k3 = _code_planes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, 0, ASM)
+                qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
+                if ROW_QUERY:  # every row of the products is the query's
+                    qs0 = tl.broadcast_to(qs0, (GP, D // KP))
+                    qs1 = tl.broadcast_to(qs1, (GP, D // KP))
+                    qs2 = tl.broadcast_to(qs2, (GP, D // KP))
+                    qs3 = tl.broadcast_to(qs3, (GP, D // KP))
+                s = tl.dot(qs0, tl.trans(k0))
+                s += tl.dot(qs1, tl.trans(k1))
+                if KP > 2:
+                    s += tl.dot(qs2, tl.trans(k2))
+                    s += tl.dot(qs3, tl.trans(k3))
+            if ROW_QUERY:  # every row is the query's logits: any one of them
+                s1 = tl.max(s, 0)[None, :] + bias[:, None]
+            else:
+                s += bias[:, None]
         if K_NORMS >= 0:
             if ROW_QUERY:
                 s1 = s1 * nk
@@ -627,8 +542,8 @@ def _decode_kernel(
             page = cache_ptr + tl.load(block_table_ptr + row0 * bt_stride + b).to(tl.int64) * page_bytes
             if HEAD_INDEX:
                 m, l, acc0, acc1, acc2, acc3 = _outlier_tokens(
-                    page, b * BLOCK, L, seen_from, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, rope_ptr, H, D, GP,
-                    VP, ONE_ROW, R, INDEX, KEPT, KEPT_V, KEPT_STATS, KEPT_K_BITS, KEPT_V_BITS, K_FRAME, KP)
+                    page, b * BLOCK, L, seen_from, h, qk, gmask, m, l, acc0, acc1, acc2, acc3, H, D, GP,
+                    VP, ONE_ROW, R, INDEX, KEPT, KEPT_V, KEPT_STATS, KEPT_K_BITS, KEPT_V_BITS)
             else:
                 m, l, acc0, acc1, acc2, acc3 = _retained_tokens(
                     page, _kept_offsets(page, h, R, RP, INDEX, HEAD_INDEX), b * BLOCK, L, h, q, q_scale, gmask, m,
@@ -751,7 +666,6 @@ def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, t
     see a sliding window (``paged_decode``'s ``first_keys``)."""
     lay = page_layout(fmt)
     one_row = group == 1 and group_size is None
-    k_frame = getattr(fmt, "k_block_frame", False)  # a MiniCache pair's layer has none
     return dict(
         H=lay.num_kv_heads, G=group, GP=_padded_rows(group, group_size or 1), D=lay.head_size,
         BLOCK=lay.block_size, TILE=tile, SPLIT=split, GROUPED=group_size is not None,
@@ -765,9 +679,8 @@ def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, t
         # batch 64 at 4,096 tokens 382.8 -> 369.4 us, a serving step's rows 122.4 -> 113.6; 3/2 with
         # an outlier a block, serving 269.7 -> 249.6); at 4 and 8 bits the compiled loop came out no
         # faster (4/4 402.0 against 399.1, serving 131.2 against 128.1)
-        ROW_QUERY=one_row and lay.k.bits in (2, 3) and not k_frame,
+        ROW_QUERY=one_row and lay.k.bits in (2, 3),
         PRIOR=prior,
-        K_FRAME=k_frame,
         WINDOWED=windowed,
         **_kept_constants(fmt),
     )
@@ -806,17 +719,11 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
     step's rows 163.3 against 168.5 MHA, 53.2 against 55.0 GQA; docs/benchmarks.md). So do 3-bit
     codes, whose unpacking holds more registers (H100, a serving step's rows: quant-k3v2-o1 MHA
     258.4 us against 300.0 with 5 stages, 406.1 with 4 warps; GQA 82.4 against 88.3; quant-k3v3 MHA
-    276.5 against 283.6). Keys in block frames are decoded and turned before their products
-    (``_framed_logits``), which holds far more registers: tiles of 16 tokens, 3 stages (H200, a
-    serving step's rows of quant-k2v2-o1-frame: MHA 588.8 us against 1941.8 with the defaults, 685.4
-    at 32 tokens and 4 warps; GQA 207.6 against 455.7, 187.6 at 32 and 4 warps). The split count is
-    ``choose_num_splits``'s."""
+    276.5 against 283.6). The split count is ``choose_num_splits``'s."""
     lay = page_layout(fmt)
     tile, stages, warps = (128 if lay.head_size <= 128 else 32), 5, (4 if grouped else 2)
     if {8, 3} & {lay.k.bits, lay.v.bits} and not grouped:
         stages = 3
-    if getattr(fmt, "k_block_frame", False):
-        tile, stages = (32 if grouped else 16), 3
     return {"tile": min(lay.block_size, tile), "num_stages": stages, "num_warps": warps}
 
 
@@ -924,7 +831,7 @@ class _DecodePlan(NamedTuple):
     layer's query, cache and output kept as plain values: what a step's other layers launch."""
     decode: Compiled
     grid: tuple[int, int, int]
-    tables: tuple        # block table, context lengths, group rows, group starts, RoPE table: pointers
+    tables: tuple        # block table, context lengths, group rows, group starts, first keys: pointers
     part: int | None     # the partials' pointer; None: one split, the output takes them
     scalars: tuple       # the decode kernel's scalar arguments after the pointers
     merge: Compiled | None
@@ -952,7 +859,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
                  num_warps: int | None = None, num_stages: int | None = None,
                  programs_per_sm: int = PROGRAMS_PER_SM,
                  groups: TokenGroups | None = None, row_order: torch.Tensor | None = None,
-                 prior_lse: torch.Tensor | None = None, block_rope: BlockRope | None = None,
+                 prior_lse: torch.Tensor | None = None,
                  window: int | None = None, first_keys: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
@@ -964,8 +871,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
     and ``out`` may be row-strided views (heads and channels contiguous within a row).
     ``prior_lse`` [Hq, N] (float32, rows contiguous): ``out`` already holds each row's attention
     over other keys, with this natural log-sum-exp, and ends up holding the attention over both
-    (rows of context 0 keep it as it is). ``block_rope``: the layer's RoPE table, for pages that keep
-    K in block frames (``fmt.k_block_frame``). ``window`` and ``first_keys`` [N] int32 (a
+    (rows of context 0 keep it as it is). ``window`` and ``first_keys`` [N] int32 (a
     sliding-window layer's, both or neither): row i sees the keys from ``first_keys[i]`` on (which
     may be below 0), and the splits share out the blocks from there.
 
@@ -978,9 +884,6 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
     if prior_lse is not None and prior_lse.stride(1) != 1:
         raise ValueError(f"prior_lse: strides {prior_lse.stride()}; a head's rows must be contiguous")
     lse = seq_lens if prior_lse is None else prior_lse  # a pointer the kernel never reads without a prior
-    if getattr(fmt, "k_block_frame", False) != (block_rope is not None):
-        raise ValueError("block_rope: needed for pages that keep K in block frames, and only for them")
-    rope = seq_lens if block_rope is None else block_rope.planar[_planes(fmt.k.bits)]  # likewise without
     if (window is None) != (first_keys is None):
         raise ValueError("window and first_keys: both for a sliding-window layer, or neither")
     first = seq_lens if first_keys is None else first_keys  # likewise without
@@ -991,7 +894,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
         key = (fmt, query.shape, query.dtype, q_stride, out.dtype, out.stride(0), block_table.data_ptr(),
                block_table.stride(0), seq_lens.data_ptr(), None if groups is None else groups.rows.data_ptr(),
                None if groups is None else groups.starts.data_ptr(), None if groups is None else groups.size,
-               rope.data_ptr(), first.data_ptr(), window,
+               first.data_ptr(), window,
                None if groups is None else groups.starts.shape[0], None if row_order is None else row_order.data_ptr(),
                None if prior_lse is None else prior_lse.stride(0), sm_scale, max_seq_len, num_splits, tile,
                num_warps, num_stages, programs_per_sm, stream,
@@ -1011,7 +914,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
                        query.is_cuda and torch.version.hip is None, tile, num_warps, num_stages,
                        row_order is not None, prior_lse is not None, window is not None)
     starts = groups.starts if groups is not None else row_order if row_order is not None else seq_lens
-    tables = (block_table, seq_lens, seq_lens if groups is None else groups.rows, starts, rope, first)
+    tables = (block_table, seq_lens, seq_lens if groups is None else groups.rows, starts, first)
     scalars = (sm_scale, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2,
                run.blocks_per_split, run.num_splits, lse.stride(0))
     grid = (programs * h, run.num_splits, 1)
@@ -1055,8 +958,6 @@ def warm_up(cache: torch.Tensor, fmt: KVPageFormat | MergedLayer, num_query_head
     first = torch.zeros(1, dtype=torch.int32, device=dev)
     prior = torch.zeros(num_query_heads, 1, dtype=torch.float32, device=dev)
     options = {}
-    if getattr(fmt, "k_block_frame", False):
-        options["block_rope"] = BlockRope(torch.zeros(fmt.block_size, fmt.k.head_size, device=dev))
     if window is not None:
         options.update(window=window, first_keys=first)
     for num_splits in (1, 2):

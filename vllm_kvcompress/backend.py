@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from . import block_rope, paged_torch, policy, salient_torch
+from . import paged_torch, policy, salient_torch
 from .engine_config import ModelKVShape, active_config, layer_page_format, layer_plans, platform_device
 from .formats import KVPageFormat
 from .formats.merged import MergedPairFormat
@@ -217,8 +217,6 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._warm_ups: list = []
         self._kv_cache: torch.Tensor | None = None  # the tensor self._cache_pages views
         self._cache_pages: torch.Tensor | None = None
-        # pages with K in block frames: the layer's RoPE table for the write and the readers, found once
-        self._turn: dict[str, block_rope.BlockRope] = {}
 
     def _plan_layer(self, fmt: KVPageFormat, layer, device: torch.device) -> registry.LayerPlan:
         """Ask the registry which implementation serves each operation here; build and load those."""
@@ -249,8 +247,6 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             index = extract_layer_index(layer.layer_name)
             self._format = layer_page_format(self._config, index, self._num_layers, self._dtype, kv_cache.shape[2],
                                              self.num_kv_heads, self.head_size)
-            if isinstance(self._format, KVPageFormat) and self._format.k_block_frame:  # attached at model load
-                self._turn = {"block_rope": getattr(layer, block_rope.ATTRIBUTE)}
             plan = self._plan_layer(self._format, layer, kv_cache.device)
             logger.info_once("kv-compression: each layer's cache holds %d pages of %d tokens (%s tokens)",
                              kv_cache.shape[0], kv_cache.shape[2], f"{kv_cache.shape[0] * kv_cache.shape[2]:,}")
@@ -294,10 +290,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return
         pages = self._pages(kv_cache, fmt)
         self._warm_up(pages, key.dtype)
-        k = key[:n].view(n, self.num_kv_heads, -1)
-        if self._turn:  # K in block frames; padding slots (-1) turn by some offset and are not written
-            k = self._turn["block_rope"].turn(k, slot_mapping[:n] % fmt.block_size, -1.0).to(k.dtype)
-        self._write(pages, fmt, k, value[:n].view(n, self.num_kv_heads, -1), slot_mapping)
+        self._write(pages, fmt, key[:n].view(n, self.num_kv_heads, -1), value[:n].view(n, self.num_kv_heads, -1),
+                    slot_mapping)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: KVCompressMetadata | None, output: torch.Tensor,
@@ -329,7 +323,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             if slim is not None:
                 self._decode_kernel(*decode_args, slim, out=out[:nd])
             else:
-                self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order, **self._turn,
+                self._decode_kernel(*decode_args, out=out[:nd], row_order=md.decode_row_order,
                                     **self._window_args(md.decode_first_keys))
         start = md.query_start_loc[nd]
         if start < t:  # prompt tokens (a full CUDA graph's padding has none)
@@ -337,7 +331,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             k_new = key[start:t].view(t - start, self.num_kv_heads, self.head_size)
             v_new = value[start:t].view(t - start, self.num_kv_heads, self.head_size)
             if self._prompt_kernel is not None and rows is not None:
-                self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:], **self._turn,
+                self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:],
                                     **self._window_args())
                 return output
             rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
@@ -345,7 +339,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                 out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new, v_new)
             else:
                 out[start:] = paged_torch.attend(q[start:], pages, fmt, *rest, self.sliding_window,
-                                                 key=k_new, value=v_new, **self._turn)
+                                                 key=k_new, value=v_new)
         return output
 
     def _forward_salient(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,

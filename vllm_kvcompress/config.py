@@ -57,10 +57,6 @@ class LayerFormat(BaseModel):
         False, description="V's channels turned by an orthonormal Hadamard matrix before quantizing (QuaRot's), "
                            "folded into the V and output projections at load: a few large channels no longer set "
                            "every token's grid (head size a power of 2, unquantized weights)")
-    k_block_frame: bool = Field(
-        False, description="K turned back by RoPE to its block's first position before quantizing, so that a "
-                           "channel keeps the range it has before RoPE; the decode turns each key forward again "
-                           "by its offset in the block (NeoX RoPE over the whole head)")
     k_codec: str | None = Field(
         None, description="a registered codec (formats.CODECS) that stores K; default: raw at 16 bits, minmax below")
     v_codec: str | None = Field(None, description="likewise for V")
@@ -81,12 +77,6 @@ class LayerFormat(BaseModel):
             if not self.outlier_tokens:
                 raise ValueError("k_clip needs outlier_tokens >= 1: a narrowed grid cuts the attention sink's K "
                                  "(SmolLM2 2/2 bits: +59% perplexity without outliers, +8% with one; docs/formats.md)")
-        if self.k_block_frame and (self.k_bits == 16 or self.k_axis != "channel" or self.k_codec is not None
-                                   or self.k_only or self.has_recent_window):
-            raise ValueError(f"k_block_frame turns K before its per-channel grids; not with k_bits = {self.k_bits}, "
-                             f"k_axis = {self.k_axis!r}, k_codec = {self.k_codec!r}, k_only = {self.k_only}, "
-                             f"rpc_tokens = {self.rpc_tokens} (allowed: k_bits below 16, k_axis 'channel', the "
-                             "default codec, not k_only, no recent window)")
         if self.v_rotation and (self.v_bits == 16 or self.k_only or self.v_axis != "token" or self.v_channel_scaling
                                 or self.v_codec is not None):
             raise ValueError(f"v_rotation turns V before its per-token grids; not with v_bits = {self.v_bits}, "
@@ -119,7 +109,6 @@ class LayerFormat(BaseModel):
         extras = f" +{self.outlier_tokens} outlier token(s) a block at 8/4-bit" if self.outlier_tokens else ""
         extras += " +K grids clipped" if self.k_clip else ""
         extras += " +V rotated" if self.v_rotation else ""
-        extras += " +K in its block's RoPE frame" if self.k_block_frame else ""
         k_codec, v_codec = (f"[{c}]" if c else "" for c in (self.k_codec, self.v_codec))
         return (f"K{self.k_bits}/{self.k_axis}{k_codec} V{self.v_bits}/{self.v_axis}{v_codec}{scaling}{window}"
                 f"{extras}")

@@ -157,7 +157,7 @@ def layer_description(cfg: KVCompressionConfig, layer_index: int, num_layers: in
 
 def check_merge_fits(cfg: KVCompressionConfig, shape: ModelKVShape) -> None:
     """MiniCache pairs need two layers of one format and one attention window, without K-only pages,
-    recent windows, rotated V or K in block frames."""
+    recent windows or rotated V."""
     if cfg.merge is None:
         return
     pairs = cfg.merged_pairs(shape.num_layers)
@@ -175,9 +175,8 @@ def check_merge_fits(cfg: KVCompressionConfig, shape: ModelKVShape) -> None:
             why = "k_only layers (slim attention) cannot be merged"
         elif fa.has_recent_window:
             why = "a recent window (rpc_fraction) cannot be combined with merging"
-        elif fa.v_rotation or fa.k_block_frame:
-            lever = "v_rotation" if fa.v_rotation else "k_block_frame"
-            why = f"{lever} cannot be combined with merging (allowed: false)"
+        elif fa.v_rotation:
+            why = "v_rotation cannot be combined with merging (allowed: false)"
         elif shape.sliding_window(a) != shape.sliding_window(b):
             windows = ["full attention" if w is None else f"a sliding window of {w}"
                        for w in (shape.sliding_window(a), shape.sliding_window(b))]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .block_rope import BlockRope
 from .formats import KVPageFormat
 from .formats.merged import MergedPairFormat
 from .slim import SlimLayer
@@ -62,15 +61,14 @@ def _touched_blocks(slots: torch.Tensor, block_size: int):
 def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_start_loc: list[int],
            seq_lens: list[int], block_table: torch.Tensor, scale: float,
            sliding_window: int | None = None, key: torch.Tensor | None = None,
-           value: torch.Tensor | None = None, block_rope: BlockRope | None = None) -> torch.Tensor:
+           value: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``query`` ``[T, Hq, D]`` over each request's pages.
 
     Request i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``, the
     last tokens of its ``seq_lens[i]``-token context. ``key``/``value`` are
     those rows' own new K/V (needed where a request has more than one row):
     a prompt chunk attends to its own tokens through them; with a recent
-    window they are also the 16-bit values of a decode's token. ``block_rope``:
-    the layer's RoPE for pages that keep K in block frames (``fmt.k_block_frame``).
+    window they are also the 16-bit values of a decode's token.
     """
     out = torch.empty_like(query)
     B = fmt.block_size
@@ -84,8 +82,6 @@ def attend(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, query_st
         return out
     pages = cache[torch.cat(rows).long()]
     k_all, v_all = fmt.decode(pages)
-    if fmt.k_block_frame:  # each key turned forward by its offset in its block
-        k_all = block_rope.turn(k_all, torch.arange(B, device=pages.device)[None, :], 1.0)
     start = 0
     for i, L in enumerate(seq_lens):
         qs, qe = query_start_loc[i], query_start_loc[i + 1]

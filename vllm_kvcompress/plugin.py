@@ -248,7 +248,7 @@ def _pair_target(cfg, prefix: str, vllm_config) -> str | None:
     return None
 
 
-# --- slim attention's W_KV, block frames' RoPE tables and v_rotation's turn, once the weights are in ---------
+# --- slim attention's W_KV and v_rotation's turn, once the weights are in ---------
 
 def _hook_weight_loading() -> None:
     from vllm.model_executor.model_loader import base_loader
@@ -266,11 +266,6 @@ def _hook_weight_loading() -> None:
             n = attach_slim_layers(model, cfg, model_config.dtype)
             logger.info("kv-compression slim: W_KV attached to %d layers; their pages hold K only", n)
         if cfg is not None:
-            from .block_rope import attach_block_rope
-            n = attach_block_rope(model, cfg)
-            if n:
-                logger.info("kv-compression k_block_frame: RoPE tables attached to %d layers; their pages hold K "
-                            "turned back to each block's first position", n)
             from .v_rotation_loader import fold_v_rotation
             n = fold_v_rotation(model, cfg)
             if n:

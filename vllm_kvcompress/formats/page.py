@@ -44,7 +44,6 @@ class KVPageFormat:
     recent: UncompressedCodec | None = None  # ring of 16-bit copies: K's heads, then V's
     window_fraction: float = 0.0
     outliers: int = 0  # tokens a block and KV head keeps exact, outside the statistics (``outliers``)
-    k_block_frame: bool = False  # K stored turned back by its offset in the block (``block_rope``)
 
     @classmethod
     def from_layer_format(cls, fmt, dtype: torch.dtype, block_size: int, num_kv_heads: int,
@@ -57,7 +56,7 @@ class KVPageFormat:
             if fmt.outlier_tokens >= block_size:
                 raise ValueError(f"outlier_tokens = {fmt.outlier_tokens} must be below the block size "
                                  f"({block_size} tokens)")
-            return cls(k, v, block_size, dtype, outliers=fmt.outlier_tokens, k_block_frame=fmt.k_block_frame)
+            return cls(k, v, block_size, dtype, outliers=fmt.outlier_tokens)
         if fmt.rpc_tokens >= block_size:
             raise ValueError(f"rpc_tokens = {fmt.rpc_tokens} must be below the block size ({block_size} tokens)")
         recent = UncompressedCodec(dtype, fmt.rpc_tokens, 2 * num_kv_heads, head_size)
@@ -68,8 +67,7 @@ class KVPageFormat:
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.k, self.v, self.block_size, self.dtype, self.recent, self.window_fraction, self.outliers,
-                     self.k_block_frame))
+        return hash((self.k, self.v, self.block_size, self.dtype, self.recent, self.window_fraction, self.outliers))
 
     def __getstate__(self) -> dict:
         """Without the kept hash and sizes: a hash holds only in the process that computed it."""

@@ -233,8 +233,6 @@ def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
         return f"K at {fmt.k.bits} bits and V at {fmt.v.bits} (the same width only)"
     if fmt.outliers:
         return "outlier tokens (the Triton kernel reads them)"
-    if fmt.k_block_frame:
-        return "K in block frames (the Triton kernel turns it)"
     group, rest = divmod(ctx.num_query_heads, fmt.k.num_heads)
     groups = CUDA_DECODE_GROUPS[fmt.k.bits]
     if rest or group not in groups:
