@@ -370,15 +370,16 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
 def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int = 128,
                         prompt: tuple[int, int, int] = (8, 512, 1536)) -> list[dict]:
     """A layer's attention for ZipCache's pages (``zipcache-r60``) in parts, against the 4-bit preset's
-    on the same rows: decode rows of context ``lens`` (the salient kernel alone; with the new
-    token's merge and the write, whose probe scores and re-compression are the rest), and
-    ``prompt`` = (chunks, tokens, history) prefill chunks (attention, then the batched write)."""
+    on the same rows: decode rows of context ``lens`` (the decode kernel over the pages alone, in
+    its default tuning and with 3 stages; with the new token's own term and the write, whose probe
+    scores and re-compression are the rest), and ``prompt`` = (chunks, tokens, history) prefill
+    chunks (attention, then the batched write)."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.formats.salient import SalientTokensFormat
-    from vllm_kvcompress.salient_torch import decode_and_write
+    from vllm_kvcompress.salient_torch import plan_chunk_writes
     from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels.decode import rows_per_program
-    from vllm_kvcompress.triton_kernels.salient_decode import salient_decode
+    from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode, rows_per_program
+    from vllm_kvcompress.triton_kernels.salient_decode import decode_rows
     from vllm_kvcompress.triton_kernels.salient_prompt import salient_prompt
     from vllm_kvcompress.triton_kernels.salient_write import write_chunks, write_decoded
 
@@ -397,11 +398,21 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = torch.empty_like(q)
     label = f"{n} decode rows"
-    rows.append({"kernel": f"zipcache-r60 {label}: salient decode kernel",
-                 "ms": _time_ms(lambda: salient_decode(q, cache, fmt, table, seq_lens - 1, scale, out=out))})
-    rows.append({"kernel": f"zipcache-r60 {label}: kernel + merge + write (probe scores, re-compression)",
-                 "ms": _time_ms(lambda: decode_and_write(q, k, v, cache, fmt, spec, table, seq_lens, scale,
-                                                         salient_decode, out, write=write_decoded))})
+    history = seq_lens - 1
+    order = longest_first(history)
+    prior = torch.zeros(hq, n, device="cuda")
+    for stages in (None, 3):
+        rows.append({"kernel": f"zipcache-r60 {label}: decode kernel{'' if stages is None else f', {stages} stages'}",
+                     "ms": _time_ms(lambda: paged_decode(q, cache, fmt, table, history, scale, max(lens), out=out,
+                                                         row_order=order, prior_lse=prior, lse_out=True,
+                                                         num_stages=stages))})
+
+    def decode_step():
+        lse = decode_rows(q, k, v, cache, fmt, table, history, scale, max(lens), out, row_order=order)
+        write_decoded(q, k, v, cache, fmt, spec, table, seq_lens, lse.t(), scale)
+
+    rows.append({"kernel": f"zipcache-r60 {label}: own token + kernel + write (probe scores, re-compression)",
+                 "ms": _time_ms(decode_step)})
     lse = torch.zeros(n, hq, device="cuda")
     rows.append({"kernel": f"zipcache-r60 {label}: the write alone",
                  "ms": _time_ms(lambda: write_decoded(q, k, v, cache, fmt, spec, table, seq_lens, lse, scale))})
@@ -419,13 +430,14 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     starts, contexts = list(range(0, total + 1, length)), [history + length] * chunks
     seq_dev = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     token = token_rows(starts, seq_dev, table, history, rows_per_program(hq // hkv))
+    writes = plan_chunk_writes(fmt, spec, starts, contexts, table)
     rows.append({"kernel": f"zipcache-r60 {label}: attention + write",
-                 "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, starts, contexts, table,
-                                                       scale, out=outp))})
+                 "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
     lse_p = torch.zeros(total, hq, device="cuda")
-    rows.append({"kernel": f"zipcache-r60 {label}: the write alone",
-                 "ms": _time_ms(lambda: write_chunks(qp, kp, vp, cache, fmt, spec, starts, contexts, table, lse_p,
-                                                     scale))})
+    rows.append({"kernel": f"zipcache-r60 {label}: the write alone (probe scores in the kernel)",
+                 "ms": _time_ms(lambda: write_chunks(qp, kp, vp, cache, fmt, spec, writes, lse_p, scale))})
+    rows.append({"kernel": f"zipcache-r60 {label}: the step's plan of the writes (once a step, host)",
+                 "ms": _time_ms(lambda: plan_chunk_writes(fmt, spec, starts, contexts, table))})
     rows.append({"kernel": f"quant-k4v4 {label}: attention",
                  "ms": bench_prompt_chunks(4, chunks, hq, hkv, d, length, history, block)["ms"]})
     return rows

@@ -209,7 +209,7 @@ _MERGED_KERNELS = """
 import torch
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats.merged import MergedLayer, MergedPairFormat
-from vllm_kvcompress.triton_kernels import decode, merged_decode, merged_write as write, pair_merge
+from vllm_kvcompress.triton_kernels import decode, merged_write as write, own_token, pair_merge
 
 fmt = MergedPairFormat.from_layer_format(LayerFormat(**%s), 0.6, 0.05, torch.bfloat16, 128, 8, 128)
 compile_for_h100(write._retain_kernel, {"slot_ptr": "*i64", "n": "i32", "distance_ptr": "*fp32", "norms_ptr": "*fp16",
@@ -218,11 +218,11 @@ merge_runtime = {name: "*bf16" for name in ("ka_ptr", "va_ptr", "kb_ptr", "vb_pt
 merge_runtime |= dict(norms_ptr="*fp16", distance_ptr="*fp32", ka_stride="i32", va_stride="i32", kb_stride="i32",
                       vb_stride="i32", t="fp32")
 compile_for_h100(pair_merge._merge_kernel, merge_runtime, dict(H=8, HP=8, D=128))
-compile_for_h100(merged_decode._own_token_kernel, dict(q_ptr="*bf16", key_ptr="*bf16", value_ptr="*bf16",
-                                                  out_ptr="*bf16", lse_ptr="*fp32", scale="fp32",
-                                                  **{name: "i32" for name in merged_decode._own_token_kernel.arg_names
-                                                     if name.endswith("_stride")}),
-                 merged_decode._own_token_variant(128, 4).constants)
+compile_for_h100(own_token._own_token_kernel, dict(q_ptr="*bf16", key_ptr="*bf16", value_ptr="*bf16",
+                                              out_ptr="*bf16", lse_ptr="*fp32", scale="fp32",
+                                              **{name: "i32" for name in own_token._own_token_kernel.arg_names
+                                                 if name.endswith("_stride")}),
+                 own_token._own_token_variant(128, 4).constants)
 layer_runtime = dict(q_ptr="*bf16", cache_ptr="*u8", half_ptr="*fp16", block_table_ptr="*i32", seq_lens_ptr="*i32",
                      group_rows_ptr="*i32", group_start_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32",
                      lse_ptr="*fp32", sm_scale="fp32")

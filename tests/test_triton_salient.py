@@ -1,4 +1,5 @@
-"""The Triton decode kernel over ZipCache's pages against the torch reference of the same pages.
+"""The Triton kernels over ZipCache's pages (the decode kernel's SALIENT path, the write) against the
+torch reference of the same pages.
 
 Runs on the CPU in Triton's interpreter and, where a GPU is present, on the GPU.
 """
@@ -13,7 +14,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 from paged_cases import encoded_pages  # noqa: E402
 from vllm_kvcompress.formats.salient import SalientTokensFormat  # noqa: E402
-from vllm_kvcompress.triton_kernels.salient_decode import salient_decode  # noqa: E402
+from vllm_kvcompress.triton_kernels.salient_decode import decode_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,39 +40,51 @@ def _assert_same_tokens(fmt, ours, cache, table, lens):
             torch.testing.assert_close(a.flatten(0, 1)[:L], b.flatten(0, 1)[:L], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("HQ", [4, 2, 8])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("HQ", [4, 2, 8, 1])
 @pytest.mark.parametrize("block", [32, 128])
-def test_salient_decode_equals_attention_over_the_decoded_pages(HQ, block):
-    H, D = 2, 64
+def test_decode_rows_equal_attention_over_the_decoded_pages(HQ, block, splits):
+    """Decode rows over their history from the pages (refined tokens' low bits through the slot map,
+    the others at the middle of their sub-levels) and their own new token: the output and the merged
+    log-sum-exp equal attention over the decoded pages plus that token, in one split or three (the
+    merge kernel's log-sum-exp), a row of no history included."""
+    H, D = 2 if HQ > 1 else 1, 64
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = SalientTokensFormat.create(0.6, dtype, block, H, D)
-    seq_lens = [1, 17, block, 3 * block - 5, 70]
-    cache, table = _pages(fmt, seq_lens, 3, seed=HQ + block)
-    q = torch.randn(len(seq_lens), HQ, D, generator=torch.Generator().manual_seed(5))
+    history = [0, 17, block, 3 * block - 5, 70]
+    cache, table = _pages(fmt, history, 3, seed=HQ + block)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(len(history), HQ, D, generator=g)
+    k_new, v_new = torch.randn(len(history), H, D, generator=g), torch.randn(len(history), H, D, generator=g)
     scale = D ** -0.5
-    out, lse = salient_decode(q.to(DEVICE, dtype), cache.to(DEVICE), fmt, table.to(DEVICE),
-                              torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale)
-    for i, L in enumerate(seq_lens):
+    dev = [x.to(DEVICE, dtype) for x in (q, k_new, v_new)]
+    out = torch.empty_like(dev[0])
+    lse = decode_rows(*dev, cache.to(DEVICE), fmt, table.to(DEVICE),
+                      torch.tensor(history, dtype=torch.int32, device=DEVICE), scale, max(history), out,
+                      num_splits=splits)
+    for i, L in enumerate(history):
         k, v = (x.flatten(0, 1)[:L] for x in fmt.decode(cache[table[i, :-(-L // block)].long()]))
+        k, v = torch.cat([k, k_new[i:i + 1]]), torch.cat([v, v_new[i:i + 1]])
         logits = torch.einsum("hd,khd->hk", q[i], k.repeat_interleave(HQ // H, 1)) * scale
         want = torch.einsum("hk,khd->hd", logits.softmax(-1), v.repeat_interleave(HQ // H, 1))
-        # on the GPU, bfloat16 queries and TF32 products
-        tol = 1e-4 if DEVICE == "cpu" else 3e-2
+        # the decode kernel's products take float16 factors (as test_triton_decode's); on the GPU
+        # bfloat16 queries besides
+        tol = 2e-2 if DEVICE == "cpu" else 3e-2
         torch.testing.assert_close(out[i].float().cpu(), want, rtol=tol, atol=tol)
-        torch.testing.assert_close(lse[i].cpu(), logits.logsumexp(-1), rtol=tol, atol=tol)
+        torch.testing.assert_close(lse[:, i].cpu(), logits.logsumexp(-1), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("write", ["torch", "triton"])
 @pytest.mark.parametrize("score", ["normalized", "random"])
 def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write):
-    """Decode steps of three requests through the kernel, merged with each new token's exact term and
-    written all at once (``decode_and_write``, with the torch write or the Triton one), against
+    """Decode steps of three requests through the kernel, continuing from each new token's exact term,
+    and written all at once (``write_decoded``, the torch write or the Triton one), against
     ``attend_and_write`` one request at a time: the same outputs, and the same pages after each step
     (the same 4-bit tokens chosen, K's grids widened alike, or kept), across a re-compression
     (context 100) and a block boundary (64). On a GPU, whose products round as TF32, the outputs are compared at that
     precision and the choice (which near-ties may flip) is not."""
     from vllm_kvcompress.config import SalientSpec
-    from vllm_kvcompress.salient_torch import attend_and_write, decode_and_write
+    from vllm_kvcompress.salient_torch import attend_and_write, write_decoded
     from vllm_kvcompress.triton_kernels import salient_write
 
     H, HQ, D, B = 2, 4, 64, 64  # two tiles of the Triton write
@@ -93,11 +106,12 @@ def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write):
         dev = lambda x: x.to(DEVICE)  # noqa: E731
         got = torch.empty_like(dev(q))
         ours_dev = dev(ours)
-        decode_and_write(dev(q), dev(k), dev(v), ours_dev, fmt, spec, dev(table),
-                         torch.tensor(lens, dtype=torch.int32, device=DEVICE), D ** -0.5, salient_decode, got,
-                         write=salient_write.write_decoded if write == "triton" else None)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        lse = decode_rows(dev(q), dev(k), dev(v), ours_dev, fmt, dev(table), seq_lens - 1, D ** -0.5, max(lens), got)
+        (salient_write.write_decoded if write == "triton" else write_decoded)(
+            dev(q), dev(k), dev(v), ours_dev, fmt, spec, dev(table), seq_lens, lse.t(), D ** -0.5)
         ours = ours_dev.cpu()
-        tol = 1e-4 if DEVICE == "cpu" else 3e-2
+        tol = 2e-2 if DEVICE == "cpu" else 3e-2  # the decode kernel's float16 factors (as above)
         torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
         if DEVICE != "cpu":
             ours = cache.clone()
@@ -106,12 +120,15 @@ def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write):
         _assert_same_tokens(fmt, ours, cache, table, lens)
 
 
-def test_grouped_prompt_rows_equal_attention_over_their_history():
+@pytest.mark.parametrize("splits", [1, 2])
+def test_grouped_prompt_rows_continue_a_prior_attention(splits):
     """Prompt chunks' tokens as rows over their chunk's history, taken in groups of 9 tokens of 4
-    query heads (two programs' worth of one chunk, a partial last group), and a chunk with no
-    history: each row equals attention over its decoded history, and the row without one gives 0
-    and a log-sum-exp of -inf."""
+    query heads (two programs' worth of one chunk, a partial last group), continuing a prior
+    attention (what FlashAttention gives over the chunk's own tokens), and a chunk with no history:
+    each row equals the prior merged with attention over its decoded history, the prior's
+    log-sum-exp replaced by the merged one; the row without history keeps its prior."""
     from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels.decode import paged_decode
 
     H, HQ, D, B = 2, 4, 64, 32
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
@@ -120,35 +137,43 @@ def test_grouped_prompt_rows_equal_attention_over_their_history():
     cache, table = _pages(fmt, [L - m for L, m in zip(seq_lens, q_lens)], 3, seed=4)
     table = torch.cat([table, torch.zeros(3, 2, dtype=torch.int32)], 1)  # room for the chunks' blocks
     qsl = [0, 20, 25, 28]
-    q = torch.randn(28, HQ, D, generator=torch.Generator().manual_seed(8))
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(28, HQ, D, generator=g)
+    prior, prior_lse = torch.randn(28, HQ, D, generator=g), torch.randn(HQ, 28, generator=g)
     rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), 50, rows_per_group=9)
     scale = D ** -0.5
-    out, lse = salient_decode(q.to(DEVICE, dtype), cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, scale,
-                              groups=rows.groups)
-    tol = 1e-4 if DEVICE == "cpu" else 3e-2
+    out, lse = prior.to(DEVICE, dtype).clone(), prior_lse.to(DEVICE).clone()
+    paged_decode(q.to(DEVICE, dtype), cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, scale, 50,
+                 num_splits=splits, out=out, groups=rows.groups, prior_lse=lse, lse_out=True)
+    tol = 2e-2 if DEVICE == "cpu" else 3e-2  # the decode kernel's float16 factors
     for t, (i, history) in enumerate(zip([0] * 20 + [1] * 5 + [2] * 3, rows.seq_lens.tolist())):
         assert history == seq_lens[i] - q_lens[i]
         if history == 0:
-            assert out[t].eq(0).all() and lse[t].eq(float("-inf")).all()
+            torch.testing.assert_close(out[t].float().cpu(), prior[t].to(dtype).float(), rtol=0, atol=0)
+            torch.testing.assert_close(lse[:, t].cpu(), prior_lse[:, t], rtol=1e-6, atol=1e-6)  # via base 2
             continue
         k, v = (x.flatten(0, 1)[:history] for x in fmt.decode(cache[table[i, :-(-history // B)].long()]))
         logits = torch.einsum("hd,khd->hk", q[t], k.repeat_interleave(HQ // H, 1)) * scale
-        want = torch.einsum("hk,khd->hd", logits.softmax(-1), v.repeat_interleave(HQ // H, 1))
+        earlier = torch.einsum("hk,khd->hd", logits.softmax(-1), v.repeat_interleave(HQ // H, 1))
+        total = torch.logaddexp(logits.logsumexp(-1), prior_lse[:, t])
+        want = (earlier * (logits.logsumexp(-1) - total).exp()[:, None]
+                + prior[t] * (prior_lse[:, t] - total).exp()[:, None])
         torch.testing.assert_close(out[t].float().cpu(), want, rtol=tol, atol=tol)
-        torch.testing.assert_close(lse[t].cpu(), logits.logsumexp(-1), rtol=tol, atol=tol)
+        torch.testing.assert_close(lse[:, t].cpu(), total, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("score", ["normalized", "random"])
 def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, monkeypatch):
     """Steps of prompt chunks from three requests, batched (``salient_prompt``: own attention, history
-    rows in groups, merged; then ``write_chunks`` over all touched blocks at once), against
+    rows in groups, merged; then ``write_chunks`` over all touched blocks at once, the probes' scores
+    in the write kernel), against
     ``attend_and_write`` one request at a time: the same outputs and, on the CPU, the same pages after
     every step. The steps cover a first chunk, chunks with history across block boundaries, a
     one-token chunk (held at 4 bits) and a chunk that opens a fresh block. On the CPU a torch causal
     attention stands in for FlashAttention."""
     from test_triton_prompt import torch_own_chunk_attention
     from vllm_kvcompress.config import SalientSpec
-    from vllm_kvcompress.salient_torch import attend_and_write
+    from vllm_kvcompress.salient_torch import attend_and_write, plan_chunk_writes
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels import salient_prompt
 
@@ -173,8 +198,9 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, monkeypatc
         rows = token_rows(qsl, torch.tensor(lens, device=DEVICE), table.to(DEVICE), history, rows_per_group=9)
         got = torch.full((qsl[-1], HQ, D), float("nan"), dtype=dtype, device=DEVICE)
         dev = [t.to(DEVICE) for t in (q, k, v)]
-        salient_prompt.salient_prompt(*dev, ours, fmt, spec, rows, qsl, lens, table.to(DEVICE), D ** -0.5, out=got)
-        tol = 1e-4 if DEVICE == "cpu" else 3e-2
+        writes = plan_chunk_writes(fmt, spec, qsl, lens, table.to(DEVICE))
+        salient_prompt.salient_prompt(*dev, ours, fmt, spec, rows, writes, D ** -0.5, got)
+        tol = 2e-2 if DEVICE == "cpu" else 3e-2  # the decode kernel's float16 factors
         torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
         if DEVICE != "cpu":  # TF32 products may flip near-ties of the choice: the next step starts level
             ours = cache.clone().to(DEVICE)
@@ -186,20 +212,26 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, monkeypatc
 _SALIENT_KERNELS = """
 import torch
 from vllm_kvcompress.formats.salient import SalientTokensFormat
-from vllm_kvcompress.triton_kernels import salient_decode as decode
+from vllm_kvcompress.triton_kernels import decode
 
 fmt = SalientTokensFormat.create(0.6, torch.bfloat16, 128, 8, 128)
-runtime = dict(q_ptr="*bf16", pages_ptr="*u8", table_ptr="*i32", lens_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
-               group_rows_ptr="*i32", group_starts_ptr="*i32", scale="fp32")
-runtime |= {name: "i32" for name in decode._salient_decode_kernel.arg_names if name.endswith("_stride")}
-compile_for_h100(decode._salient_decode_one_row_kernel, runtime, decode.page_constants(fmt))
-for group, rows, grouped in ((4, 1, False), (4, 16, True)):
-    compile_for_h100(decode._salient_decode_kernel, runtime,
-                     dict(decode.page_constants(fmt), G=group, MP=max(16, rows * group), GROUPED=grouped))
+runtime = dict(q_ptr="*bf16", cache_ptr="*u8", half_ptr="*fp16", block_table_ptr="*i32", seq_lens_ptr="*i32",
+               group_rows_ptr="*i32", group_start_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32",
+               sm_scale="fp32")
+runtime |= {name: "i32" for name in decode._decode_kernel.arg_names if name not in runtime and name.islower()}
+for group, split, rows in ((1, False, None), (4, True, None), (1, False, 64), (4, False, 16)):
+    compile_for_h100(decode._decode_kernel, runtime, decode.kernel_constants(
+        fmt, group, split, 128, rows, True, rows is None, prior=True, lse_out=True))
+merge = dict(part_ptr="*fp32", seq_lens_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32", out_stride="i32",
+             num_splits="i32", lse_head_stride="i32")
+compile_for_h100(decode._merge_splits_kernel, merge, decode._merge_variant(32, 128, True, True).constants)
 """
 
 
-def test_the_salient_decode_kernels_compile_for_the_gpu():
+def test_the_salient_kernels_compile_for_the_gpu():
+    """The decode kernel's SALIENT path (MHA one row, GQA split, prompt groups of MHA and GQA) and the
+    merge with its log-sum-exp out pass the sm_90 compiler's front end (the CPU suite runs them in
+    the interpreter)."""
     from sm90 import compiles_for_h100
 
     compiles_for_h100(_SALIENT_KERNELS)

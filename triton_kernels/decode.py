@@ -23,6 +23,7 @@ import triton.language as tl
 from vllm_kvcompress.formats import KVPageFormat, outliers
 from vllm_kvcompress.formats.layout import page_layout
 from vllm_kvcompress.formats.merged import MergedLayer
+from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
 from vllm_kvcompress.launch_plans import LaunchPlans
 from vllm_kvcompress.token_rows import TokenGroups
 
@@ -124,6 +125,7 @@ _UNPACK_2 = tl.constexpr(_unpack_asm(2))
 _UNPACK_3 = tl.constexpr(_unpack3_asm())
 _UNPACK_4 = tl.constexpr(_unpack_asm(4))
 _UNPACK_8 = tl.constexpr(_unpack_asm(8))
+_NO_SLOT = tl.constexpr(NO_SLOT)
 # log2(e): the kernels keep maxima and sums in base 2 (exp2), natural log-sum-exps are converted
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -163,6 +165,24 @@ def _accumulate_plane(acc, alpha, ps, pm, pz, codes, unit, channel_scale):
     ``_code_planes``: ``unit`` is ``2**-(k*bits)`` for plane k, ``4**-k`` for 3 bits); ``pm`` is 1024
     times the sum of ``p*s``."""
     return acc * alpha + ((tl.dot(ps, codes) - pm) * unit + pz) * channel_scale
+
+
+@triton.jit
+def _refinements(page, LOW: tl.constexpr, slot, refined, h, SLOTS: tl.constexpr, ROW: tl.constexpr, D: tl.constexpr,
+                 ASM: tl.constexpr):
+    """ZipCache's pages (``formats.salient``): the low 2 bits of tokens' 4-bit codes as
+    ``_code_planes`` gives 2-bit ones, a refined token's from its slot's row of ``[H, SLOTS, ROW]``
+    at byte LOW, 0 for the others (``refined`` [T])."""
+    u = tl.arange(0, D // 4)[None, :]
+    at = page + LOW + (h * SLOTS + tl.where(refined, slot, 0))[:, None] * ROW + u
+    return _unpacked_planes(tl.load(at, mask=refined[:, None], other=0), 2, ASM)
+
+
+@triton.jit
+def _refine_plane(acc, ps, pm, codes, unit, mid):
+    """A plane of the output plus the refinement bits' share: ``(p*s) . low + p*s . 1.5`` over the
+    unrefined tokens (``mid``), as ``_accumulate_plane`` adds its codes' (no rescaling: that one did)."""
+    return acc + (tl.dot(ps, codes) - pm) * unit + mid
 
 
 @triton.jit
@@ -319,7 +339,8 @@ def _decode_kernel(
     V_NORMS: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, INDEX: tl.constexpr, KEPT: tl.constexpr,
     LAYER: tl.constexpr, LAYERS: tl.constexpr, HEAD_INDEX: tl.constexpr, KEPT_V: tl.constexpr,
     KEPT_STATS: tl.constexpr, KEPT_K_BITS: tl.constexpr, KEPT_V_BITS: tl.constexpr,
-    WINDOWED: tl.constexpr,
+    WINDOWED: tl.constexpr, SALIENT: tl.constexpr, K_LOW: tl.constexpr, V_LOW: tl.constexpr,
+    SLOT_OF: tl.constexpr, SLOTS: tl.constexpr, LSE_OUT: tl.constexpr,
 ):
     """Program ``(row * H + h, split)`` decodes query row ``row`` (a request's new token, or one token of a
     prefill chunk) for KV head h. GROUPED, program ``(i * H + h, split)`` takes the group starting at
@@ -360,6 +381,14 @@ def _decode_kernel(
     program's rows each their own); the splits share out the blocks from the program's earliest
     first key on (vLLM has freed the pages before it), each split a whole number of blocks, so
     that each block's kept tokens are taken by one split.
+
+    SALIENT (ZipCache's pages, ``formats.salient``): the codes are the high plane of a 4-bit grid
+    (K per channel, V per token), read as 2-bit codes on a grid of 4 steps; a refined token's low
+    2 bits come from its slot's row (``slot_of`` [H, BLOCK] at SLOT_OF, NO_SLOT: none) through one more
+    product per plane, and an unrefined token reads as the middle of its four sub-levels (+1.5).
+
+    LSE_OUT (with PRIOR): the merged natural log-sum-exp replaces the prior's at ``lse_ptr`` (the
+    ZipCache write turns it into its probes' probabilities).
 
     ``half_ptr`` is the cache seen as float16 (scales and zeros are read through it, so that the
     compiler knows their alignment and vectorizes the loads).
@@ -456,6 +485,12 @@ def _decode_kernel(
             # scale and zero of every channel in one contiguous load, wide enough to be pipelined
             kstat = tl.load(half + h * D + K_SCALE // 2 + stat * ((K_ZERO - K_SCALE) // 2) + d).to(tl.float32)
             ks, kz = _rows(kstat)
+            if SALIENT:  # the high plane: steps of 4 on the grid; the refinement's products at 1 step
+                slot = tl.load(page + SLOT_OF + h * BLOCK + tok).to(tl.int32)
+                refined = slot != _NO_SLOT
+                qr = (qc * ks[None, :]).to(tl.float16)
+                mid = 1.5 * tl.sum(qf * ks[None, :], 1)  # an unrefined token's low bits: 1.5 each channel
+                ks = ks * 4.0
             qs = (qc * ks[None, :]).to(tl.float16)
             bias = tl.sum(qf * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
             if KP == 1:  # 8 bits
@@ -473,10 +508,27 @@ def _decode_kernel(
                 if KP > 2:
                     s += tl.dot(qs2, tl.trans(k2))
                     s += tl.dot(qs3, tl.trans(k3))
+                if SALIENT:
+                    r0, r1, r2, r3 = _refinements(page, K_LOW, slot, refined, h, SLOTS, K_ROW, D, ASM)
+                    qr0, qr1, qr2, qr3 = _split_planes(qr, 4)
+                    if ROW_QUERY:
+                        qr0 = tl.broadcast_to(qr0, (GP, D // 4))
+                        qr1 = tl.broadcast_to(qr1, (GP, D // 4))
+                        qr2 = tl.broadcast_to(qr2, (GP, D // 4))
+                        qr3 = tl.broadcast_to(qr3, (GP, D // 4))
+                    s += tl.dot(qr0, tl.trans(r0))
+                    s += tl.dot(qr1, tl.trans(r1))
+                    s += tl.dot(qr2, tl.trans(r2))
+                    s += tl.dot(qr3, tl.trans(r3))
+                    bias -= 1024.0 * tl.sum(qr.to(tl.float32), 1)
             if ROW_QUERY:  # every row is the query's logits: any one of them
                 s1 = tl.max(s, 0)[None, :] + bias[:, None]
+                if SALIENT:
+                    s1 += tl.where(refined[None, :], 0.0, mid[:, None])
             else:
                 s += bias[:, None]
+                if SALIENT:
+                    s += tl.where(refined[None, :], 0.0, mid[:, None])
         if K_NORMS >= 0:
             if ROW_QUERY:
                 s1 = s1 * nk
@@ -502,6 +554,9 @@ def _decode_kernel(
         else:
             vstat = tl.load(half + h * BLOCK + V_SCALE // 2 + stat * ((V_ZERO - V_SCALE) // 2) + tok[None, :])
             vs, vz = _rows(vstat.to(tl.float32))
+            if SALIENT:  # as K's: the high plane at 4 steps, the refinement below
+                vr = vs
+                vs = vs * 4.0
             if V_NORMS >= 0:
                 vs = vs * tl.reshape(nv, (TILE,))
                 vz = vz * tl.reshape(nv, (TILE,))
@@ -533,6 +588,23 @@ def _decode_kernel(
                 if VP > 2:
                     acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_WIDTH), c2)
                     acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_WIDTH), c3)
+                if SALIENT:
+                    if ONE_ROW:
+                        pr = p1
+                    else:
+                        pr = p
+                    psr1 = (pr * vr[None, :]).to(tl.float16)
+                    mid = 1.5 * tl.sum(tl.where(refined[None, :], 0.0, pr * vr[None, :]), 1)[:, None]
+                    pmr = 1024.0 * tl.sum(psr1.to(tl.float32), 1)[:, None]
+                    if ONE_ROW:
+                        psr = tl.broadcast_to(psr1, (GP, TILE))  # rows past the first are written nowhere
+                    else:
+                        psr = psr1
+                    l0, l1, l2, l3 = _refinements(page, V_LOW, slot, refined, h, SLOTS, V_ROW, D, ASM)
+                    acc0 = _refine_plane(acc0, psr, pmr, l0, 1.0, mid)
+                    acc1 = _refine_plane(acc1, psr, pmr, l1, 1.0 / 4, mid)
+                    acc2 = _refine_plane(acc2, psr, pmr, l2, 1.0 / 16, mid)
+                    acc3 = _refine_plane(acc3, psr, pmr, l3, 1.0 / 64, mid)
     if R > 0:  # the kept tokens of the split's blocks, in a loop of their own (the tiles' stays lean)
         if ONE_ROW and not ROW_QUERY:  # the products' other rows are zero: the query row alone
             qk = tl.sum(qf, 0)[None, :]
@@ -563,6 +635,8 @@ def _decode_kernel(
             if VP > 2:
                 acc2 = acc2 * alpha + tl.load(dst + 2, mask=gmask, other=0.0).to(tl.float32) * beta
                 acc3 = acc3 * alpha + tl.load(dst + 3, mask=gmask, other=0.0).to(tl.float32) * beta
+            if LSE_OUT:
+                tl.store(lse_ptr + head * lse_head_stride + row0 + r, (top + tl.log2(l)) / _LOG2E, mask=rows_used)
         tl.store(dst, (acc0 / l[:, None]).to(dtype), mask=gmask)
         if VP > 1:
             tl.store(dst + 1, (acc1 / l[:, None]).to(dtype), mask=gmask)
@@ -589,11 +663,12 @@ PROGRAMS_PER_SM = 2
 
 @triton.jit(do_not_specialize=["num_splits", "lse_head_stride"])
 def _merge_splits_kernel(part_ptr, seq_lens_ptr, out_ptr, lse_ptr, out_stride, num_splits, lse_head_stride,
-                         HQ: tl.constexpr, D: tl.constexpr, MAX_SPLITS: tl.constexpr, PRIOR: tl.constexpr):
+                         HQ: tl.constexpr, D: tl.constexpr, MAX_SPLITS: tl.constexpr, PRIOR: tl.constexpr,
+                         LSE_OUT: tl.constexpr):
     """Row ``program_id(0)``'s output for query head ``program_id(1)`` from its splits' partials
     (PRIOR: and the attention ``out`` holds, as in the decode kernel). A row of context 0 is left
     as it is: no program wrote its partials (a CUDA graph's padding, a prompt chunk with no
-    history)."""
+    history). LSE_OUT (with PRIOR): the merged log-sum-exp replaces the prior's."""
     row = tl.program_id(0) * HQ + tl.program_id(1)
     s = tl.arange(0, MAX_SPLITS)
     d = tl.arange(0, D)
@@ -603,7 +678,8 @@ def _merge_splits_kernel(part_ptr, seq_lens_ptr, out_ptr, lse_ptr, out_stride, n
     l = tl.load(base + D + 1, mask=used, other=0.0)
     acc = tl.load(base[:, None] + d[None, :], mask=used[:, None], other=0.0)
     dst = out_ptr + tl.program_id(0) * out_stride + tl.program_id(1) * D + d
-    written = d * 0 + tl.load(seq_lens_ptr + tl.program_id(0)) > 0
+    context = tl.load(seq_lens_ptr + tl.program_id(0))
+    written = d * 0 + context > 0
     top = tl.max(m, 0)  # maxima in base-2 units
     if PRIOR:
         prior = tl.load(lse_ptr + tl.program_id(1) * lse_head_stride + tl.program_id(0)) * _LOG2E
@@ -615,6 +691,10 @@ def _merge_splits_kernel(part_ptr, seq_lens_ptr, out_ptr, lse_ptr, out_stride, n
         beta = tl.exp2(prior - top)
         num += tl.load(dst, mask=written, other=0.0).to(tl.float32) * beta
         den += beta
+        if LSE_OUT:
+            one = tl.arange(0, 1)
+            tl.store(lse_ptr + tl.program_id(1) * lse_head_stride + tl.program_id(0) + one,
+                     (top + tl.log2(den)) / _LOG2E + 0.0 * one, mask=one * 0 + context > 0)
     tl.store(dst, (num / den).to(out_ptr.dtype.element_ty), mask=written)
 
 
@@ -656,14 +736,16 @@ def rows_per_program(group: int, prompt_rows: int = PROMPT_ROWS) -> int:
     return max(1, max(prompt_rows, triton.next_power_of_2(group)) // group)
 
 
-def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, tile: int, group_size: int | None,
-                     asm_unpack: bool, ordered: bool, prior: bool = False, windowed: bool = False) -> dict:
+def kernel_constants(fmt: KVPageFormat | MergedLayer | SalientTokensFormat, group: int, split: bool, tile: int,
+                     group_size: int | None, asm_unpack: bool, ordered: bool, prior: bool = False,
+                     windowed: bool = False, lse_out: bool = False) -> dict:
     """The decode kernel's compile-time constants for a page format, query heads per KV head,
     whether the context is split over programs, the tokens a program takes together (None: one
     token a program, ungrouped), whether codes are unpacked with PTX (on an NVIDIA GPU;
     Triton's interpreter runs no PTX), whether ungrouped rows come in a given order, whether
-    the output continues a prior attention (``paged_decode``'s ``prior_lse``), and whether rows
-    see a sliding window (``paged_decode``'s ``first_keys``)."""
+    the output continues a prior attention (``paged_decode``'s ``prior_lse``), whether rows
+    see a sliding window (``paged_decode``'s ``first_keys``), and whether the merged log-sum-exp
+    replaces the prior's (``lse_out``)."""
     lay = page_layout(fmt)
     one_row = group == 1 and group_size is None
     return dict(
@@ -682,8 +764,18 @@ def kernel_constants(fmt: KVPageFormat | MergedLayer, group: int, split: bool, t
         ROW_QUERY=one_row and lay.k.bits in (2, 3),
         PRIOR=prior,
         WINDOWED=windowed,
+        LSE_OUT=lse_out,
         **_kept_constants(fmt),
+        **_salient_constants(fmt),
     )
+
+
+def _salient_constants(fmt: KVPageFormat | MergedLayer | SalientTokensFormat) -> dict:
+    """Where ZipCache's pages keep the refinement rows and the slot map (none: SALIENT False)."""
+    if not isinstance(fmt, SalientTokensFormat):
+        return dict(SALIENT=False, K_LOW=0, V_LOW=0, SLOT_OF=0, SLOTS=1)
+    at = fmt.regions.start
+    return dict(SALIENT=True, K_LOW=at("k_low"), V_LOW=at("v_low"), SLOT_OF=at("slot_of"), SLOTS=fmt.slots)
 
 
 def _kept_constants(fmt: KVPageFormat | MergedLayer) -> dict:
@@ -691,6 +783,8 @@ def _kept_constants(fmt: KVPageFormat | MergedLayer) -> dict:
     layer page its outlier tokens (none: R 0)."""
     none = dict(K_NORMS=-1, V_NORMS=-1, R=0, RP=16, INDEX=0, KEPT=0, LAYER=0, LAYERS=1, HEAD_INDEX=False, KEPT_V=0,
                 KEPT_STATS=0, KEPT_K_BITS=16, KEPT_V_BITS=16)
+    if isinstance(fmt, SalientTokensFormat):
+        return none
     if isinstance(fmt, MergedLayer):
         at = fmt.pair.regions.start
         return none | dict(K_NORMS=fmt.norms_at(0), V_NORMS=fmt.norms_at(1), R=fmt.pair.retained,
@@ -730,20 +824,20 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
 @functools.cache
 def _variant(fmt: KVPageFormat, group: int, split: bool, group_size: int | None, asm_unpack: bool,
              tile: int | None, num_warps: int | None, num_stages: int | None, ordered: bool, prior: bool,
-             windowed: bool) -> Variant:
+             windowed: bool, lse_out: bool) -> Variant:
     """The decode kernel's variant: constants, and the default tuning where ``tile``, ``num_warps``
     or ``num_stages`` is None."""
     tuning = default_tuning(fmt, group_size is not None)
     return Variant(_decode_kernel,
                    kernel_constants(fmt, group, split, tile or tuning["tile"], group_size, asm_unpack, ordered,
-                                    prior, windowed),
+                                    prior, windowed, lse_out),
                    {"num_warps": num_warps or tuning["num_warps"], "num_stages": num_stages or tuning["num_stages"]})
 
 
 @functools.cache
-def _merge_variant(num_query_heads: int, head_size: int, prior: bool) -> Variant:
-    return Variant(_merge_splits_kernel,
-                   {"HQ": num_query_heads, "D": head_size, "MAX_SPLITS": MAX_SPLITS, "PRIOR": prior}, {})
+def _merge_variant(num_query_heads: int, head_size: int, prior: bool, lse_out: bool) -> Variant:
+    return Variant(_merge_splits_kernel, {"HQ": num_query_heads, "D": head_size, "MAX_SPLITS": MAX_SPLITS,
+                                          "PRIOR": prior, "LSE_OUT": lse_out}, {})
 
 
 def _row_strided(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -814,14 +908,15 @@ def _partials(numel: int, device: torch.device, per_program: int) -> torch.Tenso
     return buffers[-1][:numel]
 
 
-def merge_splits(run: SplitLaunch, seq_lens: torch.Tensor, prior_lse: torch.Tensor | None = None) -> Compiled | None:
+def merge_splits(run: SplitLaunch, seq_lens: torch.Tensor, prior_lse: torch.Tensor | None = None,
+                 lse_out: bool = False) -> Compiled | None:
     """The output from a split launch's partials (nothing to do with one split) for the rows of
     nonzero ``seq_lens``, combined with the attention ``out`` holds where ``prior_lse`` is given
-    (``paged_decode``); the compiled merge kernel, as ``launch`` returns it."""
+    (``paged_decode``, as its ``lse_out``); the compiled merge kernel, as ``launch`` returns it."""
     if run.num_splits > 1:
         n, hq, d = run.query.shape
         lse = seq_lens if prior_lse is None else prior_lse
-        return launch(_merge_variant(hq, d, prior_lse is not None), (n, hq),
+        return launch(_merge_variant(hq, d, prior_lse is not None, lse_out), (n, hq),
                       (run.part, seq_lens, run.out, lse, run.out.stride(0), run.num_splits, lse.stride(0)))
     return None
 
@@ -859,7 +954,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
                  num_warps: int | None = None, num_stages: int | None = None,
                  programs_per_sm: int = PROGRAMS_PER_SM,
                  groups: TokenGroups | None = None, row_order: torch.Tensor | None = None,
-                 prior_lse: torch.Tensor | None = None,
+                 prior_lse: torch.Tensor | None = None, lse_out: bool = False,
                  window: int | None = None, first_keys: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per row (``query`` [N, Hq, D]) over its request's pages.
 
@@ -871,7 +966,8 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
     and ``out`` may be row-strided views (heads and channels contiguous within a row).
     ``prior_lse`` [Hq, N] (float32, rows contiguous): ``out`` already holds each row's attention
     over other keys, with this natural log-sum-exp, and ends up holding the attention over both
-    (rows of context 0 keep it as it is). ``window`` and ``first_keys`` [N] int32 (a
+    (rows of context 0 keep it as it is); with ``lse_out``, ``prior_lse`` ends up holding the
+    log-sum-exp of both. ``window`` and ``first_keys`` [N] int32 (a
     sliding-window layer's, both or neither): row i sees the keys from ``first_keys[i]`` on (which
     may be below 0), and the splits share out the blocks from there.
 
@@ -883,6 +979,8 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
     query, q_stride, out = query_and_output(query, out)
     if prior_lse is not None and prior_lse.stride(1) != 1:
         raise ValueError(f"prior_lse: strides {prior_lse.stride()}; a head's rows must be contiguous")
+    if lse_out and prior_lse is None:
+        raise ValueError("lse_out: the merged log-sum-exp replaces a prior_lse")
     lse = seq_lens if prior_lse is None else prior_lse  # a pointer the kernel never reads without a prior
     if (window is None) != (first_keys is None):
         raise ValueError("window and first_keys: both for a sliding-window layer, or neither")
@@ -896,7 +994,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
                None if groups is None else groups.starts.data_ptr(), None if groups is None else groups.size,
                first.data_ptr(), window,
                None if groups is None else groups.starts.shape[0], None if row_order is None else row_order.data_ptr(),
-               None if prior_lse is None else prior_lse.stride(0), sm_scale, max_seq_len, num_splits, tile,
+               None if prior_lse is None else prior_lse.stride(0), lse_out, sm_scale, max_seq_len, num_splits, tile,
                num_warps, num_stages, programs_per_sm, stream,
                tuple([p & 15 == 0 for p in pointers]))  # the compiled kernel's specialization
         plan = _plans.find(key)
@@ -912,7 +1010,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
     programs = n if groups is None else groups.starts.shape[0]
     variant = _variant(fmt, hq // h, run.num_splits > 1, None if groups is None else groups.size,
                        query.is_cuda and torch.version.hip is None, tile, num_warps, num_stages,
-                       row_order is not None, prior_lse is not None, window is not None)
+                       row_order is not None, prior_lse is not None, window is not None, lse_out)
     starts = groups.starts if groups is not None else row_order if row_order is not None else seq_lens
     tables = (block_table, seq_lens, seq_lens if groups is None else groups.rows, starts, first)
     scalars = (sm_scale, run.q_stride, run.out.stride(0), block_table.stride(0), fmt.page_bytes, fmt.page_bytes // 2,
@@ -920,7 +1018,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
     grid = (programs * h, run.num_splits, 1)
     decode = launch(variant, grid, (run.query, cache, cache.view(torch.float16), *tables, run.out, run.part, lse,
                                     *scalars))
-    merge = merge_splits(run, seq_lens, prior_lse)
+    merge = merge_splits(run, seq_lens, prior_lse, lse_out)
     if key is not None and decode is not None and (merge is not None or run.num_splits == 1):
         _plans.keep(key, _DecodePlan(decode, grid, tuple([t.data_ptr() for t in tables]),
                                      None if run.num_splits == 1 else run.part.data_ptr(), scalars, merge, (n, hq, 1),

@@ -4,9 +4,10 @@ and its re-compression, one program per (block, KV head), the block's tokens a t
 A program appends a block's new tokens (a decode row's one, or a prompt chunk's share of the block)
 and picks the block's 4-bit tokens as ``salient_torch._recompressed`` does: of the still-salient
 tokens and the new ones, the best-scored up to the block's quota (ties to the earlier token).
-Scores are given (prompt chunks: their probes', ``salient_torch.chunk_writes``) or, for a decode
-row, its query's attention probabilities over the block, from the log-sum-exp of its attention
-over the whole context (``salient_decode``). K follows the 4-bit codec's append rule on its
+Scores are drawn (``random``) or computed here from the probes' attention probabilities over the
+block, with the log-sum-exp of each probe's attention over its whole context: a prompt chunk's
+probes as ``salient_torch.plan_chunk_writes`` lists them, a decode row's query
+(``salient_decode.decode_rows`` gives its log-sum-exp). K follows the 4-bit codec's append rule on its
 per-channel grid (``MinMaxCodec.encode``: a channel that all new values fit keeps grid and codes;
 any other widens, and its earlier tokens are requantized from the level they read as); V's new
 tokens take their own per-token grids and earlier tokens keep theirs. Equal to the torch reference.
@@ -26,14 +27,20 @@ import triton.language as tl
 
 from vllm_kvcompress.config import SalientSpec
 from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
-from vllm_kvcompress.salient_torch import chunk_writes, last_block_random_scores
+from vllm_kvcompress.salient_torch import ChunkWrites, last_block_random_scores
 
 from .grid import code_on, min_max_stats
-from .salient_decode import plane
 from .write import _half, _widened_span
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
 TILE = 32  # tokens a program holds at once
+
+
+@triton.jit
+def plane(page, REGION: tl.constexpr, row, u, shift, mask, U: tl.constexpr):
+    """2-bit codes [rows, U, 4] (int32) of rows ``row`` ([rows, 1, 1]) of a plane of U-byte rows:
+    each byte loaded once, its four codes shifted out (``shift``: [1, 1, 4])."""
+    return (tl.load(page + REGION + row * U + u, mask=mask, other=0).to(tl.int32) >> shift) & 3
 
 
 @triton.jit
@@ -64,27 +71,35 @@ def _store_plane(page, REGION: tl.constexpr, row, byte, codes, shift, mask, U: t
 
 @triton.jit
 def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, blocks_ptr, stored_ptr, filled_ptr,
-                          first_ptr, quota_ptr, table_ptr, lens_ptr, quotas_ptr, scale, interval, q_row_stride,
-                          q_head_stride, k_row_stride, v_row_stride, table_stride, PAGE: tl.constexpr,
+                          first_ptr, quota_ptr, start_ptr, probe_first_ptr, probe_end_ptr, probe_rows_ptr,
+                          probe_pos_ptr, table_ptr, lens_ptr, quotas_ptr, scale, interval, q_row_stride,
+                          q_head_stride, k_row_stride, v_row_stride, table_stride, lse_row_stride, lse_head_stride,
+                          PAGE: tl.constexpr,
                           B: tl.constexpr, R: tl.constexpr, D: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
                           K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
                           K_HIGH: tl.constexpr, V_HIGH: tl.constexpr, K_LOW: tl.constexpr, V_LOW: tl.constexpr,
                           SLOT_OF: tl.constexpr, NONE: tl.constexpr, DECODE: tl.constexpr, GIVEN: tl.constexpr,
-                          TT: tl.constexpr):
+                          NORMALIZED: tl.constexpr, TT: tl.constexpr):
     i, h = tl.program_id(0), tl.program_id(1)
-    if DECODE:  # decode row i: one new token at the end of its context
+    if DECODE:  # decode row i: one new token at the end of its context, its query its probe
         length = tl.load(lens_ptr + i)
         num_stored = (length - 1) % B
         filled = num_stored + 1
         first = i
         block = tl.load(table_ptr + i * table_stride + (length - 1) // B).to(tl.int64)
         quota = tl.where(length % interval != 0, R, tl.load(quotas_ptr + filled))
+        start = length - 1 - num_stored
+        probe_first = 0
+        probe_end = 1
     else:  # touched block i of prompt chunks: tokens num_stored..filled-1 new, from key row first on
         block = tl.load(blocks_ptr + i).to(tl.int64)
         num_stored = tl.load(stored_ptr + i)
         filled = tl.load(filled_ptr + i)
         first = tl.load(first_ptr + i)
         quota = tl.load(quota_ptr + i)
+        start = tl.load(start_ptr + i)
+        probe_first = tl.load(probe_first_ptr + i)
+        probe_end = tl.load(probe_end_ptr + i)
     page = pages_ptr + block * PAGE
     U: tl.constexpr = D // 4
     tokens = tl.arange(0, B)
@@ -123,18 +138,32 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     untouched = all_kept & (tl.min(tl.min(tl.min(kept.to(tl.int32), 2), 1), 0) > 0)
     first_tile = tl.where(untouched, num_stored // TT * TT, 0)
 
-    # a decode row's scores: its query's probabilities over the block (its probe), into scores_ptr
-    if DECODE and not GIVEN and not all_kept:
+    # the scores: the probes' probabilities over the block's tokens (with each probe's log-sum-exp over
+    # its whole context), summed over the query heads of head h; NORMALIZED, divided by the number of
+    # probes that see the token. A decode row's probe is its query, which sees the whole block.
+    if not GIVEN and not all_kept:
         for t0 in range(0, filled, TT):
             tt = t0 + tl.arange(0, TT)
             old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
             _, _, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch, shift,
                               k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
             score = tl.zeros([TT], tl.float32)
-            for g in tl.static_range(G):
-                qg = tl.load(q_ptr + i * q_row_stride + (h * G + g) * q_head_stride + ch).to(tl.float32)
-                logit = tl.sum(tl.sum(x * qg, 2), 1) * scale
-                score += tl.exp(logit - tl.load(lse_ptr + (i * H + h) * G + g))
+            seen_by = tl.zeros([TT], tl.float32)
+            for j in range(probe_first, probe_end):
+                if DECODE:
+                    row = i
+                    sees = tt < filled
+                else:
+                    row = tl.load(probe_rows_ptr + j)
+                    sees = start + tt <= tl.load(probe_pos_ptr + j)
+                for g in tl.static_range(G):
+                    qg = tl.load(q_ptr + row * q_row_stride + (h * G + g) * q_head_stride + ch).to(tl.float32)
+                    logit = tl.sum(tl.sum(x * qg, 2), 1) * scale
+                    lse = tl.load(lse_ptr + row * lse_row_stride + (h * G + g) * lse_head_stride)
+                    score += tl.where(sees, tl.exp(logit - lse), 0.0)
+                seen_by += sees.to(tl.float32)
+            if NORMALIZED:
+                score = score / tl.maximum(seen_by, 1.0)
             tl.store(scores_ptr + (i * B + tt) * H + h, score)
         tl.debug_barrier()
     scores = tl.load(scores_ptr + (i * B + tokens) * H + h)
@@ -199,7 +228,9 @@ def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, s
     at = fmt.regions.start
     heads = fmt.k.num_heads
     defaults = dict(lse_ptr=None, blocks_ptr=None, stored_ptr=None, filled_ptr=None, first_ptr=None, quota_ptr=None,
-                    table_ptr=None, lens_ptr=None, quotas_ptr=None, scale=1.0, interval=1, table_stride=0)
+                    start_ptr=None, probe_first_ptr=None, probe_end_ptr=None, probe_rows_ptr=None, probe_pos_ptr=None,
+                    table_ptr=None, lens_ptr=None, quotas_ptr=None, scale=1.0, interval=1, table_stride=0,
+                    lse_row_stride=0, lse_head_stride=0)
     _salient_write_kernel[(programs, heads)](
         q_ptr=query, k_ptr=key, v_ptr=value, scores_ptr=scores, pages_ptr=cache, q_row_stride=query.stride(0),
         q_head_stride=query.stride(1), k_row_stride=key.stride(0), v_row_stride=value.stride(0),
@@ -214,27 +245,37 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
                   lse: torch.Tensor, scale: float) -> None:
     """``salient_torch.write_decoded``'s contract: each decode row's new token (``key``/``value`` [N,
     H, D]) into its last block, scored by its ``query`` [N, Hq, D] with ``lse`` [N, Hq] (its
-    attention's log-sum-exp over the whole context)."""
+    attention's log-sum-exp over the whole context; any strides)."""
     n = query.shape[0]
     if n == 0:
         return
     given = spec.score == "random"
     scores = (last_block_random_scores(seq_lens, fmt.block_size, fmt.k.num_heads, spec) if given else
               torch.empty(n, fmt.block_size, fmt.k.num_heads, device=cache.device))
-    _launch(n, fmt, query, key, value, cache, scores, lse_ptr=lse.contiguous(), table_ptr=block_table,
+    _launch(n, fmt, query, key, value, cache, scores, lse_ptr=lse, lse_row_stride=lse.stride(0),
+            lse_head_stride=lse.stride(1), table_ptr=block_table,
             lens_ptr=seq_lens, quotas_ptr=_quotas(fmt, cache.device), scale=scale,
-            interval=spec.recompress_interval, table_stride=block_table.stride(0), DECODE=True, GIVEN=given)
+            interval=spec.recompress_interval, table_stride=block_table.stride(0), DECODE=True, GIVEN=given,
+            NORMALIZED=False)
 
 
 def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                 fmt: SalientTokensFormat, spec: SalientSpec, query_start_loc: list[int], seq_lens: list[int],
-                 block_table: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+                 fmt: SalientTokensFormat, spec: SalientSpec, writes: ChunkWrites | None, lse: torch.Tensor,
+                 scale: float) -> None:
     """Each request's step tokens (``key``/``value`` [T, H, D]) into its pages, every block they touch
-    re-compressed as ``salient_torch.attend_and_write`` re-compresses one request's, all at once;
-    the blocks and the probes' scores (from ``lse`` [T, Hq]) from ``salient_torch.chunk_writes``."""
-    writes = chunk_writes(query, key, cache, fmt, spec, query_start_loc, seq_lens, block_table, lse, scale)
+    re-compressed as ``salient_torch.attend_and_write`` re-compresses one request's, all at once:
+    the blocks and probes of ``writes`` (``salient_torch.plan_chunk_writes``), the probes' scores
+    from their ``query`` rows and ``lse`` [T, Hq] (any strides), the log-sum-exp of each row's
+    attention over its whole context."""
     if writes is None:
         return
-    _launch(writes.blocks.shape[0], fmt, query, key, value, cache, writes.scores, blocks_ptr=writes.blocks,
-            stored_ptr=writes.num_stored, filled_ptr=writes.filled, first_ptr=writes.first_row,
-            quota_ptr=writes.quota, DECODE=False, GIVEN=True)
+    n = writes.blocks.shape[0]
+    scores = writes.scores
+    if scores is None:
+        scores = torch.empty(n, fmt.block_size, fmt.k.num_heads, device=cache.device)
+    _launch(n, fmt, query, key, value, cache, scores, lse_ptr=lse, lse_row_stride=lse.stride(0),
+            lse_head_stride=lse.stride(1), blocks_ptr=writes.blocks, stored_ptr=writes.num_stored,
+            filled_ptr=writes.filled, first_ptr=writes.first_row, quota_ptr=writes.quota, start_ptr=writes.start,
+            probe_first_ptr=writes.probe_first, probe_end_ptr=writes.probe_end, probe_rows_ptr=writes.probe_rows,
+            probe_pos_ptr=writes.probe_pos, scale=scale, DECODE=False, GIVEN=writes.scores is not None,
+            NORMALIZED=spec.score == "normalized")

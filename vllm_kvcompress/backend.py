@@ -29,6 +29,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import paged_torch, policy, salient_torch
+from .config import SalientSpec
 from .engine_config import ModelKVShape, active_config, layer_page_format, layer_plans, platform_device
 from .formats import KVPageFormat
 from .formats.merged import MergedPairFormat
@@ -99,12 +100,24 @@ class KVCompressMetadata:
     decode_row_order: torch.Tensor | None  # on CUDA, the decodes longest first (the kernel's row_order)
     token_rows: TokenRows | None  # on CUDA, the prefill chunks (after the decodes): rows over their history
     _decode_first_keys: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _chunk_writes: dict[tuple, salient_torch.ChunkWrites | None] = field(default_factory=dict, repr=False)
 
     @functools.cached_property
     def decode_history_lens(self) -> torch.Tensor:
         """Each decode's context before its new token: what a merged pair's pages hold during the step
         (they take the step's tokens after both layers' attention). Made once a step."""
         return self.decode_seq_lens - 1
+
+    def chunk_writes(self, fmt: SalientTokensFormat, spec: SalientSpec) -> salient_torch.ChunkWrites | None:
+        """Where ZipCache's layers write the step's prompt chunks, and their probes
+        (``salient_torch.plan_chunk_writes``). Made once a step."""
+        key = (fmt.block_size, fmt.slots, spec)
+        if key not in self._chunk_writes:
+            nd = self.num_decodes
+            start = self.query_start_loc[nd]
+            self._chunk_writes[key] = salient_torch.plan_chunk_writes(
+                fmt, spec, [x - start for x in self.query_start_loc[nd:]], self.seq_lens[nd:], self.block_table[nd:])
+        return self._chunk_writes[key]
 
     def decode_first_keys(self, window: int) -> torch.Tensor:
         """The first key each decode sees in a layer of this sliding window: its context less the
@@ -349,17 +362,20 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         t = q.shape[0]
         k, v = (x[:t].view(t, self.num_kv_heads, self.head_size) for x in (key, value))
         spec = self._config.salient
+        self._warm_up(pages, q.dtype)
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
-            salient_torch.decode_and_write(q[:nd], k[:nd], v[:nd], pages, fmt, spec, md.decode_block_table,
-                                           md.decode_seq_lens, self.scale, self._decode_kernel, out[:nd],
-                                           write=self._write)
+            lse = self._decode_kernel(q[:nd], k[:nd], v[:nd], pages, fmt, md.decode_block_table,
+                                      md.decode_history_lens, self.scale, md.decode_max_seq_len, out[:nd],
+                                      row_order=md.decode_row_order)
+            self._write(q[:nd], k[:nd], v[:nd], pages, fmt, spec, md.decode_block_table, md.decode_seq_lens, lse.t(),
+                        self.scale)
         start = md.query_start_loc[nd]
         if start < t:
             chunks = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if self._prompt_kernel is not None and md.token_rows is not None:
-                self._prompt_kernel(q[start:], k[start:], v[start:], pages, fmt, spec, md.token_rows, *chunks,
-                                    out=out[start:])
+                self._prompt_kernel(q[start:], k[start:], v[start:], pages, fmt, spec, md.token_rows,
+                                    md.chunk_writes(fmt, spec), self.scale, out[start:])
             else:
                 out[start:] = salient_torch.attend_and_write(q[start:], k[start:], v[start:], pages, fmt, spec,
                                                              *chunks, self.sliding_window)

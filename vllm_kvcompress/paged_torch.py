@@ -215,19 +215,6 @@ def attend_pair(query: torch.Tensor, cache: torch.Tensor, fmt: MergedPairFormat,
     return out
 
 
-def with_own_token(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, earlier: torch.Tensor,
-                   earlier_lse: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """Decode rows ``query`` [N, Hq, D] over their context before the new token (``earlier`` [N, Hq, D]
-    and its log-sum-exp [N, Hq], a kernel's) merged with the new token's own exact term (``key``,
-    ``value`` [N, H, D]) into ``out``; returns the merged log-sum-exp."""
-    group = query.shape[1] // key.shape[1]
-    k_new, v_new = key.float().repeat_interleave(group, 1), value.float().repeat_interleave(group, 1)
-    own = (query.float() * k_new).sum(-1) * scale  # [N, Hq]
-    lse = torch.logaddexp(earlier_lse, own)
-    out[:] = (earlier.float() * (earlier_lse - lse).exp()[..., None] + v_new * (own - lse).exp()[..., None]).to(out.dtype)
-    return lse
-
-
 def _chunks(query_start_loc: list[int], seq_lens: list[int]):
     """(request, first query row, end, tokens before its chunk) of each request with query rows."""
     for i, L in enumerate(seq_lens):

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import paged_torch
 from .config import SalientSpec
 from .formats.salient import SalientTokensFormat
 
@@ -141,62 +140,66 @@ def _write(cache: torch.Tensor, fmt: SalientTokensFormat, spec: SalientSpec, blo
 
 @dataclass
 class ChunkWrites:
-    """The blocks a step's prompt chunks touch, what each holds before and after, and its scores."""
-    blocks: torch.Tensor     # [N] the touched blocks
-    num_stored: torch.Tensor  # [N] int32: tokens each held before the step
-    filled: torch.Tensor     # [N] int32: tokens each holds after it
-    first_row: torch.Tensor  # [N] int32: the step's row (of key, value) of each block's first new token
-    quota: torch.Tensor      # [N] int32: the 4-bit tokens each keeps (its slots, where a decoded token is held)
-    scores: torch.Tensor     # [N, B, H] float32: its tokens' saliency from the request's probes
+    """The blocks a step's prompt chunks touch, what each holds before and after, and the probes that
+    score its tokens (``plan_chunk_writes``; the same for every layer of the step)."""
+    blocks: torch.Tensor       # [N] the touched blocks
+    num_stored: torch.Tensor   # [N] int32: tokens each held before the step
+    filled: torch.Tensor       # [N] int32: tokens each holds after it
+    first_row: torch.Tensor    # [N] int32: the step's row (of key, value) of each block's first new token
+    quota: torch.Tensor        # [N] int32: the 4-bit tokens each keeps (its slots, where a decoded token is held)
+    start: torch.Tensor        # [N] int32: the context position of each block's first token
+    probe_first: torch.Tensor  # [N] int32: its request's first probe in ``probe_rows``
+    probe_end: torch.Tensor    # [N] int32: and one past its last
+    probe_rows: torch.Tensor   # [P] int32: the probes' rows of the step's queries
+    probe_pos: torch.Tensor    # [P] int32: their context positions
+    scores: torch.Tensor | None  # [N, B, H] float32 drawn scores (``random``); None: from the probes
 
 
-def chunk_writes(query: torch.Tensor, key: torch.Tensor, cache: torch.Tensor, fmt: SalientTokensFormat,
-                 spec: SalientSpec, query_start_loc: list[int], seq_lens: list[int], block_table: torch.Tensor,
-                 lse: torch.Tensor, scale: float) -> ChunkWrites | None:
-    """The writes of each request's step tokens (``key`` [T, H, D]) into its pages, as ``_write`` makes
-    one request's, for a kernel to carry out (``salient_write``); each request's probes are scored
-    with ``lse`` [T, Hq], the log-sum-exp of each row's attention over its whole context (the
-    attention ran before: no pass over the context here). None: no request has tokens."""
+def plan_chunk_writes(fmt: SalientTokensFormat, spec: SalientSpec, query_start_loc: list[int], seq_lens: list[int],
+                      block_table: torch.Tensor) -> ChunkWrites | None:
+    """The writes of each request's step tokens into its pages, as ``_write`` makes one request's, for
+    a kernel to carry out (``salient_write``), with each request's probes as ``attend_and_write``
+    draws them. Made on the host and sent in one copy (from pinned memory on CUDA), without waiting
+    for the device. None: no request has tokens."""
     B, H = fmt.block_size, fmt.k.num_heads
-    dev = key.device
-    requests = []  # (first token, tokens, context, first touched block, touched blocks, first in the batch)
-    touched = []   # per touched block: (row, block of the request, context, history, row of its first new token)
+    dev = block_table.device
+    columns = []  # per touched block: row, block of the request, num_stored, filled, first_row, holding, start, probes
+    rows_of_probes, pos_of_probes, drawn = [], [], []
     for i, L in enumerate(seq_lens):
         qs, m = query_start_loc[i], query_start_loc[i + 1] - query_start_loc[i]
-        if m:
-            a, b = (L - m) // B, -(-L // B)
-            requests.append((qs, m, L, a, b - a, len(touched)))
-            touched += [(i, c, L, L - m, qs + max(c * B - (L - m), 0)) for c in range(a, b)]
-    if not requests:
+        if not m:
+            continue
+        history = L - m
+        a, b = history // B, -(-L // B)
+        holding = int(m == 1 and L % spec.recompress_interval != 0)
+        probes = (len(rows_of_probes), len(rows_of_probes))
+        if spec.score == "random":  # the draw attend_and_write makes for the whole context
+            drawn.append(F.pad(_random_scores(L, 0, H, spec)[a * B:], (0, 0, 0, (b - a) * B - (L - a * B)),
+                               value=float("-inf")))
+        else:
+            rows = probe_rows(m, L, spec).tolist()
+            rows_of_probes += [qs + r for r in rows]
+            pos_of_probes += [history + r for r in rows]
+            probes = (probes[0], len(rows_of_probes))
+        for c in range(a, b):
+            start = c * B
+            columns.append((i, c, min(max(history - start, 0), B), min(L - start, B), qs + max(start - history, 0),
+                            holding, start, *probes))
+    if not columns:
         return None
-    row, column, context, history, first_row = torch.tensor(list(zip(*touched)), device=dev).unbind()
-    blocks = block_table[row, column]
-    start = column * B
-    filled = (context - start).clamp(max=B)
-    holding = (context - history == 1) & (context % spec.recompress_interval != 0)
-    quota = _block_quota(fmt, filled, holding)
-    scores = torch.full((len(touched) * B, H), float("-inf"), device=dev)
-    if spec.score == "random":  # the draw attend_and_write makes for the whole context
-        for _, _, L, a, n, first in requests:
-            drawn = _random_scores(L, 0, H, spec)[a * B:]
-            scores[first * B:first * B + drawn.shape[0]] = drawn.to(dev)
-    else:
-        k = torch.zeros(len(touched) * B, H, fmt.k.head_size, device=dev)  # the touched blocks' tokens
-        holds = [first for _, m, L, _, _, first in requests if (L - m) % B]  # a block with earlier tokens
-        if holds:
-            index = torch.tensor(holds, device=dev)
-            k.view(-1, B, H, fmt.k.head_size)[index] = fmt.decode(cache[blocks[index].long()])[0]
-        at = torch.cat([torch.arange(L - m, L) + (first - a) * B for _, m, L, a, _, first in requests]).to(dev)
-        tokens = torch.cat([torch.arange(qs, qs + m) for qs, m, *_ in requests]).to(dev)
-        k[at] = key[tokens].float()
-        for qs, m, L, a, n, first in requests:
-            span = slice(first * B, (first + n) * B)
-            rows = probe_rows(m, L, spec).to(dev)
-            scores[span] = token_scores(query[qs + rows].float().transpose(0, 1), L - m + rows, k[span], a * B, scale,
-                                        spec, lse=lse[qs + rows].transpose(0, 1))
-    as_int = lambda t: t.to(torch.int32)  # noqa: E731
-    return ChunkWrites(blocks, as_int((history - start).clamp(0, B)), as_int(filled), as_int(first_row), as_int(quota),
-                       scores.view(-1, B, H))
+    table = torch.tensor(columns, dtype=torch.int32).t()  # [9, N]
+    filled, holding = table[3], table[5].bool()
+    table[5] = _block_quota(fmt, filled, holding)
+    host = torch.cat([table.flatten(), torch.tensor(rows_of_probes + pos_of_probes, dtype=torch.int32)])
+    if dev.type == "cuda":
+        host = host.pin_memory()
+    on_device = host.to(dev, non_blocking=True)
+    n, p = len(columns), len(rows_of_probes)
+    t = on_device[:9 * n].view(9, n)
+    probes = on_device[9 * n:]
+    scores = None if not drawn else torch.cat(drawn).view(n, B, H).to(dev, non_blocking=True)
+    return ChunkWrites(block_table[t[0].long(), t[1].long()], t[2], t[3], t[4], t[5], t[6], t[7], t[8],
+                       probes[:p], probes[p:], scores)
 
 
 def _recompressed(fmt: SalientTokensFormat, stored: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -217,19 +220,6 @@ def _block_quota(fmt: SalientTokensFormat, filled: torch.Tensor, holding: torch.
     """4-bit tokens blocks of ``filled`` tokens keep: all their slots where ``holding`` (a decoded token
     held until the next re-compression), else their quota."""
     return torch.where(holding, fmt.slots, fmt.quota(filled))
-
-
-def decode_and_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                     fmt: SalientTokensFormat, spec: SalientSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, kernel, out: torch.Tensor, write=None) -> None:
-    """Decode rows (one new token each, ``query`` [N, Hq, D], ``key``/``value`` [N, H, D]) the way
-    ``attend_and_write`` takes them, with ``kernel`` (``salient_decode``) reading the context before the
-    new token: its output and log-sum-exp are merged with the new token's own exact term, and that
-    log-sum-exp turns the query's logits over the last block into the probe's probabilities, in
-    ``write`` (``write_decoded``'s contract; by default that torch function)."""
-    earlier, earlier_lse = kernel(query, cache, fmt, block_table, seq_lens - 1, scale)
-    lse = paged_torch.with_own_token(query, key, value, earlier, earlier_lse, scale, out)
-    (write or write_decoded)(query, key, value, cache, fmt, spec, block_table, seq_lens, lse, scale)
 
 
 def last_block_random_scores(seq_lens: torch.Tensor, block_size: int, heads: int, spec: SalientSpec) -> torch.Tensor:

@@ -95,6 +95,9 @@ class PageLayout:
 
 @functools.cache
 def page_layout(fmt: KVPageFormat) -> PageLayout:
-    """The offsets every kernel reads ``fmt``'s pages with (each codec places its own regions)."""
+    """The offsets every kernel reads ``fmt``'s pages with (each codec places its own regions; a
+    format over regions of its own gives its ``kernel_layout``)."""
+    if hasattr(fmt, "kernel_layout"):
+        return fmt.kernel_layout()
     v = None if fmt.v is None else fmt.v.tensor_layout(fmt.k.nbytes)
     return PageLayout(fmt.k.tensor_layout(0), v, fmt.page_bytes, fmt.block_size, fmt.k.num_heads, fmt.k.head_size)

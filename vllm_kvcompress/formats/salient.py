@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 
 from .codecs import MinMaxCodec, TensorSpec
-from .layout import Regions, SlottedPage
+from .layout import PageLayout, Regions, SlottedPage, TensorLayout
 from .packing import pack, packed_row_bytes, unpack
 
 HIGH_BITS, LOW_BITS = 4, 2
@@ -65,6 +65,15 @@ class SalientTokensFormat(SlottedPage):
         return Regions([("k_scale", H * D * 2), ("k_zero", H * D * 2), ("v_scale", H * B * 2), ("v_zero", H * B * 2),
                         ("k_high", H * B * row), ("v_high", H * B * row), ("k_low", H * R * row),
                         ("v_low", H * R * row), ("slot_of", H * B)])
+
+    def kernel_layout(self) -> PageLayout:
+        """The pages as the decode kernel reads them (``layout.page_layout``): the high planes as
+        2-bit codes with the 4-bit grid's statistics, each level 4 of the grid's steps; the kernel
+        adds the refinement rows (``triton_kernels.decode``, SALIENT)."""
+        at, row = self.regions.start, packed_row_bytes(self.k.head_size, LOW_BITS)
+        k = TensorLayout(LOW_BITS, at("k_high"), row, at("k_scale"), at("k_zero"))
+        v = TensorLayout(LOW_BITS, at("v_high"), row, at("v_scale"), at("v_zero"))
+        return PageLayout(k, v, self.page_bytes, self.block_size, self.k.num_heads, self.k.head_size)
 
     def dense_page_bytes(self) -> int:
         return 2 * self.block_size * self.k.num_heads * self.k.head_size * self.dtype.itemsize

@@ -351,8 +351,9 @@ for _impl in (
     Implementation("decode", "cuda", "triton", _triton_decode, f"{_TRITON}.decode:paged_decode",
                    warm_up=f"{_TRITON}.decode:warm_up", cuda_graphs=True),
     Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode"),
-    Implementation("decode", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_decode:salient_decode",
-                   reads=(SalientTokensFormat,)),
+    # ZipCache's decode rows: the new token exactly, then the pages through the layer decode kernel
+    Implementation("decode", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_decode:decode_rows",
+                   warm_up=f"{_TRITON}.salient_decode:warm_up", reads=(SalientTokensFormat,)),
     # MiniCache's decode rows: the new token exactly, then the pair's pages through the layer decode kernel
     Implementation("decode", "cuda", "triton-merged", _merged_pages, f"{_TRITON}.merged_decode:decode_rows",
                    warm_up=f"{_TRITON}.merged_decode:warm_up", reads=(MergedPairFormat,)),
@@ -364,7 +365,8 @@ for _impl in (
     Implementation("prompt", "cuda", "flash-attention+triton", _flash_prompt, f"{_TRITON}.prompt:paged_prompt",
                    warm_up=f"{_TRITON}.decode:warm_up"),
     Implementation("prompt", "cuda", "flash-attention+triton-salient", _flash_salient_prompt,
-                   f"{_TRITON}.salient_prompt:salient_prompt", reads=(SalientTokensFormat,)),
+                   f"{_TRITON}.salient_prompt:salient_prompt", warm_up=f"{_TRITON}.salient_decode:warm_up",
+                   reads=(SalientTokensFormat,)),
     Implementation("prompt", "cuda", "flash-attention+triton-merged", _flash_merged_prompt,
                    f"{_TRITON}.merged_prompt:merged_prompt", warm_up=f"{_TRITON}.merged_decode:warm_up",
                    reads=(MergedPairFormat,)),
