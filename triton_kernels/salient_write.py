@@ -149,13 +149,13 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
                               k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
             score = tl.zeros([TT], tl.float32)
             seen_by = tl.zeros([TT], tl.float32)
-            for j in range(probe_first, probe_end):
+            for probe in range(probe_first, probe_end):
                 if DECODE:
                     row = i
                     sees = tt < filled
                 else:
-                    row = tl.load(probe_rows_ptr + j)
-                    sees = start + tt <= tl.load(probe_pos_ptr + j)
+                    row = tl.load(probe_rows_ptr + probe)
+                    sees = start + tt <= tl.load(probe_pos_ptr + probe)
                 for g in tl.static_range(G):
                     qg = tl.load(q_ptr + row * q_row_stride + (h * G + g) * q_head_stride + ch).to(tl.float32)
                     logit = tl.sum(tl.sum(x * qg, 2), 1) * scale
