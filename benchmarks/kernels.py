@@ -367,6 +367,15 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
             "block": block, "splits": splits, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
+# ZipCache's write kernel: its default (tile 32, 4 warps), then other tiles and warps
+WRITE_TUNINGS = ({}, {"tile": 16, "num_warps": 4}, {"tile": 32, "num_warps": 8}, {"tile": 64, "num_warps": 8},
+                 {"tile": 16, "num_warps": 2})
+
+
+def _tuned(tuning: dict) -> str:
+    return "".join(f", {name} {value}" for name, value in tuning.items())
+
+
 def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int = 128,
                         prompt: tuple[int, int, int] = (8, 512, 1536)) -> list[dict]:
     """A layer's attention for ZipCache's pages (``zipcache-r60``) in parts, against the 4-bit preset's
@@ -414,8 +423,10 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     rows.append({"kernel": f"zipcache-r60 {label}: own token + kernel + write (probe scores, re-compression)",
                  "ms": _time_ms(decode_step)})
     lse = torch.zeros(n, hq, device="cuda")
-    rows.append({"kernel": f"zipcache-r60 {label}: the write alone",
-                 "ms": _time_ms(lambda: write_decoded(q, k, v, cache, fmt, spec, table, seq_lens, lse, scale))})
+    for tuning in WRITE_TUNINGS:
+        rows.append({"kernel": f"zipcache-r60 {label}: the write alone{_tuned(tuning)}",
+                     "ms": _time_ms(lambda: write_decoded(q, k, v, cache, fmt, spec, table, seq_lens, lse, scale,
+                                                          **tuning))})
     four = bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens)
     rows.append({"kernel": f"quant-k4v4 {label}: Triton decode", "ms": four["ms"]})
     rows.append({"kernel": f"quant-k4v4 {label}: Triton write", "ms": bench_write(4, n, hkv, d, block)["ms"]})
@@ -434,8 +445,10 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     rows.append({"kernel": f"zipcache-r60 {label}: attention + write",
                  "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
     lse_p = torch.zeros(total, hq, device="cuda")
-    rows.append({"kernel": f"zipcache-r60 {label}: the write alone (probe scores in the kernel)",
-                 "ms": _time_ms(lambda: write_chunks(qp, kp, vp, cache, fmt, spec, writes, lse_p, scale))})
+    for tuning in WRITE_TUNINGS:
+        rows.append({"kernel": f"zipcache-r60 {label}: the write alone (probe scores in it){_tuned(tuning)}",
+                     "ms": _time_ms(lambda: write_chunks(qp, kp, vp, cache, fmt, spec, writes, lse_p, scale,
+                                                         **tuning))})
     rows.append({"kernel": f"zipcache-r60 {label}: the step's plan of the writes (once a step, host)",
                  "ms": _time_ms(lambda: plan_chunk_writes(fmt, spec, starts, contexts, table))})
     rows.append({"kernel": f"quant-k4v4 {label}: attention",

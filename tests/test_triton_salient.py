@@ -212,7 +212,7 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, monkeypatc
 _SALIENT_KERNELS = """
 import torch
 from vllm_kvcompress.formats.salient import SalientTokensFormat
-from vllm_kvcompress.triton_kernels import decode
+from vllm_kvcompress.triton_kernels import decode, salient_write
 
 fmt = SalientTokensFormat.create(0.6, torch.bfloat16, 128, 8, 128)
 runtime = dict(q_ptr="*bf16", cache_ptr="*u8", half_ptr="*fp16", block_table_ptr="*i32", seq_lens_ptr="*i32",
@@ -225,13 +225,21 @@ for group, split, rows in ((1, False, None), (4, True, None), (1, False, 64), (4
 merge = dict(part_ptr="*fp32", seq_lens_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32", out_stride="i32",
              num_splits="i32", lse_head_stride="i32")
 compile_for_h100(decode._merge_splits_kernel, merge, decode._merge_variant(32, 128, True, True).constants)
+kernel = salient_write._salient_write_kernel
+write = {name: "*i32" for name in kernel.arg_names if name.endswith("_ptr")}
+write |= dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", lse_ptr="*fp32", scores_ptr="*fp32", pages_ptr="*u8",
+              scale="fp32", interval="i32")
+write |= {name: "i32" for name in kernel.arg_names if name.endswith("_stride")}
+for decode_rows, given in ((True, False), (False, False), (False, True)):
+    compile_for_h100(kernel, write, salient_write.write_constants(fmt, 4)
+                     | dict(DECODE=decode_rows, GIVEN=given, NORMALIZED=not decode_rows))
 """
 
 
 def test_the_salient_kernels_compile_for_the_gpu():
-    """The decode kernel's SALIENT path (MHA one row, GQA split, prompt groups of MHA and GQA) and the
-    merge with its log-sum-exp out pass the sm_90 compiler's front end (the CPU suite runs them in
-    the interpreter)."""
+    """The decode kernel's SALIENT path (MHA one row, GQA split, prompt groups of MHA and GQA), the
+    merge with its log-sum-exp out and the write (decode rows, prompt chunks with probes or drawn
+    scores) pass the sm_90 compiler's front end (the CPU suite runs them in the interpreter)."""
     from sm90 import compiles_for_h100
 
     compiles_for_h100(_SALIENT_KERNELS)

@@ -34,6 +34,7 @@ from .write import _half, _widened_span
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
 TILE = 32  # tokens a program holds at once
+PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
 
 
 @triton.jit
@@ -79,7 +80,7 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
                           K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
                           K_HIGH: tl.constexpr, V_HIGH: tl.constexpr, K_LOW: tl.constexpr, V_LOW: tl.constexpr,
                           SLOT_OF: tl.constexpr, NONE: tl.constexpr, DECODE: tl.constexpr, GIVEN: tl.constexpr,
-                          NORMALIZED: tl.constexpr, TT: tl.constexpr):
+                          NORMALIZED: tl.constexpr, TT: tl.constexpr, PP: tl.constexpr):
     i, h = tl.program_id(0), tl.program_id(1)
     if DECODE:  # decode row i: one new token at the end of its context, its query its probe
         length = tl.load(lens_ptr + i)
@@ -105,6 +106,7 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     tokens = tl.arange(0, B)
     u = tl.arange(0, U)[None, :, None]
     u2 = tl.arange(0, U)[None, :]
+    d = tl.arange(0, D)
     j = tl.arange(0, 4)[None, None, :]
     ch = u * 4 + j
     shift = j * 2
@@ -147,21 +149,26 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
             old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
             _, _, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch, shift,
                               k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
+            keys = tl.reshape(x, [TT, D])
             score = tl.zeros([TT], tl.float32)
             seen_by = tl.zeros([TT], tl.float32)
-            for probe in range(probe_first, probe_end):
+            for p0 in range(probe_first, probe_end, PP):  # PP probes at once, as rows of one product
+                probe = p0 + tl.arange(0, PP)
+                live = probe < probe_end
                 if DECODE:
-                    row = i
-                    sees = tt < filled
+                    row = tl.full([PP], 0, tl.int32) + i
+                    sees = live[:, None] & (tt < filled)[None, :]
                 else:
-                    row = tl.load(probe_rows_ptr + probe)
-                    sees = start + tt <= tl.load(probe_pos_ptr + probe)
+                    row = tl.load(probe_rows_ptr + probe, mask=live, other=0)
+                    seen_to = tl.load(probe_pos_ptr + probe, mask=live, other=-1)
+                    sees = (start + tt)[None, :] <= seen_to[:, None]  # [PP, TT]
                 for g in tl.static_range(G):
-                    qg = tl.load(q_ptr + row * q_row_stride + (h * G + g) * q_head_stride + ch).to(tl.float32)
-                    logit = tl.sum(tl.sum(x * qg, 2), 1) * scale
-                    lse = tl.load(lse_ptr + row * lse_row_stride + (h * G + g) * lse_head_stride)
-                    score += tl.where(sees, tl.exp(logit - lse), 0.0)
-                seen_by += sees.to(tl.float32)
+                    qg = tl.load(q_ptr + row[:, None] * q_row_stride + (h * G + g) * q_head_stride + d[None, :],
+                                 mask=live[:, None], other=0.0).to(tl.float32)
+                    logit = tl.dot(qg, tl.trans(keys), input_precision="ieee") * scale
+                    lse = tl.load(lse_ptr + row * lse_row_stride + (h * G + g) * lse_head_stride, mask=live, other=0.0)
+                    score += tl.sum(tl.where(sees, tl.exp(logit - lse[:, None]), 0.0), 0)
+                seen_by += tl.sum(sees.to(tl.float32), 0)
             if NORMALIZED:
                 score = score / tl.maximum(seen_by, 1.0)
             tl.store(scores_ptr + (i * B + tt) * H + h, score)
@@ -224,8 +231,18 @@ def _quotas(fmt: SalientTokensFormat, device: torch.device) -> torch.Tensor:
     return fmt.quota(torch.arange(fmt.block_size + 1)).to(device, torch.int32)
 
 
-def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores, **args) -> None:
+def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE) -> dict:
+    """The write kernel's compile-time constants for ``fmt``'s pages and ``group`` query heads a KV
+    head, but for the kind of write (DECODE, GIVEN, NORMALIZED)."""
     at = fmt.regions.start
+    return dict(PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=fmt.k.head_size, G=group, H=fmt.k.num_heads,
+                K_SCALE=at("k_scale"), K_ZERO=at("k_zero"), V_SCALE=at("v_scale"), V_ZERO=at("v_zero"),
+                K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"), V_LOW=at("v_low"), SLOT_OF=at("slot_of"),
+                NONE=NO_SLOT, TT=min(tile, fmt.block_size), PP=PROBES)
+
+
+def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores, tile: int = TILE,
+            num_warps: int = 4, **args) -> None:
     heads = fmt.k.num_heads
     defaults = dict(lse_ptr=None, blocks_ptr=None, stored_ptr=None, filled_ptr=None, first_ptr=None, quota_ptr=None,
                     start_ptr=None, probe_first_ptr=None, probe_end_ptr=None, probe_rows_ptr=None, probe_pos_ptr=None,
@@ -234,15 +251,12 @@ def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, s
     _salient_write_kernel[(programs, heads)](
         q_ptr=query, k_ptr=key, v_ptr=value, scores_ptr=scores, pages_ptr=cache, q_row_stride=query.stride(0),
         q_head_stride=query.stride(1), k_row_stride=key.stride(0), v_row_stride=value.stride(0),
-        PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=fmt.k.head_size, G=query.shape[1] // heads, H=heads,
-        K_SCALE=at("k_scale"), K_ZERO=at("k_zero"), V_SCALE=at("v_scale"), V_ZERO=at("v_zero"),
-        K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"), V_LOW=at("v_low"), SLOT_OF=at("slot_of"),
-        NONE=NO_SLOT, TT=min(TILE, fmt.block_size), num_warps=4, **(defaults | args))
+        num_warps=num_warps, **write_constants(fmt, query.shape[1] // heads, tile), **(defaults | args))
 
 
 def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                   fmt: SalientTokensFormat, spec: SalientSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                  lse: torch.Tensor, scale: float) -> None:
+                  lse: torch.Tensor, scale: float, **tuning) -> None:
     """``salient_torch.write_decoded``'s contract: each decode row's new token (``key``/``value`` [N,
     H, D]) into its last block, scored by its ``query`` [N, Hq, D] with ``lse`` [N, Hq] (its
     attention's log-sum-exp over the whole context; any strides)."""
@@ -256,12 +270,12 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
             lse_head_stride=lse.stride(1), table_ptr=block_table,
             lens_ptr=seq_lens, quotas_ptr=_quotas(fmt, cache.device), scale=scale,
             interval=spec.recompress_interval, table_stride=block_table.stride(0), DECODE=True, GIVEN=given,
-            NORMALIZED=False)
+            NORMALIZED=False, **tuning)
 
 
 def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                  fmt: SalientTokensFormat, spec: SalientSpec, writes: ChunkWrites | None, lse: torch.Tensor,
-                 scale: float) -> None:
+                 scale: float, **tuning) -> None:
     """Each request's step tokens (``key``/``value`` [T, H, D]) into its pages, every block they touch
     re-compressed as ``salient_torch.attend_and_write`` re-compresses one request's, all at once:
     the blocks and probes of ``writes`` (``salient_torch.plan_chunk_writes``), the probes' scores
@@ -278,4 +292,4 @@ def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
             filled_ptr=writes.filled, first_ptr=writes.first_row, quota_ptr=writes.quota, start_ptr=writes.start,
             probe_first_ptr=writes.probe_first, probe_end_ptr=writes.probe_end, probe_rows_ptr=writes.probe_rows,
             probe_pos_ptr=writes.probe_pos, scale=scale, DECODE=False, GIVEN=writes.scores is not None,
-            NORMALIZED=spec.score == "normalized")
+            NORMALIZED=spec.score == "normalized", **tuning)
