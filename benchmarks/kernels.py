@@ -367,8 +367,8 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
             "block": block, "splits": splits, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
-# ZipCache's write kernel: its default (tile 32, 4 warps), then other tiles and warps
-WRITE_TUNINGS = ({}, {"tile": 16, "num_warps": 4}, {"tile": 32, "num_warps": 8}, {"tile": 64, "num_warps": 8},
+# ZipCache's write kernel: its default (tile 16, 4 warps), then other tiles and warps
+WRITE_TUNINGS = ({}, {"tile": 32, "num_warps": 4}, {"tile": 32, "num_warps": 8}, {"tile": 64, "num_warps": 8},
                  {"tile": 16, "num_warps": 2})
 
 

@@ -209,6 +209,47 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, monkeypatc
         _assert_same_tokens(fmt, ours, cache, table, lens)
 
 
+def test_warm_up_writes_nothing_and_compiles_what_steps_launch():
+    """The warm-up (every kernel a serving step launches over ZipCache's pages, writes included,
+    compiled before serving) leaves a live cache as it was; on a GPU, a decode step and a prompt
+    step after it compile nothing more."""
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.salient_torch import plan_chunk_writes
+    from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels import launch, salient_decode, salient_prompt, salient_write
+    from vllm_kvcompress.triton_kernels.decode import longest_first, rows_per_program
+
+    H, HQ, D, B = 2, 4, 64, 32
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fmt = SalientTokensFormat.create(0.6, dtype, B, H, D)
+    cache = torch.randint(0, 256, (8, fmt.page_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    cache = cache.to(DEVICE)
+    before = cache.clone()
+    salient_decode.warm_up(cache, fmt, HQ, dtype)
+    assert torch.equal(cache, before)
+    if DEVICE == "cpu":
+        return
+    compiled = len(launch._compiled)
+    g = torch.Generator().manual_seed(2)
+    table = torch.arange(8, dtype=torch.int32, device=DEVICE).view(2, 4)
+    lens = torch.tensor([40, 70], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, HQ, D, generator=g).to(DEVICE, dtype)
+    k, v = (torch.randn(2, H, D, generator=g).to(DEVICE, dtype) for _ in range(2))
+    out = torch.empty_like(q)
+    for score in ("normalized", "random"):
+        spec = SalientSpec(ratio=0.6, score=score)
+        lse = salient_decode.decode_rows(q, k, v, cache, fmt, table, lens - 1, D ** -0.5, 70, out,
+                                         row_order=longest_first(lens - 1))
+        salient_write.write_decoded(q, k, v, cache, fmt, spec, table, lens, lse.t(), D ** -0.5)
+        qsl = [0, 9, 30]
+        rows = token_rows(qsl, lens, table, 61, rows_per_program(HQ // H))
+        qp = torch.randn(30, HQ, D, generator=g).to(DEVICE, dtype)
+        kp, vp = (torch.randn(30, H, D, generator=g).to(DEVICE, dtype) for _ in range(2))
+        writes = plan_chunk_writes(fmt, spec, qsl, lens.tolist(), table)
+        salient_prompt.salient_prompt(qp, kp, vp, cache, fmt, spec, rows, writes, D ** -0.5, torch.empty_like(qp))
+    assert len(launch._compiled) == compiled
+
+
 _SALIENT_KERNELS = """
 import torch
 from vllm_kvcompress.formats.salient import SalientTokensFormat

@@ -17,6 +17,7 @@ from vllm_kvcompress.formats.salient import SalientTokensFormat
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .decode import paged_decode, rows_per_program
+from . import salient_write
 from .own_token import own_token
 
 
@@ -35,8 +36,9 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: 
 
 def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int, query_dtype: torch.dtype) -> None:
     """Compile what a serving step may launch over ``fmt``'s pages: decode rows in a given order and
-    prompt rows in groups, each continuing a prior attention, split or not, and the own-token
-    kernel. Launches one row over page 0; outputs are discarded."""
+    prompt rows in groups, each continuing a prior attention, split or not, the own-token kernel,
+    and every kind of write (``salient_write.warm_up``). Launches one row over page 0; outputs are
+    discarded."""
     dev = cache.device
     heads, d = fmt.k.num_heads, fmt.k.head_size
     q = torch.zeros(1, num_query_heads, d, dtype=query_dtype, device=dev)
@@ -51,3 +53,4 @@ def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int,
         lse = torch.zeros(num_query_heads, 1, dtype=torch.float32, device=dev)
         paged_decode(q, cache, fmt, table, one, 1.0, 2 * fmt.block_size, num_splits=num_splits, groups=group,
                      out=torch.empty_like(q), prior_lse=lse, lse_out=True)
+    salient_write.warm_up(cache, fmt, num_query_heads, query_dtype)

@@ -30,10 +30,11 @@ from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
 from vllm_kvcompress.salient_torch import ChunkWrites, last_block_random_scores
 
 from .grid import code_on, min_max_stats
+from .launch import Variant, launch
 from .write import _half, _widened_span
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
-TILE = 32  # tokens a program holds at once
+TILE = 16  # tokens a program holds at once (H200: 16 with 4 warps the fastest, docs/benchmarks.md)
 PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
 
 
@@ -70,7 +71,9 @@ def _store_plane(page, REGION: tl.constexpr, row, byte, codes, shift, mask, U: t
     tl.store(page + REGION + row * U + byte, packed.to(tl.uint8), mask=mask)
 
 
-@triton.jit
+# values that change from step to step are not specialized on (each specialization would be compiled
+# in the middle of serving)
+@triton.jit(do_not_specialize=["interval", "table_stride", "lse_row_stride", "lse_head_stride"])
 def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, blocks_ptr, stored_ptr, filled_ptr,
                           first_ptr, quota_ptr, start_ptr, probe_first_ptr, probe_end_ptr, probe_rows_ptr,
                           probe_pos_ptr, table_ptr, lens_ptr, quotas_ptr, scale, interval, q_row_stride,
@@ -241,17 +244,27 @@ def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE) -> d
                 NONE=NO_SLOT, TT=min(tile, fmt.block_size), PP=PROBES)
 
 
-def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores, tile: int = TILE,
-            num_warps: int = 4, **args) -> None:
+@functools.cache
+def _variant(fmt: SalientTokensFormat, group: int, tile: int, num_warps: int, decode: bool, given: bool,
+             normalized: bool) -> Variant:
+    return Variant(_salient_write_kernel, write_constants(fmt, group, tile)
+                   | dict(DECODE=decode, GIVEN=given, NORMALIZED=normalized), {"num_warps": num_warps})
+
+
+_RUNTIME = _salient_write_kernel.arg_names[:_salient_write_kernel.arg_names.index("PAGE")]
+
+
+def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores, kind: tuple[bool, bool, bool],
+            tile: int = TILE, num_warps: int = 4, **args) -> None:
+    """The write kernel over ``programs`` blocks (or decode rows) and every KV head; ``kind``: its
+    DECODE, GIVEN and NORMALIZED. Pointers a kind does not read are given the cache's."""
+    values = dict(q_ptr=query, k_ptr=key, v_ptr=value, scores_ptr=scores, pages_ptr=cache,
+                  q_row_stride=query.stride(0), q_head_stride=query.stride(1), k_row_stride=key.stride(0),
+                  v_row_stride=value.stride(0), scale=1.0, interval=1, table_stride=0, lse_row_stride=0,
+                  lse_head_stride=0) | args
     heads = fmt.k.num_heads
-    defaults = dict(lse_ptr=None, blocks_ptr=None, stored_ptr=None, filled_ptr=None, first_ptr=None, quota_ptr=None,
-                    start_ptr=None, probe_first_ptr=None, probe_end_ptr=None, probe_rows_ptr=None, probe_pos_ptr=None,
-                    table_ptr=None, lens_ptr=None, quotas_ptr=None, scale=1.0, interval=1, table_stride=0,
-                    lse_row_stride=0, lse_head_stride=0)
-    _salient_write_kernel[(programs, heads)](
-        q_ptr=query, k_ptr=key, v_ptr=value, scores_ptr=scores, pages_ptr=cache, q_row_stride=query.stride(0),
-        q_head_stride=query.stride(1), k_row_stride=key.stride(0), v_row_stride=value.stride(0),
-        num_warps=num_warps, **write_constants(fmt, query.shape[1] // heads, tile), **(defaults | args))
+    launch(_variant(fmt, query.shape[1] // heads, tile, num_warps, *kind), (programs, heads),
+           tuple([values.get(name, cache) for name in _RUNTIME]))
 
 
 def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -269,8 +282,8 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     _launch(n, fmt, query, key, value, cache, scores, lse_ptr=lse, lse_row_stride=lse.stride(0),
             lse_head_stride=lse.stride(1), table_ptr=block_table,
             lens_ptr=seq_lens, quotas_ptr=_quotas(fmt, cache.device), scale=scale,
-            interval=spec.recompress_interval, table_stride=block_table.stride(0), DECODE=True, GIVEN=given,
-            NORMALIZED=False, **tuning)
+            interval=spec.recompress_interval, table_stride=block_table.stride(0), kind=(True, given, False),
+            **tuning)
 
 
 def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -291,5 +304,24 @@ def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
             lse_head_stride=lse.stride(1), blocks_ptr=writes.blocks, stored_ptr=writes.num_stored,
             filled_ptr=writes.filled, first_ptr=writes.first_row, quota_ptr=writes.quota, start_ptr=writes.start,
             probe_first_ptr=writes.probe_first, probe_end_ptr=writes.probe_end, probe_rows_ptr=writes.probe_rows,
-            probe_pos_ptr=writes.probe_pos, scale=scale, DECODE=False, GIVEN=writes.scores is not None,
-            NORMALIZED=spec.score == "normalized", **tuning)
+            probe_pos_ptr=writes.probe_pos, scale=scale,
+            kind=(False, writes.scores is not None, spec.score == "normalized"), **tuning)
+
+
+def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int, dtype: torch.dtype) -> None:
+    """Compile every kind of write (decode rows; prompt chunks with scores drawn, normalized or
+    accumulated) as serving launches them, before serving: launches of no program, which write
+    nothing."""
+    heads, d = fmt.k.num_heads, fmt.k.head_size
+    q = torch.zeros(1, num_query_heads, d, dtype=dtype, device=cache.device)
+    new = torch.zeros(1, heads, d, dtype=dtype, device=cache.device)
+    one = torch.zeros(1, 1, dtype=torch.int32, device=cache.device)
+    lse = torch.zeros(num_query_heads, 1, dtype=torch.float32, device=cache.device).t()
+    common = dict(lse_ptr=lse, lse_row_stride=lse.stride(0), lse_head_stride=lse.stride(1), scale=1.0)
+    for given in (False, True):
+        _launch(0, fmt, q, new, new, cache, lse, (True, given, False), table_ptr=one, lens_ptr=one,
+                quotas_ptr=_quotas(fmt, cache.device), **common)
+    chunks = {f"{name}_ptr": one for name in ("blocks", "stored", "filled", "first", "quota", "start", "probe_first",
+                                               "probe_end", "probe_rows", "probe_pos")}
+    for given, normalized in ((True, False), (False, True), (False, False)):
+        _launch(0, fmt, q, new, new, cache, lse, (False, given, normalized), **chunks, **common)

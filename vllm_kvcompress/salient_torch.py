@@ -187,19 +187,23 @@ def plan_chunk_writes(fmt: SalientTokensFormat, spec: SalientSpec, query_start_l
                             holding, start, *probes))
     if not columns:
         return None
-    table = torch.tensor(columns, dtype=torch.int32).t()  # [9, N]
-    filled, holding = table[3], table[5].bool()
-    table[5] = _block_quota(fmt, filled, holding)
-    host = torch.cat([table.flatten(), torch.tensor(rows_of_probes + pos_of_probes, dtype=torch.int32)])
+    # every array starts on a 16-byte boundary, as the kernel was compiled for (``salient_write.warm_up``)
+    n, p = len(columns), len(rows_of_probes)
+    n4, p4 = -(-n // 4) * 4, -(-p // 4) * 4
+    table = torch.zeros(9, n4, dtype=torch.int32)
+    table[:, :n] = torch.tensor(columns, dtype=torch.int32).t()
+    table[5] = _block_quota(fmt, table[3], table[5].bool())
+    probes = torch.zeros(2, p4, dtype=torch.int32)
+    probes[:, :p] = torch.tensor([rows_of_probes, pos_of_probes], dtype=torch.int32).view(2, p)
+    host = torch.cat([table.flatten(), probes.flatten()])
     if dev.type == "cuda":
         host = host.pin_memory()
     on_device = host.to(dev, non_blocking=True)
-    n, p = len(columns), len(rows_of_probes)
-    t = on_device[:9 * n].view(9, n)
-    probes = on_device[9 * n:]
+    t = on_device[:9 * n4].view(9, n4)[:, :n]
+    probes = on_device[9 * n4:].view(2, p4)[:, :p]
     scores = None if not drawn else torch.cat(drawn).view(n, B, H).to(dev, non_blocking=True)
     return ChunkWrites(block_table[t[0].long(), t[1].long()], t[2], t[3], t[4], t[5], t[6], t[7], t[8],
-                       probes[:p], probes[p:], scores)
+                       probes[0], probes[1], scores)
 
 
 def _recompressed(fmt: SalientTokensFormat, stored: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
