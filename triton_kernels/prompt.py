@@ -52,16 +52,6 @@ def own_chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return lse
 
 
-def merge_history(out: torch.Tensor, lse: torch.Tensor, earlier: torch.Tensor, earlier_lse: torch.Tensor) -> torch.Tensor:
-    """Rows' attention over their own chunk (``out`` [T, Hq, D], log-sum-exp ``lse`` [T, Hq]) and over
-    their history (``earlier``, ``earlier_lse``) merged by log-sum-exp into ``out``; returns the
-    merged log-sum-exp."""
-    total = torch.logaddexp(lse, earlier_lse)
-    out[:] = (out.float() * (lse - total).exp()[..., None]
-              + earlier.float() * (earlier_lse - total).exp()[..., None]).to(out.dtype)
-    return total
-
-
 @functools.cache
 def _flash_attention_version(head_size: int) -> int | None:
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
