@@ -74,15 +74,16 @@ def test_decode_rows_equal_attention_over_the_decoded_pages(HQ, block, splits):
         torch.testing.assert_close(lse[:, i].cpu(), logits.logsumexp(-1), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("write", ["torch", "triton"])
+@pytest.mark.parametrize("write,window", [("torch", None), ("triton", None), ("triton", 40)])
 @pytest.mark.parametrize("score", ["normalized", "random"])
-def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write):
+def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write, window):
     """Decode steps of three requests through the kernel, continuing from each new token's exact term,
     and written all at once (``write_decoded``, the torch write or the Triton one), against
     ``attend_and_write`` one request at a time: the same outputs, and the same pages after each step
     (the same 4-bit tokens chosen, K's grids widened alike, or kept), across a re-compression
-    (context 100) and a block boundary (64). On a GPU, whose products round as TF32, the outputs are compared at that
-    precision and the choice (which near-ties may flip) is not."""
+    (context 100) and a block boundary (64); with a sliding window of 40 (the Triton write), each row
+    and its probe see their window alone. On a GPU, whose products round as TF32, the outputs are
+    compared at that precision and the choice (which near-ties may flip) is not."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.salient_torch import attend_and_write, write_decoded
     from vllm_kvcompress.triton_kernels import salient_write
@@ -96,20 +97,25 @@ def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write):
     cache = torch.zeros(12, fmt.page_bytes, dtype=torch.uint8)
     for i, L in enumerate(lens):
         q, k, v = torch.randn(L, HQ, D, generator=g), torch.randn(L, H, D, generator=g), torch.randn(L, H, D, generator=g)
-        attend_and_write(q, k, v, cache, fmt, spec, [0, L], [L], table[i:i + 1], D ** -0.5)
+        attend_and_write(q, k, v, cache, fmt, spec, [0, L], [L], table[i:i + 1], D ** -0.5, window)
     ours = cache.clone()
     for step in range(14):
         lens = [L + 1 for L in lens]
         q, k, v = torch.randn(3, HQ, D, generator=g), torch.randn(3, H, D, generator=g), torch.randn(3, H, D, generator=g)
         k = k * (0.1 if step % 2 else 1.0)  # every other step K inside its channels' grids: no widening
-        want = attend_and_write(q, k, v, cache, fmt, spec, [0, 1, 2, 3], lens, table, D ** -0.5)
+        want = attend_and_write(q, k, v, cache, fmt, spec, [0, 1, 2, 3], lens, table, D ** -0.5, window)
         dev = lambda x: x.to(DEVICE)  # noqa: E731
         got = torch.empty_like(dev(q))
         ours_dev = dev(ours)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-        lse = decode_rows(dev(q), dev(k), dev(v), ours_dev, fmt, dev(table), seq_lens - 1, D ** -0.5, max(lens), got)
-        (salient_write.write_decoded if write == "triton" else write_decoded)(
-            dev(q), dev(k), dev(v), ours_dev, fmt, spec, dev(table), seq_lens, lse.t(), D ** -0.5)
+        windowed = {} if window is None else dict(window=window, first_keys=seq_lens - window)
+        lse = decode_rows(dev(q), dev(k), dev(v), ours_dev, fmt, dev(table), seq_lens - 1, D ** -0.5, max(lens), got,
+                          **windowed)
+        if write == "triton":
+            salient_write.write_decoded(dev(q), dev(k), dev(v), ours_dev, fmt, spec, dev(table), seq_lens, lse.t(),
+                                        D ** -0.5, window=window)
+        else:
+            write_decoded(dev(q), dev(k), dev(v), ours_dev, fmt, spec, dev(table), seq_lens, lse.t(), D ** -0.5)
         ours = ours_dev.cpu()
         tol = 2e-2 if DEVICE == "cpu" else 3e-2  # the decode kernel's float16 factors (as above)
         torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
@@ -162,15 +168,17 @@ def test_grouped_prompt_rows_continue_a_prior_attention(splits):
         torch.testing.assert_close(lse[:, t].cpu(), total, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("score", ["normalized", "random"])
-def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, monkeypatch):
+def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, window, monkeypatch):
     """Steps of prompt chunks from three requests, batched (``salient_prompt``: own attention, history
     rows in groups, merged; then ``write_chunks`` over all touched blocks at once, the probes' scores
     in the write kernel), against
     ``attend_and_write`` one request at a time: the same outputs and, on the CPU, the same pages after
     every step. The steps cover a first chunk, chunks with history across block boundaries, a
-    one-token chunk (held at 4 bits) and a chunk that opens a fresh block. On the CPU a torch causal
-    attention stands in for FlashAttention."""
+    one-token chunk (held at 4 bits) and a chunk that opens a fresh block; with a sliding window of
+    20, each token and probe see their window alone. On the CPU a torch causal attention stands in
+    for FlashAttention."""
     from test_triton_prompt import torch_own_chunk_attention
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.salient_torch import attend_and_write, plan_chunk_writes
@@ -193,13 +201,14 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, monkeypatc
         qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
         q = torch.randn(qsl[-1], HQ, D, generator=g).to(dtype)
         k, v = (torch.randn(qsl[-1], H, D, generator=g).to(dtype) for _ in range(2))
-        want = attend_and_write(q.float(), k.float(), v.float(), cache, fmt, spec, qsl, lens, table, D ** -0.5)
+        want = attend_and_write(q.float(), k.float(), v.float(), cache, fmt, spec, qsl, lens, table, D ** -0.5,
+                                window)
         history = max(L - m for L, m in zip(lens, q_lens))
         rows = token_rows(qsl, torch.tensor(lens, device=DEVICE), table.to(DEVICE), history, rows_per_group=9)
         got = torch.full((qsl[-1], HQ, D), float("nan"), dtype=dtype, device=DEVICE)
         dev = [t.to(DEVICE) for t in (q, k, v)]
         writes = plan_chunk_writes(fmt, spec, qsl, lens, table.to(DEVICE))
-        salient_prompt.salient_prompt(*dev, ours, fmt, spec, rows, writes, D ** -0.5, got)
+        salient_prompt.salient_prompt(*dev, ours, fmt, spec, rows, writes, D ** -0.5, got, window=window)
         tol = 2e-2 if DEVICE == "cpu" else 3e-2  # the decode kernel's float16 factors
         torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol)
         if DEVICE != "cpu":  # TF32 products may flip near-ties of the choice: the next step starts level
@@ -282,7 +291,7 @@ compile_for_h100(decode._merge_splits_kernel, merge, decode._merge_variant(32, 1
 kernel = salient_write._salient_write_kernel
 write = {name: "*i32" for name in kernel.arg_names if name.endswith("_ptr")}
 write |= dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", lse_ptr="*fp32", scores_ptr="*fp32", pages_ptr="*u8",
-              scale="fp32", interval="i32")
+              scale="fp32", interval="i32", window="i32")
 write |= {name: "i32" for name in kernel.arg_names if name.endswith("_stride")}
 for decode_rows, given in ((True, False), (False, False), (False, True)):
     compile_for_h100(kernel, write, salient_write.write_constants(fmt, 4)

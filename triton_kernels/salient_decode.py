@@ -27,18 +27,20 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: 
     """Decode rows (one new token each, ``q`` [N, Hq, D], ``key``/``value`` [N, H, D]) over the
     ``history`` tokens before the new one (at most ``longest``) from the pages and the new token
     exact, into ``out``; returns each row's natural log-sum-exp [Hq, N]. ``tuning``: the decode
-    kernel's split count, tile, warps and stages where not its defaults (tests, benchmarks)."""
+    kernel's split count, tile, warps and stages where not its defaults (tests, benchmarks), and a
+    sliding-window layer's ``window`` and ``first_keys`` (each row's context less the window)."""
     lse = own_token(q, key, value, scale, out)
     paged_decode(q, pages, fmt, block_table, history, scale, longest, out=out, row_order=row_order, prior_lse=lse,
                  lse_out=True, **tuning)
     return lse
 
 
-def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int, query_dtype: torch.dtype) -> None:
+def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int, query_dtype: torch.dtype,
+            window: int | None = None) -> None:
     """Compile what a serving step may launch over ``fmt``'s pages: decode rows in a given order and
     prompt rows in groups, each continuing a prior attention, split or not, the own-token kernel,
-    and every kind of write (``salient_write.warm_up``). Launches one row over page 0; outputs are
-    discarded."""
+    and every kind of write (``salient_write.warm_up``); a sliding-window layer's (``window``) see
+    their windows. Launches one row over page 0; outputs are discarded."""
     dev = cache.device
     heads, d = fmt.k.num_heads, fmt.k.head_size
     q = torch.zeros(1, num_query_heads, d, dtype=query_dtype, device=dev)
@@ -47,10 +49,11 @@ def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int,
     one = torch.ones(1, dtype=torch.int32, device=dev)
     first = torch.zeros(1, dtype=torch.int32, device=dev)
     group = TokenGroups(one, first, rows_per_program(num_query_heads // heads))
+    windowed = {} if window is None else dict(window=window, first_keys=first)
     for num_splits in (1, 2):
         decode_rows(q, new, new, cache, fmt, table, one, 1.0, 2 * fmt.block_size, torch.empty_like(q),
-                    row_order=first, num_splits=num_splits)
+                    row_order=first, num_splits=num_splits, **windowed)
         lse = torch.zeros(num_query_heads, 1, dtype=torch.float32, device=dev)
         paged_decode(q, cache, fmt, table, one, 1.0, 2 * fmt.block_size, num_splits=num_splits, groups=group,
-                     out=torch.empty_like(q), prior_lse=lse, lse_out=True)
+                     out=torch.empty_like(q), prior_lse=lse, lse_out=True, **windowed)
     salient_write.warm_up(cache, fmt, num_query_heads, query_dtype)

@@ -25,12 +25,14 @@ from .salient_write import write_chunks
 
 def salient_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                    fmt: SalientTokensFormat, spec: SalientSpec, rows: TokenRows, writes: ChunkWrites | None,
-                   scale: float, out: torch.Tensor) -> None:
+                   scale: float, out: torch.Tensor, window: int | None = None) -> None:
     """``query`` [T, Hq, D] and the chunks' new ``key``/``value`` [T, H, D], laid out by ``rows``
     (``token_rows``); the attention goes to ``out`` [T, Hq, D], then the chunks' tokens into the
-    pages as ``writes`` (``salient_torch.plan_chunk_writes``) places them."""
-    lse = own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, scale, out)  # [Hq, T]
+    pages as ``writes`` (``salient_torch.plan_chunk_writes``) places them. ``window``: the layer's
+    sliding window (token p sees keys p - window < j <= p; as a probe too)."""
+    lse = own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, scale, out, window)
     if rows.max_seq_len:  # some chunk has history
+        windowed = {} if window is None else dict(window=window, first_keys=rows.first_keys(window))
         paged_decode(query, cache, fmt, rows.block_table, rows.seq_lens, scale, rows.max_seq_len, out=out,
-                     groups=rows.groups, prior_lse=lse, lse_out=True)
-    write_chunks(query, key, value, cache, fmt, spec, writes, lse.t(), scale)
+                     groups=rows.groups, prior_lse=lse, lse_out=True, **windowed)
+    write_chunks(query, key, value, cache, fmt, spec, writes, lse.t(), scale, window=window)  # lse: [Hq, T]

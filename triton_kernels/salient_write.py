@@ -36,6 +36,7 @@ from .write import _half, _widened_span
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
 TILE = 16  # tokens a program holds at once (H200: 16 with 4 warps the fastest, docs/benchmarks.md)
 PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
+NO_WINDOW = 1 << 30  # the window of a layer without one: a probe sees every token before it
 
 
 @triton.jit
@@ -73,10 +74,10 @@ def _store_plane(page, REGION: tl.constexpr, row, byte, codes, shift, mask, U: t
 
 # values that change from step to step are not specialized on (each specialization would be compiled
 # in the middle of serving)
-@triton.jit(do_not_specialize=["interval", "table_stride", "lse_row_stride", "lse_head_stride"])
+@triton.jit(do_not_specialize=["interval", "window", "table_stride", "lse_row_stride", "lse_head_stride"])
 def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, blocks_ptr, stored_ptr, filled_ptr,
                           first_ptr, quota_ptr, start_ptr, probe_first_ptr, probe_end_ptr, probe_rows_ptr,
-                          probe_pos_ptr, table_ptr, lens_ptr, quotas_ptr, scale, interval, q_row_stride,
+                          probe_pos_ptr, table_ptr, lens_ptr, quotas_ptr, scale, interval, window, q_row_stride,
                           q_head_stride, k_row_stride, v_row_stride, table_stride, lse_row_stride, lse_head_stride,
                           PAGE: tl.constexpr,
                           B: tl.constexpr, R: tl.constexpr, D: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
@@ -160,11 +161,12 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
                 live = probe < probe_end
                 if DECODE:
                     row = tl.full([PP], 0, tl.int32) + i
-                    sees = live[:, None] & (tt < filled)[None, :]
+                    seen_to = tl.where(live, length - 1, -1)
                 else:
                     row = tl.load(probe_rows_ptr + probe, mask=live, other=0)
                     seen_to = tl.load(probe_pos_ptr + probe, mask=live, other=-1)
-                    sees = (start + tt)[None, :] <= seen_to[:, None]  # [PP, TT]
+                # [PP, TT]: a probe sees the tokens up to its own, within its window (NO_WINDOW: all)
+                sees = ((start + tt)[None, :] <= seen_to[:, None]) & ((start + tt)[None, :] > seen_to[:, None] - window)
                 for g in tl.static_range(G):
                     qg = tl.load(q_ptr + row[:, None] * q_row_stride + (h * G + g) * q_head_stride + d[None, :],
                                  mask=live[:, None], other=0.0).to(tl.float32)
@@ -260,8 +262,8 @@ def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, s
     DECODE, GIVEN and NORMALIZED. Pointers a kind does not read are given the cache's."""
     values = dict(q_ptr=query, k_ptr=key, v_ptr=value, scores_ptr=scores, pages_ptr=cache,
                   q_row_stride=query.stride(0), q_head_stride=query.stride(1), k_row_stride=key.stride(0),
-                  v_row_stride=value.stride(0), scale=1.0, interval=1, table_stride=0, lse_row_stride=0,
-                  lse_head_stride=0) | args
+                  v_row_stride=value.stride(0), scale=1.0, interval=1, window=NO_WINDOW, table_stride=0,
+                  lse_row_stride=0, lse_head_stride=0) | args
     heads = fmt.k.num_heads
     launch(_variant(fmt, query.shape[1] // heads, tile, num_warps, *kind), (programs, heads),
            tuple([values.get(name, cache) for name in _RUNTIME]))
@@ -269,10 +271,10 @@ def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, s
 
 def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                   fmt: SalientTokensFormat, spec: SalientSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                  lse: torch.Tensor, scale: float, **tuning) -> None:
+                  lse: torch.Tensor, scale: float, window: int | None = None, **tuning) -> None:
     """``salient_torch.write_decoded``'s contract: each decode row's new token (``key``/``value`` [N,
     H, D]) into its last block, scored by its ``query`` [N, Hq, D] with ``lse`` [N, Hq] (its
-    attention's log-sum-exp over the whole context; any strides)."""
+    attention's log-sum-exp over the whole context, or its sliding ``window``; any strides)."""
     n = query.shape[0]
     if n == 0:
         return
@@ -282,18 +284,18 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     _launch(n, fmt, query, key, value, cache, scores, lse_ptr=lse, lse_row_stride=lse.stride(0),
             lse_head_stride=lse.stride(1), table_ptr=block_table,
             lens_ptr=seq_lens, quotas_ptr=_quotas(fmt, cache.device), scale=scale,
-            interval=spec.recompress_interval, table_stride=block_table.stride(0), kind=(True, given, False),
-            **tuning)
+            interval=spec.recompress_interval, window=window or NO_WINDOW, table_stride=block_table.stride(0),
+            kind=(True, given, False), **tuning)
 
 
 def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                  fmt: SalientTokensFormat, spec: SalientSpec, writes: ChunkWrites | None, lse: torch.Tensor,
-                 scale: float, **tuning) -> None:
+                 scale: float, window: int | None = None, **tuning) -> None:
     """Each request's step tokens (``key``/``value`` [T, H, D]) into its pages, every block they touch
     re-compressed as ``salient_torch.attend_and_write`` re-compresses one request's, all at once:
     the blocks and probes of ``writes`` (``salient_torch.plan_chunk_writes``), the probes' scores
     from their ``query`` rows and ``lse`` [T, Hq] (any strides), the log-sum-exp of each row's
-    attention over its whole context."""
+    attention over its whole context (or its sliding ``window``, which its probe sees alone)."""
     if writes is None:
         return
     n = writes.blocks.shape[0]
@@ -304,7 +306,7 @@ def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
             lse_head_stride=lse.stride(1), blocks_ptr=writes.blocks, stored_ptr=writes.num_stored,
             filled_ptr=writes.filled, first_ptr=writes.first_row, quota_ptr=writes.quota, start_ptr=writes.start,
             probe_first_ptr=writes.probe_first, probe_end_ptr=writes.probe_end, probe_rows_ptr=writes.probe_rows,
-            probe_pos_ptr=writes.probe_pos, scale=scale,
+            probe_pos_ptr=writes.probe_pos, scale=scale, window=window or NO_WINDOW,
             kind=(False, writes.scores is not None, spec.score == "normalized"), **tuning)
 
 

@@ -367,15 +367,15 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         if nd:
             lse = self._decode_kernel(q[:nd], k[:nd], v[:nd], pages, fmt, md.decode_block_table,
                                       md.decode_history_lens, self.scale, md.decode_max_seq_len, out[:nd],
-                                      row_order=md.decode_row_order)
+                                      row_order=md.decode_row_order, **self._window_args(md.decode_first_keys))
             self._write(q[:nd], k[:nd], v[:nd], pages, fmt, spec, md.decode_block_table, md.decode_seq_lens, lse.t(),
-                        self.scale)
+                        self.scale, **self._window_args())
         start = md.query_start_loc[nd]
         if start < t:
             chunks = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if self._prompt_kernel is not None and md.token_rows is not None:
                 self._prompt_kernel(q[start:], k[start:], v[start:], pages, fmt, spec, md.token_rows,
-                                    md.chunk_writes(fmt, spec), self.scale, out[start:])
+                                    md.chunk_writes(fmt, spec), self.scale, out[start:], **self._window_args())
             else:
                 out[start:] = salient_torch.attend_and_write(q[start:], k[start:], v[start:], pages, fmt, spec,
                                                              *chunks, self.sliding_window)

@@ -47,8 +47,8 @@ def token_scores(probes: torch.Tensor, probe_pos: torch.Tensor, k: torch.Tensor,
     log-sum-exp ``lse`` [Hq, P] of each probe's attention over a context that ``k`` is part of, over
     that context."""
     L, H, _ = k.shape
-    if spec.score == "random":
-        return _random_scores(L, first, H, spec).to(k.device)
+    if spec.score == "random":  # the draw for the whole context, whichever part k holds
+        return _random_scores(first + L, H, spec)[first:].to(k.device)
     group = probes.shape[0] // H
     k_pos = torch.arange(first, first + L, device=k.device)
     sees = k_pos[None, :] <= probe_pos[:, None]  # [P, L]
@@ -65,9 +65,9 @@ def token_scores(probes: torch.Tensor, probe_pos: torch.Tensor, k: torch.Tensor,
     return total.transpose(0, 1)
 
 
-def _random_scores(num_tokens: int, first: int, heads: int, spec: SalientSpec) -> torch.Tensor:
-    """[num_tokens, heads] scores drawn for a request's tokens from position ``first`` on."""
-    generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + first + num_tokens)
+def _random_scores(num_tokens: int, heads: int, spec: SalientSpec) -> torch.Tensor:
+    """[num_tokens, heads] scores drawn for a request's first ``num_tokens`` tokens."""
+    generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + num_tokens)
     return torch.rand(num_tokens, heads, generator=generator)
 
 
@@ -174,7 +174,7 @@ def plan_chunk_writes(fmt: SalientTokensFormat, spec: SalientSpec, query_start_l
         holding = int(m == 1 and L % spec.recompress_interval != 0)
         probes = (len(rows_of_probes), len(rows_of_probes))
         if spec.score == "random":  # the draw attend_and_write makes for the whole context
-            drawn.append(F.pad(_random_scores(L, 0, H, spec)[a * B:], (0, 0, 0, (b - a) * B - (L - a * B)),
+            drawn.append(F.pad(_random_scores(L, H, spec)[a * B:], (0, 0, 0, (b - a) * B - (L - a * B)),
                                value=float("-inf")))
         else:
             rows = probe_rows(m, L, spec).tolist()
@@ -230,7 +230,7 @@ def last_block_random_scores(seq_lens: torch.Tensor, block_size: int, heads: int
     """[N, B, H] the draw ``attend_and_write`` makes for each request's whole context, its last block
     (``random`` scores)."""
     B = block_size
-    draws = [(_random_scores(L, 0, heads, spec), L) for L in seq_lens.tolist()]
+    draws = [(_random_scores(L, heads, spec), L) for L in seq_lens.tolist()]
     return torch.stack([F.pad(d[(L - 1) // B * B:], (0, 0, 0, B - 1 - (L - 1) % B)) for d, L in draws]).to(
         seq_lens.device)
 

@@ -309,7 +309,7 @@ def _salient_decode(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
     d = fmt.k.head_size
     if d & (d - 1) or d < 16:
         return f"head size {d} (powers of two from 16)"
-    return _whole_contexts(ctx)
+    return None
 
 
 def _flash_salient_prompt(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
