@@ -395,9 +395,15 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     fmt = SalientTokensFormat.create(0.6, torch.bfloat16, block, hkv, d)
     spec, scale = SalientSpec(ratio=0.6), d ** -0.5
 
-    def pages(num_seqs: int, ctx: int):  # each block's salient tokens drawn at random, up to its slots
-        return _pages(fmt, num_seqs, ctx, encode=lambda k, v, n: fmt.encode(
-            k, v, n, torch.rand(k.shape[:3], device="cuda").argsort(1) < fmt.slots))
+    def pages(num_seqs: int, ctx: int, leading: bool = False):
+        """Full blocks with as many salient tokens as slots: drawn at random (a decode row's block,
+        read up to its context, has about 60% of its tokens salient and free slots), or its first
+        tokens (``leading``: past them a new token must evict one)."""
+        def salient(k):
+            order = torch.arange(block, device=k.device)[None, :, None] if leading else \
+                torch.rand(k.shape[:3], device=k.device).argsort(1)
+            return (order < fmt.slots).expand(k.shape[:3])
+        return _pages(fmt, num_seqs, ctx, encode=lambda k, v, n: fmt.encode(k, v, n, salient(k)))
 
     rows = []
     n = len(lens)
@@ -427,6 +433,17 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
         rows.append({"kernel": f"zipcache-r60 {label}: the write alone{_tuned(tuning)}",
                      "ms": _time_ms(lambda: write_decoded(q, k, v, cache, fmt, spec, table, seq_lens, lse, scale,
                                                           **tuning))})
+    # the random new K widens some channel of most rows' blocks (each such write re-codes its block);
+    # K inside every channel's grid widens none: a held token's tile alone, or, past the leading
+    # salient tokens, the scores and the block's re-coding
+    k_inside = 0.1 * k
+    rows.append({"kernel": f"zipcache-r60 {label}: the write alone, no widening (a held token)",
+                 "ms": _time_ms(lambda: write_decoded(q, k_inside, v, cache, fmt, spec, table, seq_lens, lse,
+                                                      scale))})
+    full, full_table = pages(n, max(lens), leading=True)
+    rows.append({"kernel": f"zipcache-r60 {label}: the write alone, no widening, slots full past {fmt.slots} tokens",
+                 "ms": _time_ms(lambda: write_decoded(q, k_inside, v, full, fmt, spec, full_table, seq_lens, lse,
+                                                      scale))})
     four = bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens)
     rows.append({"kernel": f"quant-k4v4 {label}: Triton decode", "ms": four["ms"]})
     rows.append({"kernel": f"quant-k4v4 {label}: Triton write", "ms": bench_write(4, n, hkv, d, block)["ms"]})
