@@ -34,7 +34,7 @@ from .launch import Variant, launch
 from .write import _half, _widened_span
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
-TILE = 16  # tokens a program holds at once (H200: 16 with 4 warps the fastest, docs/benchmarks.md)
+TILE = 16  # tokens a program holds at once (H200: 16 with 4 warps the fastest, docs/log/2026-11-29.md)
 PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
 NO_WINDOW = 1 << 30  # the window of a layer without one: a probe sees every token before it
 
