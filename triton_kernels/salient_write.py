@@ -5,8 +5,9 @@ A program appends a block's new tokens (a decode row's one, or a prompt chunk's 
 and picks the block's 4-bit tokens as ``salient_torch._recompressed`` does: of the still-salient
 tokens and the new ones, the best-scored up to the block's quota (ties to the earlier token).
 Scores are drawn (``random``) or computed here from the probes' attention probabilities over the
-block, with the log-sum-exp of each probe's attention over its whole context: a prompt chunk's
-probes as ``salient_torch.plan_chunk_writes`` lists them, a decode row's query
+block, with the log-sum-exp of each probe's attention over its whole context (a sliding-window
+layer's probe: over its window, and it scores the tokens in it alone): a prompt chunk's probes as
+``salient_torch.plan_chunk_writes`` lists them, a decode row's query
 (``salient_decode.decode_rows`` gives its log-sum-exp). K follows the 4-bit codec's append rule on its
 per-channel grid (``MinMaxCodec.encode``: a channel that all new values fit keeps grid and codes;
 any other widens, and its earlier tokens are requantized from the level they read as); V's new
