@@ -379,9 +379,8 @@ def _tuned(tuning: dict) -> str:
 def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int = 128,
                         prompt: tuple[int, int, int] = (8, 512, 1536)) -> list[dict]:
     """A layer's attention for ZipCache's pages (``zipcache-r60``) in parts, against the 4-bit preset's
-    on the same rows: decode rows of context ``lens`` (the decode kernel over the pages alone, in
-    its default tuning and with 3 stages; with the new token's own term and the write, whose probe
-    scores and re-compression are the rest), and ``prompt`` = (chunks, tokens, history) prefill
+    on the same rows: decode rows of context ``lens`` (the decode kernel over the pages alone; with
+    the new token's own term and the write, whose probe scores and re-compression are the rest), and ``prompt`` = (chunks, tokens, history) prefill
     chunks (attention, then the batched write)."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.formats.salient import SalientTokensFormat
@@ -416,11 +415,9 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     history = seq_lens - 1
     order = longest_first(history)
     prior = torch.zeros(hq, n, device="cuda")
-    for stages in (None, 3):
-        rows.append({"kernel": f"zipcache-r60 {label}: decode kernel{'' if stages is None else f', {stages} stages'}",
-                     "ms": _time_ms(lambda: paged_decode(q, cache, fmt, table, history, scale, max(lens), out=out,
-                                                         row_order=order, prior_lse=prior, lse_out=True,
-                                                         num_stages=stages))})
+    rows.append({"kernel": f"zipcache-r60 {label}: decode kernel",
+                 "ms": _time_ms(lambda: paged_decode(q, cache, fmt, table, history, scale, max(lens), out=out,
+                                                     row_order=order, prior_lse=prior, lse_out=True))})
 
     def decode_step():
         lse = decode_rows(q, k, v, cache, fmt, table, history, scale, max(lens), out, row_order=order)

@@ -593,8 +593,9 @@ def _decode_kernel(
                         pr = p1
                     else:
                         pr = p
-                    psr1 = (pr * vr[None, :]).to(tl.float16)
-                    mid = 1.5 * tl.sum(tl.where(refined[None, :], 0.0, pr * vr[None, :]), 1)[:, None]
+                    pv = pr * vr[None, :]
+                    psr1 = pv.to(tl.float16)
+                    mid = 1.5 * tl.sum(tl.where(refined[None, :], 0.0, pv), 1)[:, None]
                     pmr = 1024.0 * tl.sum(psr1.to(tl.float32), 1)[:, None]
                     if ONE_ROW:
                         psr = tl.broadcast_to(psr1, (GP, TILE))  # rows past the first are written nowhere
@@ -1040,11 +1041,13 @@ def longest_first(seq_lens: torch.Tensor, out: torch.Tensor | None = None) -> to
     return out.copy_(order, non_blocking=True)
 
 
-def warm_up(cache: torch.Tensor, fmt: KVPageFormat | MergedLayer, num_query_heads: int,
-            query_dtype: torch.dtype, window: int | None = None) -> None:
+def warm_up(cache: torch.Tensor, fmt: KVPageFormat | MergedLayer | SalientTokensFormat, num_query_heads: int,
+            query_dtype: torch.dtype, window: int | None = None, lse_out: bool = False) -> None:
     """Compile every decode-kernel variant a serving step may launch for this page format, split
     or not: decode rows in a given order, and prompt rows in groups continuing a prior attention
-    (``prompt.paged_prompt``); a sliding-window layer's (``window``) see their windows. vLLM's own warm-up (a large prefill, then decode-only CUDA graphs)
+    (``prompt.paged_prompt``); a sliding-window layer's (``window``) see their windows; with
+    ``lse_out`` (``salient_decode``), decode rows continue a prior too and both leave the merged
+    log-sum-exp. vLLM's own warm-up (a large prefill, then decode-only CUDA graphs)
     reaches only some of them, and each compile in the middle of serving (about half a second)
     stalls every request of that step. Launches one row over page 0; outputs are discarded."""
     dev = cache.device
@@ -1058,8 +1061,9 @@ def warm_up(cache: torch.Tensor, fmt: KVPageFormat | MergedLayer, num_query_head
     options = {}
     if window is not None:
         options.update(window=window, first_keys=first)
+    decode_prior = dict(prior_lse=prior, lse_out=True) if lse_out else {}
     for num_splits in (1, 2):
         paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
-                     row_order=first, **options)
+                     row_order=first, **decode_prior, **options)
         paged_decode(query, cache, fmt, block_table, seq_lens, 1.0, 2 * fmt.block_size, num_splits=num_splits,
-                     groups=one_group, prior_lse=prior, **options)
+                     groups=one_group, prior_lse=prior, lse_out=lse_out, **options)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from vllm_kvcompress.formats.salient import SalientTokensFormat
-from vllm_kvcompress.token_rows import TokenGroups
 
-from .decode import paged_decode, rows_per_program
 from . import salient_write
+from .decode import paged_decode
+from .decode import warm_up as warm_up_layer
 from .own_token import own_token
 
 
@@ -37,23 +37,12 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: 
 
 def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int, query_dtype: torch.dtype,
             window: int | None = None) -> None:
-    """Compile what a serving step may launch over ``fmt``'s pages: decode rows in a given order and
-    prompt rows in groups, each continuing a prior attention, split or not, the own-token kernel,
-    and every kind of write (``salient_write.warm_up``); a sliding-window layer's (``window``) see
-    their windows. Launches one row over page 0; outputs are discarded."""
-    dev = cache.device
-    heads, d = fmt.k.num_heads, fmt.k.head_size
-    q = torch.zeros(1, num_query_heads, d, dtype=query_dtype, device=dev)
-    new = torch.zeros(1, heads, d, dtype=query_dtype, device=dev)
-    table = torch.zeros(1, 2, dtype=torch.int32, device=dev)
-    one = torch.ones(1, dtype=torch.int32, device=dev)
-    first = torch.zeros(1, dtype=torch.int32, device=dev)
-    group = TokenGroups(one, first, rows_per_program(num_query_heads // heads))
-    windowed = {} if window is None else dict(window=window, first_keys=first)
-    for num_splits in (1, 2):
-        decode_rows(q, new, new, cache, fmt, table, one, 1.0, 2 * fmt.block_size, torch.empty_like(q),
-                    row_order=first, num_splits=num_splits, **windowed)
-        lse = torch.zeros(num_query_heads, 1, dtype=torch.float32, device=dev)
-        paged_decode(q, cache, fmt, table, one, 1.0, 2 * fmt.block_size, num_splits=num_splits, groups=group,
-                     out=torch.empty_like(q), prior_lse=lse, lse_out=True, **windowed)
+    """Compile what a serving step may launch over ``fmt``'s pages: the decode kernel's variants,
+    every row continuing a prior and leaving the merged log-sum-exp (``decode.warm_up``), the
+    own-token kernel, and every kind of write (``salient_write.warm_up``). Launches over page 0;
+    outputs are discarded."""
+    warm_up_layer(cache, fmt, num_query_heads, query_dtype, window, lse_out=True)
+    q = torch.zeros(1, num_query_heads, fmt.k.head_size, dtype=query_dtype, device=cache.device)
+    new = torch.zeros(1, fmt.k.num_heads, fmt.k.head_size, dtype=query_dtype, device=cache.device)
+    own_token(q, new, new, 1.0, torch.empty_like(q))
     salient_write.warm_up(cache, fmt, num_query_heads, query_dtype)

@@ -111,7 +111,7 @@ class KVCompressMetadata:
     def chunk_writes(self, fmt: SalientTokensFormat, spec: SalientSpec) -> salient_torch.ChunkWrites | None:
         """Where ZipCache's layers write the step's prompt chunks, and their probes
         (``salient_torch.plan_chunk_writes``). Made once a step."""
-        key = (fmt.block_size, fmt.slots, spec)
+        key = (fmt, spec)
         if key not in self._chunk_writes:
             nd = self.num_decodes
             start = self.query_start_loc[nd]
@@ -372,13 +372,13 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
                         self.scale, **self._window_args())
         start = md.query_start_loc[nd]
         if start < t:
-            chunks = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if self._prompt_kernel is not None and md.token_rows is not None:
                 self._prompt_kernel(q[start:], k[start:], v[start:], pages, fmt, spec, md.token_rows,
                                     md.chunk_writes(fmt, spec), self.scale, out[start:], **self._window_args())
             else:
-                out[start:] = salient_torch.attend_and_write(q[start:], k[start:], v[start:], pages, fmt, spec,
-                                                             *chunks, self.sliding_window)
+                out[start:] = salient_torch.attend_and_write(
+                    q[start:], k[start:], v[start:], pages, fmt, spec, [x - start for x in md.query_start_loc[nd:]],
+                    md.seq_lens[nd:], md.block_table[nd:], self.scale, self.sliding_window)
 
     def _forward_merged(self, layer, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
                         fmt: MergedPairFormat, md: KVCompressMetadata, out: torch.Tensor) -> None:

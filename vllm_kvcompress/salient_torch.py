@@ -21,11 +21,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .config import SalientSpec
 from .formats.salient import SalientTokensFormat
+from .token_rows import aligned_to_device
 
 
 def probe_rows(num_rows: int, end: int, spec: SalientSpec) -> torch.Tensor:
@@ -159,8 +161,8 @@ def plan_chunk_writes(fmt: SalientTokensFormat, spec: SalientSpec, query_start_l
                       block_table: torch.Tensor) -> ChunkWrites | None:
     """The writes of each request's step tokens into its pages, as ``_write`` makes one request's, for
     a kernel to carry out (``salient_write``), with each request's probes as ``attend_and_write``
-    draws them. Made on the host and sent in one copy (from pinned memory on CUDA), without waiting
-    for the device. None: no request has tokens."""
+    draws them. Made on the host and sent in one copy (``token_rows.aligned_to_device``), without
+    waiting for the device. None: no request has tokens."""
     B, H = fmt.block_size, fmt.k.num_heads
     dev = block_table.device
     columns = []  # per touched block: row, block of the request, num_stored, filled, first_row, holding, start, probes
@@ -187,23 +189,12 @@ def plan_chunk_writes(fmt: SalientTokensFormat, spec: SalientSpec, query_start_l
                             holding, start, *probes))
     if not columns:
         return None
-    # every array starts on a 16-byte boundary, as the kernel was compiled for (``salient_write.warm_up``)
-    n, p = len(columns), len(rows_of_probes)
-    n4, p4 = -(-n // 4) * 4, -(-p // 4) * 4
-    table = torch.zeros(9, n4, dtype=torch.int32)
-    table[:, :n] = torch.tensor(columns, dtype=torch.int32).t()
+    table = torch.tensor(columns, dtype=torch.int32).t()
     table[5] = _block_quota(fmt, table[3], table[5].bool())
-    probes = torch.zeros(2, p4, dtype=torch.int32)
-    probes[:, :p] = torch.tensor([rows_of_probes, pos_of_probes], dtype=torch.int32).view(2, p)
-    host = torch.cat([table.flatten(), probes.flatten()])
-    if dev.type == "cuda":
-        host = host.pin_memory()
-    on_device = host.to(dev, non_blocking=True)
-    t = on_device[:9 * n4].view(9, n4)[:, :n]
-    probes = on_device[9 * n4:].view(2, p4)[:, :p]
-    scores = None if not drawn else torch.cat(drawn).view(n, B, H).to(dev, non_blocking=True)
-    return ChunkWrites(block_table[t[0].long(), t[1].long()], t[2], t[3], t[4], t[5], t[6], t[7], t[8],
-                       probes[0], probes[1], scores)
+    row, column, *per_block, probe_rows_dev, probe_pos_dev = aligned_to_device(
+        [*table.numpy(), np.asarray(rows_of_probes, np.int32), np.asarray(pos_of_probes, np.int32)], dev)
+    scores = None if not drawn else torch.cat(drawn).view(len(columns), B, H).to(dev, non_blocking=True)
+    return ChunkWrites(block_table[row.long(), column.long()], *per_block, probe_rows_dev, probe_pos_dev, scores)
 
 
 def _recompressed(fmt: SalientTokensFormat, stored: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

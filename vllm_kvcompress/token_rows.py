@@ -73,14 +73,14 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
                         + (np.arange(len(first_group), dtype=np.int32) - first_group) * rows_per_group)
         parts += [np.where(offset % rows_per_group == 0, np.minimum(q_len - offset, rows_per_group), 0),
                   group_starts]
-    query_start, request_dev, shift, offset_dev, *grouping = _to_device(parts, seq_lens.device)
+    query_start, request_dev, shift, offset_dev, *grouping = aligned_to_device(parts, seq_lens.device)
     history = seq_lens[request_dev] + shift
     groups = TokenGroups(grouping[0], grouping[1], rows_per_group) if grouping else None
     return TokenRows(history.to(torch.int32), block_table[request_dev], max_seq_len, groups, query_start,
                      int(q_lens.max(initial=0)), offset_dev)
 
 
-def _to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+def aligned_to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """int32 arrays to ``device`` in one copy, each starting 16 bytes apart from the others (the
     Triton kernels are compiled for 16-byte aligned pointers: a view at another offset would be
     compiled again in the middle of serving). On CUDA the copy leaves from pinned memory, so it is
