@@ -135,11 +135,14 @@ def test_chunks_without_history_launch_no_decode(own_attention, monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_planned_layers_equal_reference(num_splits):
+def test_planned_layers_equal_reference(num_splits, monkeypatch):
     """A step's prompt chunks in three layers, each with its own pages, queries and new K/V: the
     later layers launch the decode kernel through the first one's plan (FlashAttention's log-sum-exp
-    is a new tensor in every layer), and every layer's output equals the reference."""
+    is a new tensor in every layer), and every layer's output equals the reference. (The plans start
+    empty: earlier tests may have filled them to their limit, past which each new one drops one.)"""
+    from vllm_kvcompress.launch_plans import LaunchPlans
     from vllm_kvcompress.triton_kernels import decode
+    monkeypatch.setattr(decode, "_plans", LaunchPlans())
     seq_lens, q_lens = [40, 9], [25, 9]
     plans = None
     for layer in range(3):

@@ -13,9 +13,11 @@ per-channel grid (``MinMaxCodec.encode``: a channel that all new values fit keep
 any other widens, and its earlier tokens are requantized from the level they read as); V's new
 tokens take their own per-token grids and earlier tokens keep theirs. Equal to the torch reference.
 
-Refinement rows are laid out in token order, as the torch reference lays them, which lets a
-program write a tile's rows before it reads the next tile's: a kept token's new row is at most its
-old one, and later tokens' old rows lie above both.
+A token keeps its refinement row while it keeps 4 bits, and a new one takes the lowest free row, so
+that a write touches only the new tokens' rows and, where the tokens' choice drops some, their
+slots; only a K channel that widens re-codes the block's earlier tokens (in place). Rows are in no
+particular order: the torch reference lays them out in token order, and the two are compared by
+the values the pages read as.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
                           K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
                           K_HIGH: tl.constexpr, V_HIGH: tl.constexpr, K_LOW: tl.constexpr, V_LOW: tl.constexpr,
                           SLOT_OF: tl.constexpr, NONE: tl.constexpr, DECODE: tl.constexpr, GIVEN: tl.constexpr,
-                          NORMALIZED: tl.constexpr, TT: tl.constexpr, PP: tl.constexpr):
+                          NORMALIZED: tl.constexpr, TT: tl.constexpr, NT: tl.constexpr, PP: tl.constexpr):
     i, h = tl.program_id(0), tl.program_id(1)
     if DECODE:  # decode row i: one new token at the end of its context, its query its probe
         length = tl.load(lens_ptr + i)
@@ -95,8 +97,6 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         block = tl.load(table_ptr + i * table_stride + (length - 1) // B).to(tl.int64)
         quota = tl.where(length % interval != 0, R, tl.load(quotas_ptr + filled))
         start = length - 1 - num_stored
-        probe_first = 0
-        probe_end = 1
     else:  # touched block i of prompt chunks: tokens num_stored..filled-1 new, from key row first on
         block = tl.load(blocks_ptr + i).to(tl.int64)
         num_stored = tl.load(stored_ptr + i)
@@ -137,98 +137,147 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     step = tl.where(kept, k_scale.to(tl.float16), tl.where(has_old, wide_scale, own_scale))
 
     # Where the quota takes every candidate (a decoded token held while its block has a free slot,
-    # the common decode step) no score is needed, and where no channel widened either, earlier
-    # tokens keep their codes and rows: only the new tokens' tiles are written.
+    # the common decode step) no score is needed; where no channel widened, earlier tokens keep their
+    # codes and slots: only the new tokens' tiles are written.
     earlier_salient = (slot != NONE) & (tokens < num_stored)
-    num_candidates = tl.sum(earlier_salient.to(tl.int32), 0) + filled - num_stored
+    num_candidates = tl.sum(candidate.to(tl.int32), 0)
     all_kept = quota >= num_candidates
-    untouched = all_kept & (tl.min(tl.min(tl.min(kept.to(tl.int32), 2), 1), 0) > 0)
-    first_tile = tl.where(untouched, num_stored // TT * TT, 0)
+    widened = has_old & (tl.min(tl.min(tl.min(kept.to(tl.int32), 2), 1), 0) == 0)
 
     # the scores: the probes' probabilities over the block's tokens (with each probe's log-sum-exp over
     # its whole context), summed over the query heads of head h; NORMALIZED, divided by the number of
     # probes that see the token. A decode row's probe is its query, which sees the whole block.
-    if not GIVEN and not all_kept:
-        for t0 in range(0, filled, TT):
-            tt = t0 + tl.arange(0, TT)
-            old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
-            _, _, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch, shift,
-                              k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
-            keys = tl.reshape(x, [TT, D])
-            score = tl.zeros([TT], tl.float32)
-            seen_by = tl.zeros([TT], tl.float32)
-            for p0 in range(probe_first, probe_end, PP):  # PP probes at once, as rows of one product
-                probe = p0 + tl.arange(0, PP)
-                live = probe < probe_end
-                if DECODE:
-                    row = tl.full([PP], 0, tl.int32) + i
-                    seen_to = tl.where(live, length - 1, -1)
+    keep = candidate
+    if not all_kept:
+        if not GIVEN:
+            for t0 in range(0, filled, TT):
+                tt = t0 + tl.arange(0, TT)
+                old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
+                _, _, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch,
+                                  shift, k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
+                if DECODE:  # one probe, the row's query: products over channels, no matrix unit
+                    sees = ((start + tt) > length - 1 - window) & (tt < filled)
+                    score = tl.zeros([TT], tl.float32)
+                    for g in tl.static_range(G):
+                        qg = tl.load(q_ptr + i * q_row_stride + (h * G + g) * q_head_stride + ch).to(tl.float32)
+                        logit = tl.sum(tl.sum(x * qg, 2), 1) * scale
+                        lse = tl.load(lse_ptr + i * lse_row_stride + (h * G + g) * lse_head_stride)
+                        score += tl.where(sees, tl.exp(logit - lse), 0.0)
                 else:
-                    row = tl.load(probe_rows_ptr + probe, mask=live, other=0)
-                    seen_to = tl.load(probe_pos_ptr + probe, mask=live, other=-1)
-                # [PP, TT]: a probe sees the tokens up to its own, within its window (NO_WINDOW: all)
-                sees = ((start + tt)[None, :] <= seen_to[:, None]) & ((start + tt)[None, :] > seen_to[:, None] - window)
-                for g in tl.static_range(G):
-                    qg = tl.load(q_ptr + row[:, None] * q_row_stride + (h * G + g) * q_head_stride + d[None, :],
-                                 mask=live[:, None], other=0.0).to(tl.float32)
-                    logit = tl.dot(qg, tl.trans(keys), input_precision="ieee") * scale
-                    lse = tl.load(lse_ptr + row * lse_row_stride + (h * G + g) * lse_head_stride, mask=live, other=0.0)
-                    score += tl.sum(tl.where(sees, tl.exp(logit - lse[:, None]), 0.0), 0)
-                seen_by += tl.sum(sees.to(tl.float32), 0)
-            if NORMALIZED:
-                score = score / tl.maximum(seen_by, 1.0)
-            tl.store(scores_ptr + (i * B + tt) * H + h, score)
-        tl.debug_barrier()
-    scores = tl.load(scores_ptr + (i * B + tokens) * H + h)
+                    keys = tl.reshape(x, [TT, D])
+                    score = tl.zeros([TT], tl.float32)
+                    seen_by = tl.zeros([TT], tl.float32)
+                    for p0 in range(probe_first, probe_end, PP):  # PP probes at once, as rows of one product
+                        probe = p0 + tl.arange(0, PP)
+                        live = probe < probe_end
+                        row = tl.load(probe_rows_ptr + probe, mask=live, other=0)
+                        seen_to = tl.load(probe_pos_ptr + probe, mask=live, other=-1)
+                        # [PP, TT]: a probe sees the tokens up to its own, within its window (NO_WINDOW: all)
+                        sees = (((start + tt)[None, :] <= seen_to[:, None])
+                                & ((start + tt)[None, :] > seen_to[:, None] - window))
+                        for g in tl.static_range(G):
+                            qg = tl.load(q_ptr + row[:, None] * q_row_stride + (h * G + g) * q_head_stride
+                                         + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                            logit = tl.dot(qg, tl.trans(keys), input_precision="ieee") * scale
+                            lse = tl.load(lse_ptr + row * lse_row_stride + (h * G + g) * lse_head_stride,
+                                          mask=live, other=0.0)
+                            score += tl.sum(tl.where(sees, tl.exp(logit - lse[:, None]), 0.0), 0)
+                        seen_by += tl.sum(sees.to(tl.float32), 0)
+                    if NORMALIZED:
+                        score = score / tl.maximum(seen_by, 1.0)
+                tl.store(scores_ptr + (i * B + tt) * H + h, score)
+            tl.debug_barrier()
+        keep = candidate & (_ranks(page, scores_ptr, i, h, tokens, num_stored, filled, B, H, SLOT_OF, NONE, TT)
+                            < quota)
 
-    # a tile at a time: its 4-bit tokens, codes, planes and refinement rows
-    taken = tl.sum((earlier_salient & (tokens < first_tile)).to(tl.int32), 0)
-    for t0 in range(first_tile, filled, TT):
-        tt = t0 + tl.arange(0, TT)
+    # a widened channel re-codes the earlier tokens in place, a tile at a time (their rows and slots,
+    # the dropped ones' read before any new token takes their slot)
+    if widened:
+        for t0 in range(0, num_stored, TT):
+            tt = t0 + tl.arange(0, TT)
+            rows = tt[:, None]
+            old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
+            keep_t = _pick(keep, tokens, tt) & (tt < num_stored)
+            k_high, k_low, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, num_stored, u,
+                                       ch, shift, k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
+            k_codes = tl.minimum(tl.maximum(code_on(x, zero.to(tl.float32), step.to(tl.float32)), 0.0), _TOP)
+            k_codes = tl.where(kept, k_high * 4 + k_low, k_codes.to(tl.int32))
+            tl.debug_barrier()  # the tile's bytes are read before any is written
+            _store_plane(page, K_HIGH, h * B + rows, u2, k_codes >> 2, shift, (tt < num_stored)[:, None] & (u2 < U), U)
+            _store_plane(page, K_LOW, h * R + tl.where(keep_t, old_slot, 0)[:, None], u2, k_codes, shift,
+                         keep_t[:, None] & (u2 < U), U)
+        tl.debug_barrier()
+
+    # the new tokens, NT at a time: codes on the grids, and a kept one takes the lowest free slot
+    free_gap = _free_slot_gaps(slot, keep & (tokens < num_stored), B)
+    taken = num_stored * 0  # new tokens given a slot so far
+    for t0 in range(num_stored, filled, NT):
+        tt = t0 + tl.arange(0, NT)
         t = tt[:, None, None]
         rows = tt[:, None]
-        earlier = t < num_stored
-        new = (t >= num_stored) & (t < filled)
-        old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
-        mine = ((old_slot != NONE) & (tt < num_stored)) | ((tt >= num_stored) & (tt < filled))
-        s_t = tl.load(scores_ptr + (i * B + tt) * H + h)[:, None]
-        better = candidate[None, :] & ((scores[None, :] > s_t) | ((scores[None, :] == s_t) & (tokens[None, :] < rows)))
-        rank = tl.where(quota >= num_candidates, 0, tl.sum(better.to(tl.int32), 1))
-        keep = mine & (rank < quota)
-        new_slot = taken + tl.cumsum(keep.to(tl.int32), 0) - 1
-        taken += tl.sum(keep.to(tl.int32), 0)
+        new = t < filled
+        appended = tt < filled
+        keep_t = _pick(keep, tokens, tt) & appended
+        nth = taken + tl.cumsum(keep_t.to(tl.int32), 0) - 1
+        taken += tl.sum(keep_t.to(tl.int32), 0)
+        new_slot = nth + tl.sum((free_gap[None, :] <= nth[:, None]).to(tl.int32), 1)  # the nth free slot
 
-        k_high, k_low, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch,
-                                   shift, k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
-        k_codes = tl.minimum(tl.maximum(code_on(x, zero.to(tl.float32), step.to(tl.float32)), 0.0), _TOP)
-        k_codes = tl.where(kept & earlier, k_high * 4 + k_low, k_codes.to(tl.int32))
-
+        x = tl.load(k_ptr + (first + t - num_stored) * k_row_stride + h * D + ch, mask=new, other=0.0)
+        k_codes = tl.minimum(tl.maximum(code_on(x.to(tl.float32), zero.to(tl.float32), step.to(tl.float32)), 0.0),
+                             _TOP).to(tl.int32)
         v_new = tl.load(v_ptr + (first + t - num_stored) * v_row_stride + h * D + ch, mask=new, other=0.0)
         v_new = v_new.to(tl.float32)
         v_zero, v_scale = min_max_stats(tl.min(tl.min(tl.where(new, v_new, float("inf")), 2), 1),
                                          tl.max(tl.max(tl.where(new, v_new, float("-inf")), 2), 1), _TOP)
         v_code = code_on(v_new, v_zero.to(tl.float32)[:, None, None], v_scale.to(tl.float32)[:, None, None])
-        lows = earlier & (old_slot != NONE)[:, None, None]
-        old_row = (h * R + tl.where(old_slot != NONE, old_slot, 0))[:, None, None]
-        v_stored = (plane(page, V_HIGH, h * B + t, u, shift, earlier, U) * 4
-                    + plane(page, V_LOW, old_row, u, shift, lows, U))
-        v_codes = tl.where(new, tl.minimum(tl.maximum(v_code, 0.0), _TOP).to(tl.int32), v_stored)
+        v_codes = tl.minimum(tl.maximum(v_code, 0.0), _TOP).to(tl.int32)
 
-        tl.debug_barrier()  # the tile's bytes are read before any is written
-        new_row = tt < filled
-        appended = (tt >= num_stored) & new_row
         tl.store((page + V_ZERO + (h * B + tt) * 2).to(tl.pointer_type(tl.float16)), v_zero, mask=appended)
         tl.store((page + V_SCALE + (h * B + tt) * 2).to(tl.pointer_type(tl.float16)), v_scale, mask=appended)
-        _store_plane(page, K_HIGH, h * B + rows, u2, k_codes >> 2, shift, new_row[:, None] & (u2 < U), U)
+        _store_plane(page, K_HIGH, h * B + rows, u2, k_codes >> 2, shift, appended[:, None] & (u2 < U), U)
         _store_plane(page, V_HIGH, h * B + rows, u2, v_codes >> 2, shift, appended[:, None] & (u2 < U), U)
-        low_row = h * R + tl.where(keep, new_slot, 0)[:, None]
-        _store_plane(page, K_LOW, low_row, u2, k_codes, shift, keep[:, None] & (u2 < U), U)
-        _store_plane(page, V_LOW, low_row, u2, v_codes, shift, keep[:, None] & (u2 < U), U)
-        tl.store(page + SLOT_OF + h * B + tt, tl.where(keep, new_slot, NONE).to(tl.uint8), mask=new_row)
-        tl.debug_barrier()
-    tl.store(page + SLOT_OF + h * B + tokens, tl.full([B], NONE, tl.uint8), mask=tokens >= filled)  # no token yet
+        low_row = h * R + tl.where(keep_t, new_slot, 0)[:, None]
+        _store_plane(page, K_LOW, low_row, u2, k_codes, shift, keep_t[:, None] & (u2 < U), U)
+        _store_plane(page, V_LOW, low_row, u2, v_codes, shift, keep_t[:, None] & (u2 < U), U)
+        tl.store(page + SLOT_OF + h * B + tt, tl.where(keep_t, new_slot, NONE).to(tl.uint8), mask=appended)
+    # earlier tokens that lost their 4 bits, and the rows that hold no token yet
+    dropped = (earlier_salient & ~keep) | (tokens >= filled)
+    tl.store(page + SLOT_OF + h * B + tokens, tl.full([B], NONE, tl.uint8), mask=dropped)
     tl.store((page + K_ZERO + (h * D + ch) * 2).to(tl.pointer_type(tl.float16)), zero, mask=ch < D)
     tl.store((page + K_SCALE + (h * D + ch) * 2).to(tl.pointer_type(tl.float16)), step, mask=ch < D)
+
+
+@triton.jit
+def _ranks(page, scores_ptr, i, h, tokens, num_stored, filled, B: tl.constexpr, H: tl.constexpr,
+           SLOT_OF: tl.constexpr, NONE: tl.constexpr, TT: tl.constexpr):
+    """[B] each token's rank among the block's candidates (its earlier 4-bit tokens and the new ones)
+    by score, ties to the earlier token: the candidates scored above it, counted TT at a time."""
+    mine = tl.load(scores_ptr + (i * B + tokens) * H + h)
+    rank = tl.zeros([B], tl.int32)
+    for c0 in range(0, filled, TT):
+        cc = c0 + tl.arange(0, TT)
+        theirs = tl.load(scores_ptr + (i * B + cc) * H + h)
+        their_slot = tl.load(page + SLOT_OF + h * B + cc).to(tl.int32)
+        rival = ((their_slot != NONE) & (cc < num_stored)) | ((cc >= num_stored) & (cc < filled))
+        better = rival[None, :] & ((theirs[None, :] > mine[:, None])
+                                   | ((theirs[None, :] == mine[:, None]) & (cc[None, :] < tokens[:, None])))
+        rank += tl.sum(better.to(tl.int32), 1)
+    return rank
+
+
+@triton.jit
+def _pick(flags, tokens, tt):
+    """``flags`` [B] (one a block token) at tokens ``tt`` [T]."""
+    return tl.sum(tl.where(tokens[None, :] == tt[:, None], flags.to(tl.int32)[None, :], 0), 1) > 0
+
+
+@triton.jit
+def _free_slot_gaps(slot, holds, B: tl.constexpr):
+    """[B] the slots still held (``slot`` where ``holds``) in ascending order, each less its place in
+    that order: the free slots below it. The nth free slot (from 0) is n plus the count of these
+    gaps at most n."""
+    held = tl.sort(tl.where(holds, slot, 1 << 20))
+    return held - tl.arange(0, B)
 
 
 @functools.cache
@@ -237,20 +286,22 @@ def _quotas(fmt: SalientTokensFormat, device: torch.device) -> torch.Tensor:
     return fmt.quota(torch.arange(fmt.block_size + 1)).to(device, torch.int32)
 
 
-def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE) -> dict:
+def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE, decode: bool = False) -> dict:
     """The write kernel's compile-time constants for ``fmt``'s pages and ``group`` query heads a KV
-    head, but for the kind of write (DECODE, GIVEN, NORMALIZED)."""
+    head, but for the kind of write (DECODE, GIVEN, NORMALIZED); a decode row's one new token is
+    written alone (NT), a prompt chunk's a tile at a time."""
     at = fmt.regions.start
     return dict(PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=fmt.k.head_size, G=group, H=fmt.k.num_heads,
                 K_SCALE=at("k_scale"), K_ZERO=at("k_zero"), V_SCALE=at("v_scale"), V_ZERO=at("v_zero"),
                 K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"), V_LOW=at("v_low"), SLOT_OF=at("slot_of"),
-                NONE=NO_SLOT, TT=min(tile, fmt.block_size), PP=PROBES)
+                NONE=NO_SLOT, TT=min(tile, fmt.block_size), NT=1 if decode else min(tile, fmt.block_size),
+                PP=PROBES)
 
 
 @functools.cache
 def _variant(fmt: SalientTokensFormat, group: int, tile: int, num_warps: int, decode: bool, given: bool,
              normalized: bool) -> Variant:
-    return Variant(_salient_write_kernel, write_constants(fmt, group, tile)
+    return Variant(_salient_write_kernel, write_constants(fmt, group, tile, decode)
                    | dict(DECODE=decode, GIVEN=given, NORMALIZED=normalized), {"num_warps": num_warps})
 
 
