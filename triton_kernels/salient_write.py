@@ -37,7 +37,8 @@ from .launch import Variant, launch
 from .write import _half, _widened_span
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
-TILE = 16  # tokens a program holds at once (H200: 16 with 4 warps the fastest, docs/log/2026-11-29.md)
+TILE = 16  # a prompt chunk's tokens a program holds at once (H200: 16 with 4 warps the fastest)
+DECODE_TILE = 8  # a decode row's (H200: 8 the fastest, fewer registers; docs/log/2026-11-29.md)
 PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
 NO_WINDOW = 1 << 30  # the window of a layer without one: a probe sees every token before it
 
@@ -187,8 +188,14 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
                         score = score / tl.maximum(seen_by, 1.0)
                 tl.store(scores_ptr + (i * B + tt) * H + h, score)
             tl.debug_barrier()
-        keep = candidate & (_ranks(page, scores_ptr, i, h, tokens, num_stored, filled, B, H, SLOT_OF, NONE, TT)
-                            < quota)
+        if quota == num_candidates - 1:  # one to drop (a decoded token, the block's slots full): the least
+            scores = tl.load(scores_ptr + (i * B + tokens) * H + h)
+            least = tl.min(tl.where(candidate, scores, float("inf")), 0)
+            dropped = tl.max(tl.where(candidate & (scores == least), tokens, -1), 0)  # ties: the later token
+            keep = candidate & (tokens != dropped)
+        else:
+            keep = candidate & (_ranks(page, scores_ptr, i, h, tokens, num_stored, filled, B, H, SLOT_OF, NONE, TT)
+                                < quota)
 
     # a widened channel re-codes the earlier tokens in place, a tile at a time (their rows and slots,
     # the dropped ones' read before any new token takes their slot)
@@ -309,7 +316,7 @@ _RUNTIME = _salient_write_kernel.arg_names[:_salient_write_kernel.arg_names.inde
 
 
 def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores, kind: tuple[bool, bool, bool],
-            tile: int = TILE, num_warps: int = 4, **args) -> None:
+            tile: int | None = None, num_warps: int = 4, **args) -> None:
     """The write kernel over ``programs`` blocks (or decode rows) and every KV head; ``kind``: its
     DECODE, GIVEN and NORMALIZED. Pointers a kind does not read are given the cache's."""
     values = dict(q_ptr=query, k_ptr=key, v_ptr=value, scores_ptr=scores, pages_ptr=cache,
@@ -317,6 +324,7 @@ def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, s
                   v_row_stride=value.stride(0), scale=1.0, interval=1, window=NO_WINDOW, table_stride=0,
                   lse_row_stride=0, lse_head_stride=0) | args
     heads = fmt.k.num_heads
+    tile = tile or (DECODE_TILE if kind[0] else TILE)
     launch(_variant(fmt, query.shape[1] // heads, tile, num_warps, *kind), (programs, heads),
            tuple([values.get(name, cache) for name in _RUNTIME]))
 
