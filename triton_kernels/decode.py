@@ -186,6 +186,16 @@ def _refine_plane(acc, ps, pm, codes, unit, mid):
 
 
 @triton.jit
+def _salient_plane(high, low, refined, unit):
+    """A plane of 4-bit codes from the high plane's and the refinement's (``_code_planes`` and
+    ``_refinements``: float16 ``1024 + unit * code``), ``unit * (4 * high + low)``, a token not
+    ``refined`` ([T]) reading as ``4 * high + 1.5``: exact in float16 (at most 960), so one product
+    per plane takes both."""
+    middle = tl.where(refined[:, None], 0.0, 1.5 * unit).to(tl.float16)
+    return (high - 1024.0) * 4.0 + (low - 1024.0) + middle
+
+
+@triton.jit
 def _rows(pair):
     """The two rows of a [2, N] tensor as [N] tensors."""
     a, b = tl.split(tl.permute(pair, (1, 0)))
@@ -383,9 +393,11 @@ def _decode_kernel(
     that each block's kept tokens are taken by one split.
 
     SALIENT (ZipCache's pages, ``formats.salient``): the codes are the high plane of a 4-bit grid
-    (K per channel, V per token), read as 2-bit codes on a grid of 4 steps; a refined token's low
-    2 bits come from its slot's row (``slot_of`` [H, BLOCK] at SLOT_OF, NO_SLOT: none) through one more
-    product per plane, and an unrefined token reads as the middle of its four sub-levels (+1.5).
+    (K per channel, V per token), read as 2-bit codes; a refined token's low 2 bits come from its
+    slot's row (``slot_of`` [H, BLOCK] at SLOT_OF, NO_SLOT: none), and an unrefined token reads as
+    the middle of its four sub-levels (+1.5). For a decode row of several query heads the two planes
+    are joined into 4-bit codes before the products (``_salient_plane``); otherwise the high plane
+    is read on a grid of 4 steps and the refinement through one more product per plane.
 
     LSE_OUT (with PRIOR): the merged natural log-sum-exp replaces the prior's at ``lse_ptr`` (the
     ZipCache write turns it into its probes' probabilities).
@@ -403,6 +415,10 @@ def _decode_kernel(
     split = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
     TPP: tl.constexpr = BLOCK // TILE
+    # ZipCache's two planes joined before the products for a GQA decode row (H200: 92.3 -> 82.2 us),
+    # else a product each (one row, MHA: 274 us against 292 joined; prompt groups not measured joined;
+    # docs/log/2026-11-29.md)
+    JOIN: tl.constexpr = SALIENT and not ONE_ROW and not GROUPED
     # plane k's codes come scaled by 2**(k * width), a plane's width being 8 // planes (``_code_planes``)
     K_WIDTH: tl.constexpr = 8 // KP
     V_WIDTH: tl.constexpr = 8 // VP
@@ -485,18 +501,28 @@ def _decode_kernel(
             # scale and zero of every channel in one contiguous load, wide enough to be pipelined
             kstat = tl.load(half + h * D + K_SCALE // 2 + stat * ((K_ZERO - K_SCALE) // 2) + d).to(tl.float32)
             ks, kz = _rows(kstat)
-            if SALIENT:  # the high plane: steps of 4 on the grid; the refinement's products at 1 step
+            if SALIENT:
                 slot = tl.load(page + SLOT_OF + h * BLOCK + tok).to(tl.int32)
                 refined = slot != _NO_SLOT
+            if SALIENT and not JOIN:  # the high plane: steps of 4 on the grid; the refinement's products at 1 step
                 qr = (qc * ks[None, :]).to(tl.float16)
                 mid = 1.5 * tl.sum(qf * ks[None, :], 1)  # an unrefined token's low bits: 1.5 each channel
                 ks = ks * 4.0
             qs = (qc * ks[None, :]).to(tl.float16)
-            bias = tl.sum(qf * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
+            if JOIN:  # 4-bit codes (``_salient_plane``), not offset by 1024
+                bias = tl.sum(qf * kz[None, :], 1)
+            else:
+                bias = tl.sum(qf * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
             if KP == 1:  # 8 bits
                 s = tl.dot(qs, tl.trans(_byte_codes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, 0, ASM)))
             else:
                 k0, k1, k2, k3 = _code_planes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, 0, ASM)
+                if JOIN:
+                    r0, r1, r2, r3 = _refinements(page, K_LOW, slot, refined, h, SLOTS, K_ROW, D, ASM)
+                    k0 = _salient_plane(k0, r0, refined, 1.0)
+                    k1 = _salient_plane(k1, r1, refined, 4.0)
+                    k2 = _salient_plane(k2, r2, refined, 16.0)
+                    k3 = _salient_plane(k3, r3, refined, 64.0)
                 qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
                 if ROW_QUERY:  # every row of the products is the query's
                     qs0 = tl.broadcast_to(qs0, (GP, D // KP))
@@ -508,7 +534,7 @@ def _decode_kernel(
                 if KP > 2:
                     s += tl.dot(qs2, tl.trans(k2))
                     s += tl.dot(qs3, tl.trans(k3))
-                if SALIENT:
+                if SALIENT and not JOIN:
                     r0, r1, r2, r3 = _refinements(page, K_LOW, slot, refined, h, SLOTS, K_ROW, D, ASM)
                     qr0, qr1, qr2, qr3 = _split_planes(qr, 4)
                     if ROW_QUERY:
@@ -523,11 +549,11 @@ def _decode_kernel(
                     bias -= 1024.0 * tl.sum(qr.to(tl.float32), 1)
             if ROW_QUERY:  # every row is the query's logits: any one of them
                 s1 = tl.max(s, 0)[None, :] + bias[:, None]
-                if SALIENT:
+                if SALIENT and not JOIN:
                     s1 += tl.where(refined[None, :], 0.0, mid[:, None])
             else:
                 s += bias[:, None]
-                if SALIENT:
+                if SALIENT and not JOIN:
                     s += tl.where(refined[None, :], 0.0, mid[:, None])
         if K_NORMS >= 0:
             if ROW_QUERY:
@@ -554,7 +580,7 @@ def _decode_kernel(
         else:
             vstat = tl.load(half + h * BLOCK + V_SCALE // 2 + stat * ((V_ZERO - V_SCALE) // 2) + tok[None, :])
             vs, vz = _rows(vstat.to(tl.float32))
-            if SALIENT:  # as K's: the high plane at 4 steps, the refinement below
+            if SALIENT and not JOIN:  # as K's: the high plane at 4 steps, the refinement below
                 vr = vs
                 vs = vs * 4.0
             if V_NORMS >= 0:
@@ -571,7 +597,7 @@ def _decode_kernel(
             else:
                 ps = (p * vs[None, :]).to(tl.float16)
                 pz = tl.sum(p * vz[None, :], 1)[:, None]
-                pm = 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]  # codes enter the dot as 1024 + code
+                pm = 0.0 if JOIN else 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]  # codes: 1024 + code
             if V_CS >= 0:  # ZipCache channel scales
                 c0, c1, c2, c3 = _split_planes(_f32(half + V_CS // 2 + h * D + d), VP)
             else:
@@ -583,12 +609,18 @@ def _decode_kernel(
                 # codes byte-major (statistics per token): a byte's tokens lie together, the order of
                 # the product over tokens
                 v0, v1, v2, v3 = _code_planes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, V_GROUP, ASM)
+                if JOIN:
+                    l0, l1, l2, l3 = _refinements(page, V_LOW, slot, refined, h, SLOTS, V_ROW, D, ASM)
+                    v0 = _salient_plane(v0, l0, refined, 1.0)
+                    v1 = _salient_plane(v1, l1, refined, 4.0)
+                    v2 = _salient_plane(v2, l2, refined, 16.0)
+                    v3 = _salient_plane(v3, l3, refined, 64.0)
                 acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, v0, 1.0, c0)
                 acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1.0 / (1 << V_WIDTH), c1)
                 if VP > 2:
                     acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_WIDTH), c2)
                     acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_WIDTH), c3)
-                if SALIENT:
+                if SALIENT and not JOIN:
                     if ONE_ROW:
                         pr = p1
                     else:
