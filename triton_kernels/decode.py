@@ -196,6 +196,15 @@ def _salient_plane(high, low, refined, unit):
 
 
 @triton.jit
+def _joined(page, LOW: tl.constexpr, slot, refined, h, SLOTS: tl.constexpr, ROW: tl.constexpr, D: tl.constexpr,
+            ASM: tl.constexpr, c0, c1, c2, c3):
+    """High planes ``c0..c3`` joined with the refinement's rows at LOW (``_salient_plane``)."""
+    r0, r1, r2, r3 = _refinements(page, LOW, slot, refined, h, SLOTS, ROW, D, ASM)
+    return (_salient_plane(c0, r0, refined, 1.0), _salient_plane(c1, r1, refined, 4.0),
+            _salient_plane(c2, r2, refined, 16.0), _salient_plane(c3, r3, refined, 64.0))
+
+
+@triton.jit
 def _rows(pair):
     """The two rows of a [2, N] tensor as [N] tensors."""
     a, b = tl.split(tl.permute(pair, (1, 0)))
@@ -518,11 +527,7 @@ def _decode_kernel(
             else:
                 k0, k1, k2, k3 = _code_planes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, 0, ASM)
                 if JOIN:
-                    r0, r1, r2, r3 = _refinements(page, K_LOW, slot, refined, h, SLOTS, K_ROW, D, ASM)
-                    k0 = _salient_plane(k0, r0, refined, 1.0)
-                    k1 = _salient_plane(k1, r1, refined, 4.0)
-                    k2 = _salient_plane(k2, r2, refined, 16.0)
-                    k3 = _salient_plane(k3, r3, refined, 64.0)
+                    k0, k1, k2, k3 = _joined(page, K_LOW, slot, refined, h, SLOTS, K_ROW, D, ASM, k0, k1, k2, k3)
                 qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
                 if ROW_QUERY:  # every row of the products is the query's
                     qs0 = tl.broadcast_to(qs0, (GP, D // KP))
@@ -610,11 +615,7 @@ def _decode_kernel(
                 # the product over tokens
                 v0, v1, v2, v3 = _code_planes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, V_GROUP, ASM)
                 if JOIN:
-                    l0, l1, l2, l3 = _refinements(page, V_LOW, slot, refined, h, SLOTS, V_ROW, D, ASM)
-                    v0 = _salient_plane(v0, l0, refined, 1.0)
-                    v1 = _salient_plane(v1, l1, refined, 4.0)
-                    v2 = _salient_plane(v2, l2, refined, 16.0)
-                    v3 = _salient_plane(v3, l3, refined, 64.0)
+                    v0, v1, v2, v3 = _joined(page, V_LOW, slot, refined, h, SLOTS, V_ROW, D, ASM, v0, v1, v2, v3)
                 acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, v0, 1.0, c0)
                 acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1.0 / (1 << V_WIDTH), c1)
                 if VP > 2:

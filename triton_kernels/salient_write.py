@@ -117,7 +117,8 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     ch = u * 4 + j
     shift = j * 2
     slot = tl.load(page + SLOT_OF + h * B + tokens).to(tl.int32)
-    candidate = ((slot != NONE) & (tokens < num_stored)) | ((tokens >= num_stored) & (tokens < filled))
+    earlier_salient = (slot != NONE) & (tokens < num_stored)
+    candidate = earlier_salient | ((tokens >= num_stored) & (tokens < filled))
     k_zero = _half(page + K_ZERO + (h * D + ch) * 2, ch < D, 0.0)  # [1, U, 4]
     k_scale = _half(page + K_SCALE + (h * D + ch) * 2, ch < D, 1.0)
 
@@ -140,7 +141,6 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     # Where the quota takes every candidate (a decoded token held while its block has a free slot,
     # the common decode step) no score is needed; where no channel widened, earlier tokens keep their
     # codes and slots: only the new tokens' tiles are written.
-    earlier_salient = (slot != NONE) & (tokens < num_stored)
     num_candidates = tl.sum(candidate.to(tl.int32), 0)
     all_kept = quota >= num_candidates
     widened = has_old & (tl.min(tl.min(tl.min(kept.to(tl.int32), 2), 1), 0) == 0)
