@@ -34,17 +34,18 @@ def _time_ms(fn, reps: int = 50) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median")
 
 
-def _time_after_ms(setup, fn, reps: int = 100) -> float:
-    """Median time of ``fn`` alone (CUDA events around it), ``setup`` run before each call. For
-    writes that must meet the same page state every time: timing setup and write together and
-    subtracting setup's own time left a difference that moved by 2x between runs. The GPU waits
-    (``torch.cuda._sleep``) while the host launches ``fn``, so the events time the kernels, not
-    the host's launch latency."""
+def _time_on_pages_ms(pages: torch.Tensor, fn, reps: int = 100) -> float:
+    """Median time of ``fn`` alone (CUDA events around it), ``pages`` restored before each call: a
+    write changes them, and each must meet the same state. Timing the restore and the write
+    together and subtracting the restore's own time left a difference that moved by 2x between
+    runs. The GPU waits (``torch.cuda._sleep``) while the host launches ``fn``, so the events time
+    the kernels, not the host's launch latency."""
+    saved = pages.clone()
     for _ in range(10):
-        setup(), fn()
+        pages.copy_(saved), fn()
     times = []
     for _ in range(reps):
-        setup()
+        pages.copy_(saved)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(2_000_000)  # about 1 ms: the host has launched fn before the start event
         start.record()
@@ -252,7 +253,6 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
     fmt = _format(bits, hkv, d, block)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cache, slots = _appending_pages(write_tokens, fmt, num_seqs, 0, gen, room=steps)
-    saved = cache.clone()
     k, v = (torch.randn(steps, num_seqs, hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
     step_slots = [slots + step for step in range(steps)]
     tuning = {key: val for key, val in (("chunk_channels", chunk_channels), ("spread", spread), ("num_warps", num_warps))
@@ -262,7 +262,7 @@ def bench_write(bits: int, num_seqs: int, hkv: int, d: int, block: int = 128, ch
         for step in range(steps):
             write_tokens(cache, fmt, k[step], v[step], step_slots[step], **tuning)
 
-    ms = _time_after_ms(lambda: cache.copy_(saved), run, reps=max(20, 100 // steps)) / steps
+    ms = _time_on_pages_ms(cache, run, reps=max(20, 100 // steps)) / steps
     nbytes = 2 * num_seqs * fmt.page_bytes
     label = (f"write {_name(bits)}" + (f" {steps} steps in a row" if steps > 1 else "") + (" CUDA" if cuda else "")
              + (f" chunk {chunk_channels}" if chunk_channels else "") + (f" spread {spread}" if spread else "")
@@ -281,13 +281,12 @@ def bench_write_mixed(bits: int, num_seqs: int, prompts: int, prompt_len: int, h
     pages = -(-prompt_len // block)
     gen = torch.Generator(device="cuda").manual_seed(0)
     cache, decodes = _appending_pages(write_tokens, fmt, num_seqs, prompts * pages, gen)
-    saved = cache.clone()
     slots = torch.cat([decodes]
                       + [(num_seqs + p * pages) * block + torch.arange(prompt_len, device="cuda")
                          for p in range(prompts)])
     k, v = (torch.randn(len(slots), hkv, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
-    ms = _time_after_ms(lambda: cache.copy_(saved), lambda: write_tokens(cache, fmt, k, v, slots))
-    nbytes = 2 * len(saved) * fmt.page_bytes + 2 * k.numel() * k.element_size()
+    ms = _time_on_pages_ms(cache, lambda: write_tokens(cache, fmt, k, v, slots))
+    nbytes = 2 * len(cache) * fmt.page_bytes + 2 * k.numel() * k.element_size()
     label = f"write k{bits}v{bits} {num_seqs} decodes + {prompts}x{prompt_len}" + (" CUDA" if cuda else "")
     return {"kernel": label, "block": block, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
@@ -438,20 +437,15 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     rows.append({"kernel": f"zipcache-r60 {label}: own token + kernel (no write)",
                  "ms": _time_ms(lambda: decode_rows(q, k, v, cache, fmt, table, history, scale, max(lens), out,
                                                     row_order=order))})
-    saved = cache.clone()  # each step on the same pages (a write changes them)
     rows.append({"kernel": f"zipcache-r60 {label}: own token + kernel + write (probe scores, re-compression)",
-                 "ms": _time_after_ms(lambda: cache.copy_(saved), decode_step)})
+                 "ms": _time_on_pages_ms(cache, decode_step)})
     rows.append({"kernel": f"zipcache-r60 {label}: the same launched by the host (its time, not the GPU's)",
                  "ms": _host_ms(decode_step)})
     lse = torch.zeros(n, hq, device="cuda")
 
     def write_alone(pages_, table_, new_k, **tuning):
-        """The write's time on the same pages each time (a write changes them: a second one would
-        meet grids the first has widened)."""
-        saved = pages_.clone()
-        return _time_after_ms(lambda: pages_.copy_(saved),
-                              lambda: write_decoded(q, new_k, v, pages_, fmt, spec, table_, seq_lens, lse, scale,
-                                                    **tuning))
+        return _time_on_pages_ms(pages_, lambda: write_decoded(q, new_k, v, pages_, fmt, spec, table_, seq_lens, lse,
+                                                               scale, **tuning))
 
     # the random new K widens some channel of most rows' blocks (their earlier tokens re-coded); K
     # inside every channel's grid widens none: a held token written alone, or, past the leading
@@ -483,12 +477,10 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     rows.append({"kernel": f"zipcache-r60 {label}: attention + write",
                  "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
     lse_p = torch.zeros(total, hq, device="cuda")
-    saved = cache.clone()
     for tuning in WRITE_TUNINGS:
         rows.append({"kernel": f"zipcache-r60 {label}: the write alone (probe scores in it){_tuned(tuning)}",
-                     "ms": _time_after_ms(lambda: cache.copy_(saved),
-                                          lambda: write_chunks(qp, kp, vp, cache, fmt, spec, writes, lse_p, scale,
-                                                               **tuning))})
+                     "ms": _time_on_pages_ms(cache, lambda: write_chunks(qp, kp, vp, cache, fmt, spec, writes, lse_p,
+                                                                         scale, **tuning))})
     rows.append({"kernel": f"zipcache-r60 {label}: the step's plan of the writes (once a step, host)",
                  "ms": _time_ms(lambda: plan_chunk_writes(fmt, spec, starts, contexts, table))})
     rows.append({"kernel": f"quant-k4v4 {label}: attention",

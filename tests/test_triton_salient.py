@@ -294,7 +294,7 @@ write |= dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", lse_ptr="*fp32", scor
               scale="fp32", interval="i32", window="i32")
 write |= {name: "i32" for name in kernel.arg_names if name.endswith("_stride")}
 for decode_rows, given in ((True, False), (False, False), (False, True)):
-    compile_for_h100(kernel, write, salient_write.write_constants(fmt, 4, decode=decode_rows)
+    compile_for_h100(kernel, write, salient_write.write_constants(fmt, 4)
                      | dict(DECODE=decode_rows, GIVEN=given, NORMALIZED=not decode_rows))
 """
 

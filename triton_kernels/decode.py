@@ -428,6 +428,7 @@ def _decode_kernel(
     # else a product each (one row, MHA: 274 us against 292 joined; prompt groups not measured joined;
     # docs/log/2026-11-29.md)
     JOIN: tl.constexpr = SALIENT and not ONE_ROW and not GROUPED
+    REFINE: tl.constexpr = SALIENT and not JOIN  # the refinement through products of its own
     # plane k's codes come scaled by 2**(k * width), a plane's width being 8 // planes (``_code_planes``)
     K_WIDTH: tl.constexpr = 8 // KP
     V_WIDTH: tl.constexpr = 8 // VP
@@ -513,7 +514,7 @@ def _decode_kernel(
             if SALIENT:
                 slot = tl.load(page + SLOT_OF + h * BLOCK + tok).to(tl.int32)
                 refined = slot != _NO_SLOT
-            if SALIENT and not JOIN:  # the high plane: steps of 4 on the grid; the refinement's products at 1 step
+            if REFINE:  # the high plane: steps of 4 on the grid; the refinement's products at 1 step
                 qr = (qc * ks[None, :]).to(tl.float16)
                 mid = 1.5 * tl.sum(qf * ks[None, :], 1)  # an unrefined token's low bits: 1.5 each channel
                 ks = ks * 4.0
@@ -539,7 +540,7 @@ def _decode_kernel(
                 if KP > 2:
                     s += tl.dot(qs2, tl.trans(k2))
                     s += tl.dot(qs3, tl.trans(k3))
-                if SALIENT and not JOIN:
+                if REFINE:
                     r0, r1, r2, r3 = _refinements(page, K_LOW, slot, refined, h, SLOTS, K_ROW, D, ASM)
                     qr0, qr1, qr2, qr3 = _split_planes(qr, 4)
                     if ROW_QUERY:
@@ -554,11 +555,11 @@ def _decode_kernel(
                     bias -= 1024.0 * tl.sum(qr.to(tl.float32), 1)
             if ROW_QUERY:  # every row is the query's logits: any one of them
                 s1 = tl.max(s, 0)[None, :] + bias[:, None]
-                if SALIENT and not JOIN:
+                if REFINE:
                     s1 += tl.where(refined[None, :], 0.0, mid[:, None])
             else:
                 s += bias[:, None]
-                if SALIENT and not JOIN:
+                if REFINE:
                     s += tl.where(refined[None, :], 0.0, mid[:, None])
         if K_NORMS >= 0:
             if ROW_QUERY:
@@ -585,7 +586,7 @@ def _decode_kernel(
         else:
             vstat = tl.load(half + h * BLOCK + V_SCALE // 2 + stat * ((V_ZERO - V_SCALE) // 2) + tok[None, :])
             vs, vz = _rows(vstat.to(tl.float32))
-            if SALIENT and not JOIN:  # as K's: the high plane at 4 steps, the refinement below
+            if REFINE:  # as K's: the high plane at 4 steps, the refinement below
                 vr = vs
                 vs = vs * 4.0
             if V_NORMS >= 0:
@@ -621,7 +622,7 @@ def _decode_kernel(
                 if VP > 2:
                     acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_WIDTH), c2)
                     acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_WIDTH), c3)
-                if SALIENT and not JOIN:
+                if REFINE:
                     if ONE_ROW:
                         pr = p1
                     else:

@@ -88,8 +88,9 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
                           K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
                           K_HIGH: tl.constexpr, V_HIGH: tl.constexpr, K_LOW: tl.constexpr, V_LOW: tl.constexpr,
                           SLOT_OF: tl.constexpr, NONE: tl.constexpr, DECODE: tl.constexpr, GIVEN: tl.constexpr,
-                          NORMALIZED: tl.constexpr, TT: tl.constexpr, NT: tl.constexpr, PP: tl.constexpr):
+                          NORMALIZED: tl.constexpr, TT: tl.constexpr, PP: tl.constexpr):
     i, h = tl.program_id(0), tl.program_id(1)
+    NT: tl.constexpr = 1 if DECODE else TT  # new tokens coded at once: a decode row's one alone
     if DECODE:  # decode row i: one new token at the end of its context, its query its probe
         length = tl.load(lens_ptr + i)
         num_stored = (length - 1) % B
@@ -194,8 +195,7 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
             dropped = tl.max(tl.where(candidate & (scores == least), tokens, -1), 0)  # ties: the later token
             keep = candidate & (tokens != dropped)
         else:
-            keep = candidate & (_ranks(page, scores_ptr, i, h, tokens, num_stored, filled, B, H, SLOT_OF, NONE, TT)
-                                < quota)
+            keep = candidate & (_ranks(scores_ptr, i, h, tokens, candidate, filled, B, H, TT) < quota)
 
     # a widened channel re-codes the earlier tokens in place, a tile at a time (their rows and slots,
     # the dropped ones' read before any new token takes their slot)
@@ -255,17 +255,16 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
 
 
 @triton.jit
-def _ranks(page, scores_ptr, i, h, tokens, num_stored, filled, B: tl.constexpr, H: tl.constexpr,
-           SLOT_OF: tl.constexpr, NONE: tl.constexpr, TT: tl.constexpr):
-    """[B] each token's rank among the block's candidates (its earlier 4-bit tokens and the new ones)
-    by score, ties to the earlier token: the candidates scored above it, counted TT at a time."""
+def _ranks(scores_ptr, i, h, tokens, candidate, filled, B: tl.constexpr, H: tl.constexpr, TT: tl.constexpr):
+    """[B] each token's rank among the block's ``candidate`` tokens (its earlier 4-bit tokens and the
+    new ones) by score, ties to the earlier token: the candidates scored above it, counted TT at a
+    time."""
     mine = tl.load(scores_ptr + (i * B + tokens) * H + h)
     rank = tl.zeros([B], tl.int32)
     for c0 in range(0, filled, TT):
         cc = c0 + tl.arange(0, TT)
         theirs = tl.load(scores_ptr + (i * B + cc) * H + h)
-        their_slot = tl.load(page + SLOT_OF + h * B + cc).to(tl.int32)
-        rival = ((their_slot != NONE) & (cc < num_stored)) | ((cc >= num_stored) & (cc < filled))
+        rival = _pick(candidate, tokens, cc)
         better = rival[None, :] & ((theirs[None, :] > mine[:, None])
                                    | ((theirs[None, :] == mine[:, None]) & (cc[None, :] < tokens[:, None])))
         rank += tl.sum(better.to(tl.int32), 1)
@@ -293,22 +292,20 @@ def _quotas(fmt: SalientTokensFormat, device: torch.device) -> torch.Tensor:
     return fmt.quota(torch.arange(fmt.block_size + 1)).to(device, torch.int32)
 
 
-def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE, decode: bool = False) -> dict:
+def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE) -> dict:
     """The write kernel's compile-time constants for ``fmt``'s pages and ``group`` query heads a KV
-    head, but for the kind of write (DECODE, GIVEN, NORMALIZED); a decode row's one new token is
-    written alone (NT), a prompt chunk's a tile at a time."""
+    head, but for the kind of write (DECODE, GIVEN, NORMALIZED)."""
     at = fmt.regions.start
     return dict(PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=fmt.k.head_size, G=group, H=fmt.k.num_heads,
                 K_SCALE=at("k_scale"), K_ZERO=at("k_zero"), V_SCALE=at("v_scale"), V_ZERO=at("v_zero"),
                 K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"), V_LOW=at("v_low"), SLOT_OF=at("slot_of"),
-                NONE=NO_SLOT, TT=min(tile, fmt.block_size), NT=1 if decode else min(tile, fmt.block_size),
-                PP=PROBES)
+                NONE=NO_SLOT, TT=min(tile, fmt.block_size), PP=PROBES)
 
 
 @functools.cache
 def _variant(fmt: SalientTokensFormat, group: int, tile: int, num_warps: int, decode: bool, given: bool,
              normalized: bool) -> Variant:
-    return Variant(_salient_write_kernel, write_constants(fmt, group, tile, decode)
+    return Variant(_salient_write_kernel, write_constants(fmt, group, tile)
                    | dict(DECODE=decode, GIVEN=given, NORMALIZED=normalized), {"num_warps": num_warps})
 
 
