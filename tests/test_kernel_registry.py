@@ -10,7 +10,7 @@ import torch
 
 from vllm_kvcompress import paged_torch, policy
 from vllm_kvcompress.config import KVCompressionConfigError, LayerFormat, load_config, preset_names
-from vllm_kvcompress.engine_config import ModelKVShape, kernel_report
+from vllm_kvcompress.engine_config import ModelKVShape, full_cuda_graphs, kernel_report
 from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.kernels import registry
 from vllm_kvcompress.policy import KernelPolicy, PolicyError
@@ -83,8 +83,22 @@ def test_passed_over_implementations_say_why():
 def test_only_kernels_that_run_in_cuda_graphs_say_so():
     graphs = {(i.operation, i.name): i.cuda_graphs for i in registry.implementations("decode", "cuda")}
     assert graphs == {("decode", "cuda"): True, ("decode", "triton"): True, ("decode", "triton-slim"): False,
-                      ("decode", "triton-salient"): False, ("decode", "triton-merged"): False,
+                      ("decode", "triton-salient"): True, ("decode", "triton-merged"): False,
                       ("decode", "torch"): False}
+
+
+@pytest.mark.parametrize("preset,score,full", [("quant-k4v4", None, True), ("zipcache-r60", None, True),
+                                               ("zipcache-r60", "random", False), ("minicache", None, False),
+                                               ("slim-k16", None, False)])
+def test_full_cuda_graphs_where_decode_steps_run_without_the_host(preset, score, full):
+    """vLLM captures decode-only steps whole where every layer's decode kernel runs in a graph, and
+    not with ZipCache's scores drawn at random (on the host); on the CPU, never."""
+    cfg = load_config(preset)
+    if score is not None:
+        cfg = cfg.model_copy(update={"salient": cfg.salient.model_copy(update={"score": score})})
+    shape = ModelKVShape(8, 4, 128, torch.bfloat16, 128, 4)
+    assert full_cuda_graphs(cfg, shape, H100) is full
+    assert not full_cuda_graphs(cfg, shape, CPU)
 
 
 def test_zipcache_pages_go_through_their_own_kernels_only():

@@ -126,6 +126,78 @@ def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write, wind
         _assert_same_tokens(fmt, ours, cache, table, lens)
 
 
+def _decode_step_args(fmt, history, HQ, seed, dtype):
+    """A decode step's query and new K/V for rows of ``history`` tokens, on the device."""
+    g = torch.Generator().manual_seed(seed)
+    n, H, D = len(history), fmt.k.num_heads, fmt.k.head_size
+    return [torch.randn(n, heads, D, generator=g).to(DEVICE, dtype) for heads in (HQ, H, H)]
+
+
+def test_padding_rows_write_nothing():
+    """A full CUDA graph's batch is padded after its decodes with rows of context 0, whose block
+    table row holds whatever vLLM left there: the write leaves every page as the decodes alone leave it."""
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.triton_kernels import salient_write
+
+    H, HQ, D, B = 2, 4, 64, 32
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    fmt = SalientTokensFormat.create(0.6, dtype, B, H, D)
+    history = [40, 70]
+    cache, table = _pages(fmt, history, 2, seed=4)
+    padded_table = torch.cat([table, table[:1]]).to(DEVICE)  # the padding row reads request 0's blocks
+    q, k, v = _decode_step_args(fmt, history + [0], HQ, 6, dtype)
+    lens = torch.tensor([L + 1 for L in history] + [0], dtype=torch.int32, device=DEVICE)
+    lse = torch.zeros(HQ, 3, device=DEVICE).t()
+    spec = SalientSpec(ratio=0.6)
+    want, got = cache.to(DEVICE), cache.to(DEVICE)
+    salient_write.write_decoded(q[:2], k[:2], v[:2], want, fmt, spec, padded_table[:2], lens[:2], lse[:2], D ** -0.5)
+    salient_write.write_decoded(q, k, v, got, fmt, spec, padded_table, lens, lse, D ** -0.5)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need a GPU")
+def test_decode_steps_replayed_in_a_cuda_graph():
+    """Decode steps as vLLM's full CUDA graphs run them: three rows and a padding row (context 0)
+    captured once with the split count of the longest context allowed, replayed for three steps
+    whose tokens advance (a re-compression included), equal launch for launch to the same step run
+    eagerly: outputs and pages bit for bit."""
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.triton_kernels import salient_write
+
+    H, HQ, D, B = 2, 8, 128, 64
+    fmt = SalientTokensFormat.create(0.6, torch.bfloat16, B, H, D)
+    spec = SalientSpec(ratio=0.6, recompress_interval=100)
+    history = [98, 40, 300]
+    cache, table = _pages(fmt, history + [0], 6, seed=7)
+    table = table.to(DEVICE)
+    steps = [[*_decode_step_args(fmt, history + [0], HQ, 20 + s, torch.bfloat16),
+              torch.tensor([L + 1 + s for L in history] + [0], dtype=torch.int32, device=DEVICE)]
+             for s in range(3)]
+    inputs = [torch.empty_like(x) for x in steps[0]]
+    out = torch.empty_like(inputs[0])
+
+    def step(pages):
+        q, k, v, lens = inputs
+        lse = decode_rows(q, k, v, pages, fmt, table, (lens - 1).clamp(min=0), D ** -0.5, 2048, out)
+        salient_write.write_decoded(q, k, v, pages, fmt, spec, table, lens, lse.t(), D ** -0.5)
+
+    for x, y in zip(inputs, steps[0]):
+        x.copy_(y)
+    step(cache.to(DEVICE))  # compiles and plans outside capture
+    pages, eager = cache.to(DEVICE), cache.to(DEVICE)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(pages)
+    for s in range(3):
+        for x, y in zip(inputs, steps[s]):
+            x.copy_(y)
+        graph.replay()
+        replayed = out.clone()
+        step(eager)
+        assert torch.equal(replayed, out), s
+        assert torch.equal(pages, eager), s
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_grouped_prompt_rows_continue_a_prior_attention(splits):
     """Prompt chunks' tokens as rows over their chunk's history, taken in groups of 9 tokens of 4

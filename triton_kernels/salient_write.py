@@ -93,6 +93,8 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     NT: tl.constexpr = 1 if DECODE else TT  # new tokens coded at once: a decode row's one alone
     if DECODE:  # decode row i: one new token at the end of its context, its query its probe
         length = tl.load(lens_ptr + i)
+        if length == 0:  # a full CUDA graph's padding row
+            return
         num_stored = (length - 1) % B
         filled = num_stored + 1
         first = i

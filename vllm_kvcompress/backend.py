@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from . import paged_torch, policy, salient_torch
 from .config import SalientSpec
-from .engine_config import ModelKVShape, active_config, layer_page_format, layer_plans, platform_device
+from .engine_config import ModelKVShape, active_config, full_cuda_graphs, layer_page_format, platform_device
 from .formats import KVPageFormat
 from .formats.merged import MergedPairFormat
 from .formats.salient import SalientTokensFormat
@@ -106,7 +106,7 @@ class KVCompressMetadata:
     def decode_history_lens(self) -> torch.Tensor:
         """Each decode's context before its new token: what a merged pair's pages hold during the step
         (they take the step's tokens after both layers' attention). Made once a step."""
-        return self.decode_seq_lens - 1
+        return (self.decode_seq_lens - 1).clamp_(min=0)  # a full CUDA graph's padding rows: context 0
 
     def chunk_writes(self, fmt: SalientTokensFormat, spec: SalientSpec) -> salient_torch.ChunkWrites | None:
         """Where ZipCache's layers write the step's prompt chunks, and their probes
@@ -130,14 +130,13 @@ class KVCompressMetadata:
 class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        """Full CUDA graphs of decode-only batches where every layer's planned decode runs in one (no
-        host synchronization); otherwise vLLM's piecewise graphs around eager attention."""
+        """Full CUDA graphs of decode-only batches where a decode step runs without the host
+        (``engine_config.full_cuda_graphs``); otherwise vLLM's piecewise graphs around eager attention."""
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
         if isinstance(kv_cache_spec, SlidingWindowSpec):
             return AttentionCGSupport.NEVER
-        plans = layer_plans(active_config(vllm_config), ModelKVShape.of(vllm_config), platform_device())
-        if all(p.decode.implementation.cuda_graphs for p in plans):
+        if full_cuda_graphs(active_config(vllm_config), ModelKVShape.of(vllm_config), platform_device()):
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
 
@@ -365,8 +364,9 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._warm_up(pages, q.dtype)
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
+            longest = self._max_model_len if torch.cuda.is_current_stream_capturing() else md.decode_max_seq_len
             lse = self._decode_kernel(q[:nd], k[:nd], v[:nd], pages, fmt, md.decode_block_table,
-                                      md.decode_history_lens, self.scale, md.decode_max_seq_len, out[:nd],
+                                      md.decode_history_lens, self.scale, longest, out[:nd],
                                       row_order=md.decode_row_order, **self._window_args(md.decode_first_keys))
             self._write(q[:nd], k[:nd], v[:nd], pages, fmt, spec, md.decode_block_table, md.decode_seq_lens, lse.t(),
                         self.scale, **self._window_args())

@@ -113,6 +113,15 @@ def layer_plans(cfg: KVCompressionConfig, shape: ModelKVShape, device: "registry
             for i in range(shape.num_layers)]
 
 
+def full_cuda_graphs(cfg: KVCompressionConfig, shape: ModelKVShape, device: "registry.Device") -> bool:
+    """Whether a decode-only step runs without the host, so vLLM may capture it whole: every layer's
+    planned decode can (``Implementation.cuda_graphs``), and no ZipCache layer draws its scores at
+    random (drawn on the host, by each request's length)."""
+    if cfg.salient is not None and cfg.salient.score == "random":
+        return False
+    return all(p.decode.implementation.cuda_graphs for p in layer_plans(cfg, shape, device))
+
+
 def platform_device() -> "registry.Device":
     """The device this engine serves on, as the registry sees it, without initializing CUDA."""
     from vllm.platforms import current_platform

@@ -353,7 +353,7 @@ for _impl in (
     Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode"),
     # ZipCache's decode rows: the new token exactly, then the pages through the layer decode kernel
     Implementation("decode", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_decode:decode_rows",
-                   warm_up=f"{_TRITON}.salient_decode:warm_up", reads=(SalientTokensFormat,)),
+                   warm_up=f"{_TRITON}.salient_decode:warm_up", cuda_graphs=True, reads=(SalientTokensFormat,)),
     # MiniCache's decode rows: the new token exactly, then the pair's pages through the layer decode kernel
     Implementation("decode", "cuda", "triton-merged", _merged_pages, f"{_TRITON}.merged_decode:decode_rows",
                    warm_up=f"{_TRITON}.merged_decode:warm_up", reads=(MergedPairFormat,)),
