@@ -404,9 +404,10 @@ def _decode_kernel(
     SALIENT (ZipCache's pages, ``formats.salient``): the codes are the high plane of a 4-bit grid
     (K per channel, V per token), read as 2-bit codes; a refined token's low 2 bits come from its
     slot's row (``slot_of`` [H, BLOCK] at SLOT_OF, NO_SLOT: none), and an unrefined token reads as
-    the middle of its four sub-levels (+1.5). For a decode row of several query heads the two planes
-    are joined into 4-bit codes before the products (``_salient_plane``); otherwise the high plane
-    is read on a grid of 4 steps and the refinement through one more product per plane.
+    the middle of its four sub-levels (+1.5). Where the products have several rows (query heads or
+    a prompt group's tokens) the two planes are joined into 4-bit codes before them
+    (``_salient_plane``); an MHA decode row reads the high plane on a grid of 4 steps and the
+    refinement through one more product per plane.
 
     LSE_OUT (with PRIOR): the merged natural log-sum-exp replaces the prior's at ``lse_ptr`` (the
     ZipCache write turns it into its probes' probabilities).
@@ -424,10 +425,10 @@ def _decode_kernel(
     split = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
     TPP: tl.constexpr = BLOCK // TILE
-    # ZipCache's two planes joined before the products for a GQA decode row (H200: 92.3 -> 82.2 us),
-    # else a product each (one row, MHA: 274 us against 292 joined; prompt groups not measured joined;
-    # docs/log/2026-11-29.md)
-    JOIN: tl.constexpr = SALIENT and not ONE_ROW and not GROUPED
+    # ZipCache's two planes joined before the products for GQA decode rows (H200: 92.3 -> 82.2 us) and
+    # prompt groups (8x512 tokens after 1,536, attention + write: MHA 2,211 -> 1,504 us, GQA 1,966 ->
+    # 1,251); an MHA decode row (one row) keeps a product each: 274 us against 292 joined (docs/log/2026-11-29.md)
+    JOIN: tl.constexpr = SALIENT and not ONE_ROW
     REFINE: tl.constexpr = SALIENT and not JOIN  # the refinement through products of its own
     # plane k's codes come scaled by 2**(k * width), a plane's width being 8 // planes (``_code_planes``)
     K_WIDTH: tl.constexpr = 8 // KP
