@@ -39,7 +39,8 @@ def _time_on_pages_ms(pages: torch.Tensor, fn, reps: int = 100) -> float:
     write changes them, and each must meet the same state. Timing the restore and the write
     together and subtracting the restore's own time left a difference that moved by 2x between
     runs. The GPU waits (``torch.cuda._sleep``) while the host launches ``fn``, so the events time
-    the kernels, not the host's launch latency."""
+    the kernels, not the host's launch latency. ``pages`` are left as they came: a later row timed on
+    them after a write would meet that write's state (its grids already widened for the same K)."""
     saved = pages.clone()
     for _ in range(10):
         pages.copy_(saved), fn()
@@ -53,18 +54,23 @@ def _time_on_pages_ms(pages: torch.Tensor, fn, reps: int = 100) -> float:
         end.record()
         times.append((start, end))
     torch.cuda.synchronize()
+    pages.copy_(saved)
     return statistics.median(a.elapsed_time(b) for a, b in times)
 
 
-def _host_ms(fn, reps: int = 50) -> float:
+def _host_ms(fn, pages: torch.Tensor | None = None, reps: int = 50) -> float:
     """The host's time to launch ``fn`` (mean of ``reps`` calls, the GPU not waited for): where it
-    exceeds the GPU's, a layer outside CUDA graphs leaves the GPU idle."""
+    exceeds the GPU's, a layer outside CUDA graphs leaves the GPU idle. ``pages``, which ``fn``
+    writes, are left as they came."""
+    saved = None if pages is None else pages.clone()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(reps):
         fn()
     ms = (time.perf_counter() - start) / reps * 1e3
     torch.cuda.synchronize()
+    if saved is not None:
+        pages.copy_(saved)
     return ms
 
 
@@ -440,7 +446,7 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     rows.append({"kernel": f"zipcache-r60 {label}: own token + kernel + write (probe scores, re-compression)",
                  "ms": _time_on_pages_ms(cache, decode_step)})
     rows.append({"kernel": f"zipcache-r60 {label}: the same launched by the host (its time, not the GPU's)",
-                 "ms": _host_ms(decode_step)})
+                 "ms": _host_ms(decode_step, cache)})
     lse = torch.zeros(n, hq, device="cuda")
 
     def write_alone(pages_, table_, new_k, **tuning):
