@@ -15,7 +15,8 @@ tokens take their own per-token grids and earlier tokens keep theirs. Equal to t
 
 A token keeps its refinement row while it keeps 4 bits, and a new one takes the lowest free row, so
 that a write touches only the new tokens' rows and, where the tokens' choice drops some, their
-slots; only a K channel that widens re-codes the block's earlier tokens (in place). Rows are in no
+slots; only a K channel that widens re-codes the block's earlier tokens, in place and in the bytes
+that hold a widened channel alone (as the 4-bit write, ``write._widen_units``). Rows are in no
 particular order: the torch reference lays them out in token order, and the two are compared by
 the values the pages read as.
 """
@@ -40,6 +41,10 @@ _TOP = tl.constexpr(15.0)  # highest 4-bit code
 TILE = 16  # a prompt chunk's tokens a program holds at once (H200: 16 with 4 warps the fastest)
 DECODE_TILE = 8  # a decode row's (H200: 8 the fastest, fewer registers; docs/log/2026-11-29.md)
 PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
+# a widened K channel's earlier tokens are re-coded in the bytes that hold one, these many bytes and
+# tokens at a time
+WIDEN_BYTES = tl.constexpr(4)
+WIDEN_ROWS = tl.constexpr(32)
 NO_WINDOW = 1 << 30  # the window of a layer without one: a probe sees every token before it
 
 
@@ -67,6 +72,12 @@ def _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, fille
     x_new = tl.load(k_ptr + (first + t - num_stored) * k_row_stride + h * D + ch, mask=new, other=0.0)
     x = tl.where(new, x_new.to(tl.float32), tl.where(earlier, level * k_scale + k_zero, 0.0))
     return k_high, k_low, x
+
+
+@triton.jit
+def _bytes_of(x, pick):
+    """A per-channel [1, U, 4] ``x`` at the bytes ``pick`` [N, U] takes (one each): [1, N, 4]."""
+    return tl.sum(tl.where(pick[:, :, None], x, 0.0), 1)[None, :, :]
 
 
 @triton.jit
@@ -199,22 +210,38 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         else:
             keep = candidate & (_ranks(scores_ptr, i, h, tokens, candidate, filled, B, H, TT) < quota)
 
-    # a widened channel re-codes the earlier tokens in place, a tile at a time (their rows and slots,
-    # the dropped ones' read before any new token takes their slot)
+    # a widened channel re-codes the earlier tokens in place: only the bytes that hold one, as the
+    # 4-bit write does (WIDEN_BYTES of them at a time, WIDEN_ROWS tokens at a time); the dropped
+    # tokens' slots are read before any new token takes them
     if widened:
-        for t0 in range(0, num_stored, TT):
-            tt = t0 + tl.arange(0, TT)
-            rows = tt[:, None]
-            old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
-            keep_t = _pick(keep, tokens, tt) & (tt < num_stored)
-            k_high, k_low, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, num_stored, u,
-                                       ch, shift, k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
-            k_codes = tl.minimum(tl.maximum(code_on(x, zero.to(tl.float32), step.to(tl.float32)), 0.0), _TOP)
-            k_codes = tl.where(kept, k_high * 4 + k_low, k_codes.to(tl.int32))
-            tl.debug_barrier()  # the tile's bytes are read before any is written
-            _store_plane(page, K_HIGH, h * B + rows, u2, k_codes >> 2, shift, (tt < num_stored)[:, None] & (u2 < U), U)
-            _store_plane(page, K_LOW, h * R + tl.where(keep_t, old_slot, 0)[:, None], u2, k_codes, shift,
-                         keep_t[:, None] & (u2 < U), U)
+        widened_bytes = tl.reshape(tl.max(1 - kept.to(tl.int32), 2), [U])  # 1: a channel of the byte widened
+        count = tl.sum(widened_bytes, 0)
+        rank = tl.cumsum(widened_bytes, 0) - widened_bytes
+        for a0 in range(0, count, WIDEN_BYTES):
+            want = a0 + tl.arange(0, WIDEN_BYTES)
+            pick = (rank[None, :] == want[:, None]) & (widened_bytes[None, :] == 1)  # [WIDEN_BYTES, U]
+            byte = tl.sum(tl.where(pick, tl.arange(0, U)[None, :], 0), 1)[None, :]
+            live = (want < count)[None, :]
+            old_zero, old_scale = _bytes_of(k_zero, pick), _bytes_of(k_scale, pick)
+            new_zero, new_step = _bytes_of(zero.to(tl.float32), pick), _bytes_of(step.to(tl.float32), pick)
+            kept_here = _bytes_of(kept.to(tl.float32), pick) > 0.5
+            for t0 in range(0, num_stored, WIDEN_ROWS):
+                tt = t0 + tl.arange(0, WIDEN_ROWS)
+                earlier = tt < num_stored
+                old_slot = tl.load(page + SLOT_OF + h * B + tt, mask=earlier, other=NONE).to(tl.int32)
+                refined = (old_slot != NONE)[:, None, None]
+                mask = (earlier[:, None] & live)[:, :, None]
+                k_high = plane(page, K_HIGH, h * B + tt[:, None, None], byte[:, :, None], shift, mask, U)
+                k_low = plane(page, K_LOW, (h * R + tl.where(refined, old_slot[:, None, None], 0)), byte[:, :, None],
+                              shift, mask & refined, U)
+                level = k_high.to(tl.float32) * 4.0 + tl.where(refined, k_low.to(tl.float32), 1.5)
+                k_codes = tl.minimum(tl.maximum(code_on(level * old_scale + old_zero, new_zero, new_step), 0.0), _TOP)
+                k_codes = tl.where(kept_here, k_high * 4 + k_low, k_codes.to(tl.int32))
+                keep_t = _pick(keep, tokens, tt) & earlier
+                tl.debug_barrier()  # the tile's bytes are read before any is written
+                _store_plane(page, K_HIGH, h * B + tt[:, None], byte, k_codes >> 2, shift, earlier[:, None] & live, U)
+                _store_plane(page, K_LOW, h * R + tl.where(keep_t, old_slot, 0)[:, None], byte, k_codes, shift,
+                             keep_t[:, None] & live, U)
         tl.debug_barrier()
 
     # the new tokens, NT at a time: codes on the grids, and a kept one takes the lowest free slot
