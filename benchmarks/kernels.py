@@ -385,8 +385,10 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
             "block": block, "splits": splits, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
-# ZipCache's write kernel: its default (decode rows tile 8, prompt chunks 16; 4 warps), then other tiles and warps
-WRITE_TUNINGS = ({}, {"tile": 8}, {"tile": 16}, {"tile": 8, "num_warps": 2})
+# ZipCache's write kernel: its default (4 warps; tile ``salient_write.DECODE_TILE``, 8, for decode rows,
+# ``TILE``, 16, for prompt chunks), then the other tile and 2 warps
+DECODE_WRITE_TUNINGS = ({}, {"tile": 16}, {"tile": 8, "num_warps": 2})
+PROMPT_WRITE_TUNINGS = ({}, {"tile": 8}, {"tile": 8, "num_warps": 2})
 
 
 def _tuned(tuning: dict) -> str:
@@ -456,7 +458,7 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     # the random new K widens some channel of most rows' blocks (their earlier tokens re-coded); K
     # inside every channel's grid widens none: a held token written alone, or, past the leading
     # salient tokens, the block's tokens scored and one dropped
-    for tuning in WRITE_TUNINGS:
+    for tuning in DECODE_WRITE_TUNINGS:
         rows.append({"kernel": f"zipcache-r60 {label}: the write alone, widening{_tuned(tuning)}",
                      "ms": write_alone(cache, table, k, **tuning)})
     k_inside = 0.1 * k
@@ -483,7 +485,7 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     rows.append({"kernel": f"zipcache-r60 {label}: attention + write",
                  "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
     lse_p = torch.zeros(total, hq, device="cuda")
-    for tuning in WRITE_TUNINGS:
+    for tuning in PROMPT_WRITE_TUNINGS:
         rows.append({"kernel": f"zipcache-r60 {label}: the write alone (probe scores in it){_tuned(tuning)}",
                      "ms": _time_on_pages_ms(cache, lambda: write_chunks(qp, kp, vp, cache, fmt, spec, writes, lse_p,
                                                                          scale, **tuning))})

@@ -135,7 +135,8 @@ def _decode_step_args(fmt, history, HQ, seed, dtype):
 
 def test_padding_rows_write_nothing():
     """A full CUDA graph's batch is padded after its decodes with rows of context 0, whose block
-    table row holds whatever vLLM left there: the write leaves every page as the decodes alone leave it."""
+    table row holds a block that no decode writes (vLLM's null block): the write leaves every page
+    as the decodes alone leave it."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.triton_kernels import salient_write
 
@@ -144,12 +145,16 @@ def test_padding_rows_write_nothing():
     fmt = SalientTokensFormat.create(0.6, dtype, B, H, D)
     history = [40, 70]
     cache, table = _pages(fmt, history, 2, seed=4)
-    padded_table = torch.cat([table, table[:1]]).to(DEVICE)  # the padding row reads request 0's blocks
+    # every entry a padding row may read (its own, or the row before's last) holds request 0's first
+    # block, which holds tokens and takes none this step
+    held = table[0, 0].item()
+    table = torch.cat([table, torch.full((2, 1), held, dtype=table.dtype)], 1)
+    padded_table = torch.cat([table, torch.full_like(table[:1], held)]).to(DEVICE)
     q, k, v = _decode_step_args(fmt, history + [0], HQ, 6, dtype)
     lens = torch.tensor([L + 1 for L in history] + [0], dtype=torch.int32, device=DEVICE)
     lse = torch.zeros(HQ, 3, device=DEVICE).t()
     spec = SalientSpec(ratio=0.6)
-    want, got = cache.to(DEVICE), cache.to(DEVICE)
+    want, got = cache.to(DEVICE, copy=True), cache.to(DEVICE, copy=True)
     salient_write.write_decoded(q[:2], k[:2], v[:2], want, fmt, spec, padded_table[:2], lens[:2], lse[:2], D ** -0.5)
     salient_write.write_decoded(q, k, v, got, fmt, spec, padded_table, lens, lse, D ** -0.5)
     assert torch.equal(got, want)
@@ -184,7 +189,7 @@ def test_decode_steps_replayed_in_a_cuda_graph():
     for x, y in zip(inputs, steps[0]):
         x.copy_(y)
     step(cache.to(DEVICE))  # compiles and plans outside capture
-    pages, eager = cache.to(DEVICE), cache.to(DEVICE)
+    pages, eager = cache.to(DEVICE, copy=True), cache.to(DEVICE, copy=True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(pages)

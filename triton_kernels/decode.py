@@ -429,7 +429,10 @@ def _decode_kernel(
     # prompt groups (8x512 tokens after 1,536, attention + write: MHA 2,211 -> 1,504 us, GQA 1,966 ->
     # 1,251); an MHA decode row (one row) keeps a product each: 274 us against 292 joined (docs/log/2026-11-29.md)
     JOIN: tl.constexpr = SALIENT and not ONE_ROW
-    REFINE: tl.constexpr = SALIENT and not JOIN  # the refinement through products of its own
+    # the refinement through products of its own: an MHA decode row, whose one query row is broadcast
+    # to the products' rows (ROW_QUERY: the high plane's codes are 2-bit)
+    REFINE: tl.constexpr = SALIENT and not JOIN
+    tl.static_assert(not REFINE or ROW_QUERY)
     # plane k's codes come scaled by 2**(k * width), a plane's width being 8 // planes (``_code_planes``)
     K_WIDTH: tl.constexpr = 8 // KP
     V_WIDTH: tl.constexpr = 8 // VP
@@ -544,11 +547,10 @@ def _decode_kernel(
                 if REFINE:
                     r0, r1, r2, r3 = _refinements(page, K_LOW, slot, refined, h, SLOTS, K_ROW, D, ASM)
                     qr0, qr1, qr2, qr3 = _split_planes(qr, 4)
-                    if ROW_QUERY:
-                        qr0 = tl.broadcast_to(qr0, (GP, D // 4))
-                        qr1 = tl.broadcast_to(qr1, (GP, D // 4))
-                        qr2 = tl.broadcast_to(qr2, (GP, D // 4))
-                        qr3 = tl.broadcast_to(qr3, (GP, D // 4))
+                    qr0 = tl.broadcast_to(qr0, (GP, D // 4))
+                    qr1 = tl.broadcast_to(qr1, (GP, D // 4))
+                    qr2 = tl.broadcast_to(qr2, (GP, D // 4))
+                    qr3 = tl.broadcast_to(qr3, (GP, D // 4))
                     s += tl.dot(qr0, tl.trans(r0))
                     s += tl.dot(qr1, tl.trans(r1))
                     s += tl.dot(qr2, tl.trans(r2))
@@ -560,8 +562,6 @@ def _decode_kernel(
                     s1 += tl.where(refined[None, :], 0.0, mid[:, None])
             else:
                 s += bias[:, None]
-                if REFINE:
-                    s += tl.where(refined[None, :], 0.0, mid[:, None])
         if K_NORMS >= 0:
             if ROW_QUERY:
                 s1 = s1 * nk
@@ -624,18 +624,11 @@ def _decode_kernel(
                     acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_WIDTH), c2)
                     acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_WIDTH), c3)
                 if REFINE:
-                    if ONE_ROW:
-                        pr = p1
-                    else:
-                        pr = p
-                    pv = pr * vr[None, :]
+                    pv = p1 * vr[None, :]
                     psr1 = pv.to(tl.float16)
                     mid = 1.5 * tl.sum(tl.where(refined[None, :], 0.0, pv), 1)[:, None]
                     pmr = 1024.0 * tl.sum(psr1.to(tl.float32), 1)[:, None]
-                    if ONE_ROW:
-                        psr = tl.broadcast_to(psr1, (GP, TILE))  # rows past the first are written nowhere
-                    else:
-                        psr = psr1
+                    psr = tl.broadcast_to(psr1, (GP, TILE))  # rows past the first are written nowhere
                     l0, l1, l2, l3 = _refinements(page, V_LOW, slot, refined, h, SLOTS, V_ROW, D, ASM)
                     acc0 = _refine_plane(acc0, psr, pmr, l0, 1.0, mid)
                     acc1 = _refine_plane(acc1, psr, pmr, l1, 1.0 / 4, mid)

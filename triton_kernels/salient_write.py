@@ -56,22 +56,29 @@ def plane(page, REGION: tl.constexpr, row, u, shift, mask, U: tl.constexpr):
 
 
 @triton.jit
+def _stored_k(page, h, t, byte, old_slot, mask, shift, K_HIGH: tl.constexpr, K_LOW: tl.constexpr, B: tl.constexpr,
+              R: tl.constexpr, U: tl.constexpr, NONE: tl.constexpr):
+    """Stored tokens ``t`` ([T, 1, 1]) of head ``h``, slots ``old_slot`` [T], in bytes ``byte`` ([1, N,
+    1]) of K's planes, where ``mask``: their high and low codes [T, N, 4] (a 2-bit token's low 0),
+    and the level each reads as on its 4-bit grid (a 2-bit token's low bits at 1.5)."""
+    refined = (old_slot != NONE)[:, None, None]
+    k_high = plane(page, K_HIGH, h * B + t, byte, shift, mask, U)
+    k_low = plane(page, K_LOW, h * R + tl.where(refined, old_slot[:, None, None], 0), byte, shift, mask & refined, U)
+    return k_high, k_low, k_high.to(tl.float32) * 4.0 + tl.where(refined, k_low.to(tl.float32), 1.5)
+
+
+@triton.jit
 def _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch, shift, k_scale, k_zero,
             K_HIGH: tl.constexpr, K_LOW: tl.constexpr, B: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
             U: tl.constexpr, NONE: tl.constexpr):
-    """K of block tokens ``tt`` ([T]) of head ``h``, [T, U, 4]: the earlier tokens' stored 2-bit
-    planes (a 2-bit token's low bits 0), and the value every token reads as (new ones exact, from
-    ``k_ptr`` row ``first`` on)."""
+    """K of block tokens ``tt`` ([T]) of head ``h``, [T, U, 4]: the value every token reads as (the
+    earlier ones from their stored planes, new ones exact, from ``k_ptr`` row ``first`` on)."""
     t = tt[:, None, None]
     earlier = t < num_stored
     new = (t >= num_stored) & (t < filled)
-    lows = earlier & (old_slot != NONE)[:, None, None]
-    k_high = plane(page, K_HIGH, h * B + t, u, shift, earlier, U)
-    k_low = plane(page, K_LOW, (h * R + tl.where(old_slot != NONE, old_slot, 0))[:, None, None], u, shift, lows, U)
-    level = k_high.to(tl.float32) * 4.0 + tl.where(lows, k_low.to(tl.float32), 1.5)
+    _, _, level = _stored_k(page, h, t, u, old_slot, earlier, shift, K_HIGH, K_LOW, B, R, U, NONE)
     x_new = tl.load(k_ptr + (first + t - num_stored) * k_row_stride + h * D + ch, mask=new, other=0.0)
-    x = tl.where(new, x_new.to(tl.float32), tl.where(earlier, level * k_scale + k_zero, 0.0))
-    return k_high, k_low, x
+    return tl.where(new, x_new.to(tl.float32), tl.where(earlier, level * k_scale + k_zero, 0.0))
 
 
 @triton.jit
@@ -168,8 +175,8 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
             for t0 in range(0, filled, TT):
                 tt = t0 + tl.arange(0, TT)
                 old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
-                _, _, x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch,
-                                  shift, k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
+                x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch, shift,
+                            k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
                 if DECODE:  # one probe, the row's query: products over channels, no matrix unit
                     sees = ((start + tt) > length - 1 - window) & (tt < filled)
                     score = tl.zeros([TT], tl.float32)
@@ -229,12 +236,9 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
                 tt = t0 + tl.arange(0, WIDEN_ROWS)
                 earlier = tt < num_stored
                 old_slot = tl.load(page + SLOT_OF + h * B + tt, mask=earlier, other=NONE).to(tl.int32)
-                refined = (old_slot != NONE)[:, None, None]
-                mask = (earlier[:, None] & live)[:, :, None]
-                k_high = plane(page, K_HIGH, h * B + tt[:, None, None], byte[:, :, None], shift, mask, U)
-                k_low = plane(page, K_LOW, (h * R + tl.where(refined, old_slot[:, None, None], 0)), byte[:, :, None],
-                              shift, mask & refined, U)
-                level = k_high.to(tl.float32) * 4.0 + tl.where(refined, k_low.to(tl.float32), 1.5)
+                k_high, k_low, level = _stored_k(page, h, tt[:, None, None], byte[:, :, None], old_slot,
+                                                 (earlier[:, None] & live)[:, :, None], shift, K_HIGH, K_LOW, B, R,
+                                                 U, NONE)
                 k_codes = tl.minimum(tl.maximum(code_on(level * old_scale + old_zero, new_zero, new_step), 0.0), _TOP)
                 k_codes = tl.where(kept_here, k_high * 4 + k_low, k_codes.to(tl.int32))
                 keep_t = _pick(keep, tokens, tt) & earlier

@@ -274,6 +274,11 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             return {"window": self.sliding_window}
         return {"window": self.sliding_window, "first_keys": first_keys_of(self.sliding_window)}
 
+    def _longest_decode(self, md: KVCompressMetadata) -> int:
+        """The context a step's decode launch is sized for: under CUDA-graph capture the longest the
+        model allows (a graph keeps the launch for every later batch of its size), else the step's."""
+        return self._max_model_len if torch.cuda.is_current_stream_capturing() else md.decode_max_seq_len
+
     def _warm_up(self, pages: torch.Tensor, dtype: torch.dtype) -> None:
         if self._warm_ups and not torch.cuda.is_current_stream_capturing():
             for warm_up in self._warm_ups:
@@ -329,9 +334,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         slim = getattr(layer, ATTRIBUTE) if fmt.v is None else None  # attached at model load
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
-            # A CUDA graph keeps the launch for every later batch of this size: size splits for any context.
-            longest = self._max_model_len if torch.cuda.is_current_stream_capturing() else md.decode_max_seq_len
-            decode_args = (q[:nd], pages, fmt, md.decode_block_table, md.decode_seq_lens, self.scale, longest)
+            decode_args = (q[:nd], pages, fmt, md.decode_block_table, md.decode_seq_lens, self.scale,
+                           self._longest_decode(md))
             if slim is not None:
                 self._decode_kernel(*decode_args, slim, out=out[:nd])
             else:
@@ -364,9 +368,8 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._warm_up(pages, q.dtype)
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
-            longest = self._max_model_len if torch.cuda.is_current_stream_capturing() else md.decode_max_seq_len
             lse = self._decode_kernel(q[:nd], k[:nd], v[:nd], pages, fmt, md.decode_block_table,
-                                      md.decode_history_lens, self.scale, longest, out[:nd],
+                                      md.decode_history_lens, self.scale, self._longest_decode(md), out[:nd],
                                       row_order=md.decode_row_order, **self._window_args(md.decode_first_keys))
             self._write(q[:nd], k[:nd], v[:nd], pages, fmt, spec, md.decode_block_table, md.decode_seq_lens, lse.t(),
                         self.scale, **self._window_args())
