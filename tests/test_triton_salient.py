@@ -203,6 +203,31 @@ def test_decode_steps_replayed_in_a_cuda_graph():
         assert torch.equal(pages, eager), s
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="registers are counted by the GPU's compiler")
+@pytest.mark.parametrize("HQ", [2, 8])
+def test_decode_writes_hold_to_their_register_budget(HQ):
+    """A decode row's write at the serving shape (blocks of 128, heads of 128) compiles within the
+    registers it is given (MHA 96, GQA 168): left to itself the compiler takes over 200, which
+    leaves two programs a SM."""
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.triton_kernels import launch, salient_write
+
+    H, D, B = 2, 128, 128
+    fmt = SalientTokensFormat.create(0.6, torch.bfloat16, B, H, D)
+    history = [98, 300]
+    cache, table = _pages(fmt, history, 2, seed=3)
+    q, k, v = _decode_step_args(fmt, history, HQ, 5, torch.bfloat16)
+    lens = torch.tensor([L + 1 for L in history], dtype=torch.int32, device=DEVICE)
+    lse = torch.zeros(len(history), HQ, device=DEVICE)
+    salient_write.write_decoded(q, k, v, cache.to(DEVICE), fmt, SalientSpec(ratio=0.6), table.to(DEVICE), lens, lse,
+                                D ** -0.5)
+    budget = salient_write.MHA_DECODE_REGISTERS if HQ == H else salient_write.GQA_DECODE_REGISTERS
+    compiled = [c.kernel for (variant, _), c in launch._compiled.items()
+                if variant.kernel is salient_write._salient_write_kernel and variant.constants["DECODE"]
+                and variant.constants["G"] == HQ // H and variant.constants["D"] == D]
+    assert compiled and all(kernel.n_regs <= budget for kernel in compiled), [k.n_regs for k in compiled]
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_grouped_prompt_rows_continue_a_prior_attention(splits):
     """Prompt chunks' tokens as rows over their chunk's history, taken in groups of 9 tokens of 4

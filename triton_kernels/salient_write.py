@@ -46,6 +46,12 @@ PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
 WIDEN_BYTES = tl.constexpr(4)
 WIDEN_ROWS = tl.constexpr(32)
 NO_WINDOW = 1 << 30  # the window of a layer without one: a probe sees every token before it
+# registers a decode row's program may hold, by query heads a KV head (MHA 1, else GQA): left to
+# itself the compiler takes 221 (sm_90), two programs a SM, and the write waits on its loads.
+# H200, 144 rows, held / widening / slots full / slots full and widening, us: MHA 137 / 195 / 301 /
+# 358 as compiled, 85 / 125 / 160 / 198 at 96; GQA 84 / 99 / 145 / 166, 75 / 88 / 121 / 133 at 168
+# (docs/log/2026-11-29.md)
+MHA_DECODE_REGISTERS, GQA_DECODE_REGISTERS = 96, 168
 
 
 @triton.jit
@@ -249,7 +255,10 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         tl.debug_barrier()
 
     # the new tokens, NT at a time: codes on the grids, and a kept one takes the lowest free slot
-    free_gap = _free_slot_gaps(slot, keep & (tokens < num_stored), B)
+    if DECODE:
+        free_slot = _lowest_free_slot(slot, keep & (tokens < num_stored), B)
+    else:
+        free_gap = _free_slot_gaps(slot, keep & (tokens < num_stored), B)
     taken = num_stored * 0  # new tokens given a slot so far
     for t0 in range(num_stored, filled, NT):
         tt = t0 + tl.arange(0, NT)
@@ -260,7 +269,10 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         keep_t = _pick(keep, tokens, tt) & appended
         nth = taken + tl.cumsum(keep_t.to(tl.int32), 0) - 1
         taken += tl.sum(keep_t.to(tl.int32), 0)
-        new_slot = nth + tl.sum((free_gap[None, :] <= nth[:, None]).to(tl.int32), 1)  # the nth free slot
+        if DECODE:  # its one new token
+            new_slot = nth * 0 + free_slot
+        else:
+            new_slot = nth + tl.sum((free_gap[None, :] <= nth[:, None]).to(tl.int32), 1)  # the nth free slot
 
         x = tl.load(k_ptr + (first + t - num_stored) * k_row_stride + h * D + ch, mask=new, other=0.0)
         k_codes = tl.minimum(tl.maximum(code_on(x.to(tl.float32), zero.to(tl.float32), step.to(tl.float32)), 0.0),
@@ -311,6 +323,21 @@ def _pick(flags, tokens, tt):
 
 
 @triton.jit
+def _lowest_free_slot(slot, holds, B: tl.constexpr):
+    """The lowest slot that no token holds (``slot`` where ``holds``), from a bit mask of the held
+    slots a 32-bit word at a time (a decode row's one new token: no sort)."""
+    word = tl.where(holds, slot >> 5, -1)
+    bit = 1 << (slot & 31)  # distinct slots: a word's sum is the OR of its bits
+    lowest = tl.full([], B, tl.int32)
+    for w in tl.static_range((B + 31) // 32 - 1, -1, -1):  # the lowest word with a free slot wins
+        free = ~tl.sum(tl.where(word == w, bit, 0), 0)
+        first = free & -free  # its lowest free bit alone; its position is the float's exponent
+        at = ((first.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        lowest = tl.where(free != 0, w * 32 + at, lowest)
+    return lowest
+
+
+@triton.jit
 def _free_slot_gaps(slot, holds, B: tl.constexpr):
     """[B] the slots still held (``slot`` where ``holds``) in ascending order, each less its place in
     that order: the free slots below it. The nth free slot (from 0) is n plus the count of these
@@ -338,8 +365,11 @@ def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE) -> d
 @functools.cache
 def _variant(fmt: SalientTokensFormat, group: int, tile: int, num_warps: int, decode: bool, given: bool,
              normalized: bool) -> Variant:
+    options = {"num_warps": num_warps}
+    if decode and torch.version.hip is None:
+        options["maxnreg"] = MHA_DECODE_REGISTERS if group == 1 else GQA_DECODE_REGISTERS
     return Variant(_salient_write_kernel, write_constants(fmt, group, tile)
-                   | dict(DECODE=decode, GIVEN=given, NORMALIZED=normalized), {"num_warps": num_warps})
+                   | dict(DECODE=decode, GIVEN=given, NORMALIZED=normalized), options)
 
 
 _RUNTIME = _salient_write_kernel.arg_names[:_salient_write_kernel.arg_names.index("PAGE")]
