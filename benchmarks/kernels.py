@@ -386,9 +386,11 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
 
 
 # ZipCache's write kernel: its default (4 warps; tile ``salient_write.DECODE_TILE``, 8, for decode rows,
-# ``TILE``, 16, for prompt chunks), then other tiles and warps (a prompt chunk's at 8 warps: sm_90
-# registers 187 and 128 MHA, no spills, against 255 with 16 bytes spilled at 4; benchmarks/registers.py)
-DECODE_WRITE_TUNINGS = ({}, {"tile": 16}, {"tile": 8, "num_warps": 2})
+# ``TILE``, 16, for prompt chunks), then other tiles and warps that spill less on sm_90
+# (benchmarks/registers.py): a decode row's at tile 4 (112 bytes spilled within 96 registers,
+# against 240) or 8 warps (8); a prompt chunk's at 8 warps (187 and 128 registers MHA, no spills,
+# against 255 with 16 bytes spilled at 4). Tiles of 16 and 2 warps ran slower (H200, 2026-11-29).
+DECODE_WRITE_TUNINGS = ({}, {"tile": 4}, {"num_warps": 8})
 PROMPT_WRITE_TUNINGS = ({}, {"tile": 8}, {"num_warps": 8}, {"tile": 8, "num_warps": 8})
 
 
