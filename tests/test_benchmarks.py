@@ -145,6 +145,25 @@ def test_kernels_needs_a_gpu_and_bad_input_is_named(tmp_path):
     assert run.returncode != 0 and "--block-size 40 is not allowed; allowed: a multiple of 16" in run.stderr
 
 
+def test_registers_are_counted_as_the_kernels_are_launched():
+    """``benchmarks/registers.py`` compiles each kernel with its variant's options: the decode
+    writes show the register budgets they are launched with (uncapped, any Triton compiles them to
+    more), and every kernel a count."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from vllm_kvcompress.triton_kernels import salient_write
+
+    run = subprocess.run([sys.executable, "-m", "benchmarks.registers"], cwd=REPO, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if "REG:" in line]
+    assert len(rows) == 8, run.stdout
+    writes = [line for line in rows if "write, decode rows" in line]
+    budgets = (salient_write.MHA_DECODE_REGISTERS, salient_write.GQA_DECODE_REGISTERS)
+    held = [int(line.split("REG:")[1].split()[0]) for line in writes]
+    assert [f"maxnreg {b}" in line for line, b in zip(writes, budgets)] == [True, True], writes
+    assert held[0] <= budgets[0] and held[1] <= budgets[1], writes
+
+
 def test_humaneval_is_each_problem_with_its_solution(tmp_path, monkeypatch):
     rows = [{"task_id": "a", "prompt": 'def f():\n    """One."""\n', "canonical_solution": "    return 1\n"},
             {"task_id": "b", "prompt": "\n\ndef g():\n", "canonical_solution": "    return 2 \n"}]
