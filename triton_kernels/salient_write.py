@@ -35,7 +35,7 @@ from vllm_kvcompress.salient_torch import ChunkWrites, last_block_random_scores
 
 from .grid import code_on, min_max_stats
 from .launch import Variant, launch
-from .write import _half, _widened_span
+from .write import _half, _widened_span, ranked
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
 TILE = 16  # a prompt chunk's tokens a program holds at once (H200: 16 with 4 warps the fastest)
@@ -232,7 +232,7 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         rank = tl.cumsum(widened_bytes, 0) - widened_bytes
         for a0 in range(0, count, WIDEN_BYTES):
             want = a0 + tl.arange(0, WIDEN_BYTES)
-            pick = (rank[None, :] == want[:, None]) & (widened_bytes[None, :] == 1)  # [WIDEN_BYTES, U]
+            pick = ranked(widened_bytes, rank, want)  # [WIDEN_BYTES, U]
             byte = tl.sum(tl.where(pick, tl.arange(0, U)[None, :], 0), 1)[None, :]
             live = (want < count)[None, :]
             old_zero, old_scale = _bytes_of(k_zero, pick), _bytes_of(k_scale, pick)

@@ -293,6 +293,13 @@ def _widen_units(src_ptr, src_stride, i, off, page, h, units, units_ok, D: tl.co
 
 
 @triton.jit
+def ranked(flags, rank, want):
+    """[W, N]: which of N entries is each ``want`` [W]-th of those ``flags`` (1) marks, ``rank`` [N]
+    counting the marked entries before each (``cumsum(flags) - flags``)."""
+    return (rank[None, :] == want[:, None]) & (flags[None, :] == 1)
+
+
+@triton.jit
 def _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D: tl.constexpr, BLOCK: tl.constexpr,
                   BITS: tl.constexpr, VALS: tl.constexpr, UNITS: tl.constexpr, PER: tl.constexpr, UC: tl.constexpr,
                   OWN: tl.constexpr, CODES: tl.constexpr, ROW: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr,
@@ -309,7 +316,7 @@ def _append_token(src_ptr, src_stride, i, off, share, shares, page, h, D: tl.con
     rank = tl.cumsum(misfit, 0) - misfit
     for first in range(0, count, AG):
         want = first + tl.arange(0, AG)
-        units = tl.sum(tl.where((rank[None, :] == want[:, None]) & (misfit[None, :] == 1), own_units[None, :], 0), 1)
+        units = tl.sum(tl.where(ranked(misfit, rank, want), own_units[None, :], 0), 1)
         _widen_units(src_ptr, src_stride, i, off, page, h, units, want < count, D, BLOCK, BITS,
                      VALS, PER, CODES, ROW, SCALE, ZERO, RT)
 

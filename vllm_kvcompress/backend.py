@@ -395,7 +395,7 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
             self._decode_kernel(q[:nd], k[:nd], v[:nd], pages, fmt, self._pair_layer, md.decode_block_table,
-                                md.decode_history_lens, self.scale, md.decode_max_seq_len, out[:nd],
+                                md.decode_history_lens, self.scale, self._longest_decode(md), out[:nd],
                                 row_order=md.decode_row_order)
         start = md.query_start_loc[nd]
         if start < t:
