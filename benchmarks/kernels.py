@@ -390,6 +390,7 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
 # (benchmarks/registers.py): a decode row's at tile 4 (112 bytes spilled within 96 registers,
 # against 240) or 8 warps (8); a prompt chunk's at 8 warps (187 and 128 registers MHA, no spills,
 # against 255 with 16 bytes spilled at 4). Tiles of 16 and 2 warps ran slower (H200, 2026-11-29).
+DECODE_KERNEL_TUNINGS = ({}, {"tile": 64}, {"num_warps": 4})
 DECODE_WRITE_TUNINGS = ({}, {"tile": 4}, {"num_warps": 8})
 PROMPT_WRITE_TUNINGS = ({}, {"tile": 8}, {"num_warps": 8}, {"tile": 8, "num_warps": 8})
 
@@ -437,9 +438,10 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     history = seq_lens - 1
     order = longest_first(history)
     prior = torch.zeros(hq, n, device="cuda")
-    rows.append({"kernel": f"zipcache-r60 {label}: decode kernel",
-                 "ms": _time_ms(lambda: paged_decode(q, cache, fmt, table, history, scale, max(lens), out=out,
-                                                     row_order=order, prior_lse=prior, lse_out=True))})
+    for tuning in DECODE_KERNEL_TUNINGS:
+        rows.append({"kernel": f"zipcache-r60 {label}: decode kernel{_tuned(tuning)}",
+                     "ms": _time_ms(lambda: paged_decode(q, cache, fmt, table, history, scale, max(lens), out=out,
+                                                         row_order=order, prior_lse=prior, lse_out=True, **tuning))})
 
     def decode_step():
         lse = decode_rows(q, k, v, cache, fmt, table, history, scale, max(lens), out, row_order=order)

@@ -121,10 +121,27 @@ def _unpack3_asm() -> str:
     return "{ .reg .b32 lo, hi, hlo, hhi, t; " + " ".join(body) + " }"
 
 
+def _join_asm() -> str:
+    """PTX for ``_salient_codes`` on the GPU, four bytes of the high plane ($8) and of the refinement
+    ($9) at a time: a shift and a LOP3 (select by mask, 0xE4) give the bytes of 4-bit codes of
+    channels 4j, 4j + 2 (``even``) and 4j + 1, 4j + 3 (``odd``), each then unpacked as
+    ``_unpack_asm(4)`` unpacks: ``_spread`` and one LOP3 per nibble and pair of codes."""
+    body = ["shl.b32 t, $8, 2; lop3.b32 e, t, $9, 0xCCCCCCCC, 0xE4;",
+            "shr.b32 t, $9, 2; lop3.b32 o, $8, t, 0xCCCCCCCC, 0xE4;"]
+    for word, planes in (("e", (0, 2)), ("o", (1, 3))):
+        body.append(_spread(word, "lo", "hi"))
+        for nibble, k in enumerate(planes):
+            mask = _both_halves(0xF << 4 * nibble)
+            body.append(f"lop3.b32 ${2 * k}, lo, {mask}, 0x64006400, 0xEA; "
+                        f"lop3.b32 ${2 * k + 1}, hi, {mask}, 0x64006400, 0xEA;")
+    return "{ .reg .b32 e, o, t, lo, hi; " + " ".join(body) + " }"
+
+
 _UNPACK_2 = tl.constexpr(_unpack_asm(2))
 _UNPACK_3 = tl.constexpr(_unpack3_asm())
 _UNPACK_4 = tl.constexpr(_unpack_asm(4))
 _UNPACK_8 = tl.constexpr(_unpack_asm(8))
+_JOIN_2_2 = tl.constexpr(_join_asm())
 _NO_SLOT = tl.constexpr(NO_SLOT)
 # log2(e): the kernels keep maxima and sums in base 2 (exp2), natural log-sum-exps are converted
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -168,40 +185,53 @@ def _accumulate_plane(acc, alpha, ps, pm, pz, codes, unit, channel_scale):
 
 
 @triton.jit
-def _refinements(page, LOW: tl.constexpr, slot, refined, h, SLOTS: tl.constexpr, ROW: tl.constexpr, D: tl.constexpr,
-                 ASM: tl.constexpr):
-    """ZipCache's pages (``formats.salient``): the low 2 bits of tokens' 4-bit codes as
-    ``_code_planes`` gives 2-bit ones, a refined token's from its slot's row of ``[H, SLOTS, ROW]``
-    at byte LOW, 0 for the others (``refined`` [T])."""
+def _salient_codes(page, CODES: tl.constexpr, LOW: tl.constexpr, tok, slot, refined, h, SLOTS: tl.constexpr,
+                   ROW: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
+    """ZipCache's 4-bit codes of tokens ``tok`` ([T, 1]) in four planes, plane k channels ``4j + k``
+    as float16 ``1024 + 16**(k // 2) * code``: byte j of the high plane (every token's top 2 bits,
+    ``code_unit_ptr`` places it, ``GROUP`` as there) joined with byte j of a refined token's slot row
+    (``[H, SLOTS, ROW]`` at byte LOW; 0 for a token not ``refined`` [T], which reads as ``4 * high``:
+    callers add its 1.5 steps). The two bytes are joined as integers into two bytes of 4-bit codes,
+    channels 4j, 4j + 2 and 4j + 1, 4j + 3 (``_join_asm``), unpacked as 4-bit codes are: one product
+    per plane and no second unpacking."""
+    u = tl.arange(0, D // 4)[None, :]
+    high = tl.load(code_unit_ptr(page, CODES, tok, h, u, ROW, BLOCK, GROUP))
+    at = page + LOW + (h * SLOTS + tl.where(refined, slot, 0))[:, None] * ROW + u
+    low = tl.load(at, mask=refined[:, None], other=0)
+    if ASM:
+        return tl.inline_asm_elementwise(_JOIN_2_2, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [high, low],
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                         is_pure=True, pack=4)
+    high = high.to(tl.int32)
+    low = low.to(tl.int32)
+    even = ((high << 2) & 0xCC) | (low & 0x33)  # nibbles 4 high + low of channels 4j and 4j + 2
+    odd = (high & 0xCC) | ((low >> 2) & 0x33)  # of channels 4j + 1 and 4j + 3
+    return _as_fp16(even & 0x0F), _as_fp16(odd & 0x0F), _as_fp16(even & 0xF0), _as_fp16(odd & 0xF0)
+
+
+@triton.jit
+def _salient_codes_float16(page, CODES: tl.constexpr, LOW: tl.constexpr, tok, slot, refined, h,
+                           SLOTS: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+                           GROUP: tl.constexpr, ASM: tl.constexpr):
+    """The codes ``_salient_codes`` reads, joined in float16 instead: plane k is ``4**k * (4 * high +
+    low)``, not offset by 1024, and a token not ``refined`` reads as ``4 * high + 1.5`` (exact in
+    float16: at most 960). Each plane is unpacked as 2-bit codes (``_code_planes``) and the two are
+    joined in three float16 operations a code; the middle costs no per-logit term, which is what
+    prompt groups' 64 rows of logits a tile pay for."""
+    h0, h1, h2, h3 = _code_planes(page, CODES, tok, h, ROW, BLOCK, D, 2, GROUP, ASM)
     u = tl.arange(0, D // 4)[None, :]
     at = page + LOW + (h * SLOTS + tl.where(refined, slot, 0))[:, None] * ROW + u
-    return _unpacked_planes(tl.load(at, mask=refined[:, None], other=0), 2, ASM)
+    l0, l1, l2, l3 = _unpacked_planes(tl.load(at, mask=refined[:, None], other=0), 2, ASM)
+    return (_float16_plane(h0, l0, refined, 1.0), _float16_plane(h1, l1, refined, 4.0),
+            _float16_plane(h2, l2, refined, 16.0), _float16_plane(h3, l3, refined, 64.0))
 
 
 @triton.jit
-def _refine_plane(acc, ps, pm, codes, unit, mid):
-    """A plane of the output plus the refinement bits' share: ``(p*s) . low + p*s . 1.5`` over the
-    unrefined tokens (``mid``), as ``_accumulate_plane`` adds its codes' (no rescaling: that one did)."""
-    return acc + (tl.dot(ps, codes) - pm) * unit + mid
-
-
-@triton.jit
-def _salient_plane(high, low, refined, unit):
-    """A plane of 4-bit codes from the high plane's and the refinement's (``_code_planes`` and
-    ``_refinements``: float16 ``1024 + unit * code``), ``unit * (4 * high + low)``, a token not
-    ``refined`` ([T]) reading as ``4 * high + 1.5``: exact in float16 (at most 960), so one product
-    per plane takes both."""
+def _float16_plane(high, low, refined, unit):
+    """One plane of ``_salient_codes_float16`` from the high plane's and the refinement's codes
+    (float16 ``1024 + unit * code``)."""
     middle = tl.where(refined[:, None], 0.0, 1.5 * unit).to(tl.float16)
     return (high - 1024.0) * 4.0 + (low - 1024.0) + middle
-
-
-@triton.jit
-def _joined(page, LOW: tl.constexpr, slot, refined, h, SLOTS: tl.constexpr, ROW: tl.constexpr, D: tl.constexpr,
-            ASM: tl.constexpr, c0, c1, c2, c3):
-    """High planes ``c0..c3`` joined with the refinement's rows at LOW (``_salient_plane``)."""
-    r0, r1, r2, r3 = _refinements(page, LOW, slot, refined, h, SLOTS, ROW, D, ASM)
-    return (_salient_plane(c0, r0, refined, 1.0), _salient_plane(c1, r1, refined, 4.0),
-            _salient_plane(c2, r2, refined, 16.0), _salient_plane(c3, r3, refined, 64.0))
 
 
 @triton.jit
@@ -402,12 +432,12 @@ def _decode_kernel(
     that each block's kept tokens are taken by one split.
 
     SALIENT (ZipCache's pages, ``formats.salient``): the codes are the high plane of a 4-bit grid
-    (K per channel, V per token), read as 2-bit codes; a refined token's low 2 bits come from its
-    slot's row (``slot_of`` [H, BLOCK] at SLOT_OF, NO_SLOT: none), and an unrefined token reads as
-    the middle of its four sub-levels (+1.5). Where the products have several rows (query heads or
-    a prompt group's tokens) the two planes are joined into 4-bit codes before them
-    (``_salient_plane``); an MHA decode row reads the high plane on a grid of 4 steps and the
-    refinement through one more product per plane.
+    (K per channel, V per token); a refined token's low 2 bits come from its slot's row (``slot_of``
+    [H, BLOCK] at SLOT_OF, NO_SLOT: none), and an unrefined token reads as the middle of its four
+    sub-levels, 1.5 steps above ``4 * high``. The two are joined into 4-bit codes before the
+    products, one product per plane: for decode rows as integers (``_salient_codes``; the middle in
+    K's logit bias and V's zeros, per token), for prompt groups in float16
+    (``_salient_codes_float16``; the middle in the codes, no term over a tile's 64 rows of logits).
 
     LSE_OUT (with PRIOR): the merged natural log-sum-exp replaces the prior's at ``lse_ptr`` (the
     ZipCache write turns it into its probes' probabilities).
@@ -425,17 +455,23 @@ def _decode_kernel(
     split = tl.program_id(1)
     dtype = q_ptr.dtype.element_ty
     TPP: tl.constexpr = BLOCK // TILE
-    # ZipCache's two planes joined before the products for GQA decode rows (H200: 92.3 -> 82.2 us) and
-    # prompt groups (8x512 tokens after 1,536, attention + write: MHA 2,211 -> 1,504 us, GQA 1,966 ->
-    # 1,251); an MHA decode row (one row) keeps a product each: 274 us against 292 joined (docs/log/2026-11-29.md)
-    JOIN: tl.constexpr = SALIENT and not ONE_ROW
-    # the refinement through products of its own: an MHA decode row, whose one query row is broadcast
-    # to the products' rows (ROW_QUERY: the high plane's codes are 2-bit)
-    REFINE: tl.constexpr = SALIENT and not JOIN
-    tl.static_assert(not REFINE or ROW_QUERY)
-    # plane k's codes come scaled by 2**(k * width), a plane's width being 8 // planes (``_code_planes``)
+    # plane k's codes come scaled by 2**(k * width), a plane's width being 8 // planes (``_code_planes``;
+    # ZipCache's in float16 too), ZipCache's joined as integers by 16**(k // 2) (``_salient_codes``)
     K_WIDTH: tl.constexpr = 8 // KP
     V_WIDTH: tl.constexpr = 8 // VP
+    # ZipCache's two planes joined as integers for decode rows, in float16 for prompt groups (H200, in
+    # one process, us: 144 decode rows MHA 278.9 -> 222.3, GQA 85.2 -> 71.7; 8x512 prompt tokens after
+    # 1,536 MHA 853.9 against 951.1 joined as integers, GQA 845.4 against 961.0; docs/log/2026-11-29.md)
+    HALF_JOIN: tl.constexpr = SALIENT and GROUPED
+    INT_JOIN: tl.constexpr = SALIENT and not GROUPED
+    if INT_JOIN:
+        V_UNIT1: tl.constexpr = 1.0
+        V_UNIT2: tl.constexpr = 1.0 / 16
+        V_UNIT3: tl.constexpr = 1.0 / 16
+    else:
+        V_UNIT1: tl.constexpr = 1.0 / (1 << V_WIDTH)
+        V_UNIT2: tl.constexpr = 1.0 / (1 << 2 * V_WIDTH)
+        V_UNIT3: tl.constexpr = 1.0 / (1 << 3 * V_WIDTH)
 
     mi = tl.arange(0, GP)
     r = mi // G
@@ -476,7 +512,9 @@ def _decode_kernel(
     else:
         q = tl.load(q_row + d, mask=gmask, other=0.0)
     qf = q.to(tl.float32) * q_scale
-    if KP > 1:
+    if INT_JOIN:
+        qc = qf / (1 << (4 * ((d % 4) // 2))).to(tl.float32)
+    elif KP > 1:
         qc = qf / (1 << (K_WIDTH * (d % KP))).to(tl.float32)
     else:
         qc = qf
@@ -515,24 +553,25 @@ def _decode_kernel(
             # scale and zero of every channel in one contiguous load, wide enough to be pipelined
             kstat = tl.load(half + h * D + K_SCALE // 2 + stat * ((K_ZERO - K_SCALE) // 2) + d).to(tl.float32)
             ks, kz = _rows(kstat)
-            if SALIENT:
-                slot = tl.load(page + SLOT_OF + h * BLOCK + tok).to(tl.int32)
-                refined = slot != _NO_SLOT
-            if REFINE:  # the high plane: steps of 4 on the grid; the refinement's products at 1 step
-                qr = (qc * ks[None, :]).to(tl.float16)
-                mid = 1.5 * tl.sum(qf * ks[None, :], 1)  # an unrefined token's low bits: 1.5 each channel
-                ks = ks * 4.0
             qs = (qc * ks[None, :]).to(tl.float16)
-            if JOIN:  # 4-bit codes (``_salient_plane``), not offset by 1024
+            if HALF_JOIN:
                 bias = tl.sum(qf * kz[None, :], 1)
             else:
                 bias = tl.sum(qf * kz[None, :], 1) - 1024.0 * tl.sum(qs.to(tl.float32), 1)
             if KP == 1:  # 8 bits
                 s = tl.dot(qs, tl.trans(_byte_codes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, 0, ASM)))
             else:
-                k0, k1, k2, k3 = _code_planes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, 0, ASM)
-                if JOIN:
-                    k0, k1, k2, k3 = _joined(page, K_LOW, slot, refined, h, SLOTS, K_ROW, D, ASM, k0, k1, k2, k3)
+                if SALIENT:
+                    slot = tl.load(page + SLOT_OF + h * BLOCK + tok).to(tl.int32)
+                    refined = slot != _NO_SLOT
+                    if INT_JOIN:
+                        k0, k1, k2, k3 = _salient_codes(page, K_CODES, K_LOW, tok[:, None], slot, refined, h, SLOTS,
+                                                        K_ROW, BLOCK, D, 0, ASM)
+                    else:
+                        k0, k1, k2, k3 = _salient_codes_float16(page, K_CODES, K_LOW, tok[:, None], slot, refined,
+                                                                h, SLOTS, K_ROW, BLOCK, D, 0, ASM)
+                else:
+                    k0, k1, k2, k3 = _code_planes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, 0, ASM)
                 qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
                 if ROW_QUERY:  # every row of the products is the query's
                     qs0 = tl.broadcast_to(qs0, (GP, D // KP))
@@ -544,24 +583,14 @@ def _decode_kernel(
                 if KP > 2:
                     s += tl.dot(qs2, tl.trans(k2))
                     s += tl.dot(qs3, tl.trans(k3))
-                if REFINE:
-                    r0, r1, r2, r3 = _refinements(page, K_LOW, slot, refined, h, SLOTS, K_ROW, D, ASM)
-                    qr0, qr1, qr2, qr3 = _split_planes(qr, 4)
-                    qr0 = tl.broadcast_to(qr0, (GP, D // 4))
-                    qr1 = tl.broadcast_to(qr1, (GP, D // 4))
-                    qr2 = tl.broadcast_to(qr2, (GP, D // 4))
-                    qr3 = tl.broadcast_to(qr3, (GP, D // 4))
-                    s += tl.dot(qr0, tl.trans(r0))
-                    s += tl.dot(qr1, tl.trans(r1))
-                    s += tl.dot(qr2, tl.trans(r2))
-                    s += tl.dot(qr3, tl.trans(r3))
-                    bias -= 1024.0 * tl.sum(qr.to(tl.float32), 1)
-            if ROW_QUERY:  # every row is the query's logits: any one of them
-                s1 = tl.max(s, 0)[None, :] + bias[:, None]
-                if REFINE:
-                    s1 += tl.where(refined[None, :], 0.0, mid[:, None])
+            if INT_JOIN:  # a token not refined reads 1.5 steps above its code, 4 * high, every channel
+                bias = bias[:, None] + tl.where(refined[None, :], 0.0, 1.5 * tl.sum(qf * ks[None, :], 1)[:, None])
             else:
-                s += bias[:, None]
+                bias = bias[:, None]
+            if ROW_QUERY:  # every row is the query's logits: any one of them
+                s1 = tl.max(s, 0)[None, :] + bias
+            else:
+                s += bias
         if K_NORMS >= 0:
             if ROW_QUERY:
                 s1 = s1 * nk
@@ -587,9 +616,8 @@ def _decode_kernel(
         else:
             vstat = tl.load(half + h * BLOCK + V_SCALE // 2 + stat * ((V_ZERO - V_SCALE) // 2) + tok[None, :])
             vs, vz = _rows(vstat.to(tl.float32))
-            if REFINE:  # as K's: the high plane at 4 steps, the refinement below
-                vr = vs
-                vs = vs * 4.0
+            if INT_JOIN:  # a token not refined reads 1.5 steps above its code: in its zero
+                vz += tl.where(refined, 0.0, 1.5 * vs)
             if V_NORMS >= 0:
                 vs = vs * tl.reshape(nv, (TILE,))
                 vz = vz * tl.reshape(nv, (TILE,))
@@ -604,7 +632,7 @@ def _decode_kernel(
             else:
                 ps = (p * vs[None, :]).to(tl.float16)
                 pz = tl.sum(p * vz[None, :], 1)[:, None]
-                pm = 0.0 if JOIN else 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]  # codes: 1024 + code
+                pm = 0.0 if HALF_JOIN else 1024.0 * tl.sum(ps.to(tl.float32), 1)[:, None]  # codes: 1024 + code
             if V_CS >= 0:  # ZipCache channel scales
                 c0, c1, c2, c3 = _split_planes(_f32(half + V_CS // 2 + h * D + d), VP)
             else:
@@ -615,25 +643,21 @@ def _decode_kernel(
             else:
                 # codes byte-major (statistics per token): a byte's tokens lie together, the order of
                 # the product over tokens
-                v0, v1, v2, v3 = _code_planes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, V_GROUP, ASM)
-                if JOIN:
-                    v0, v1, v2, v3 = _joined(page, V_LOW, slot, refined, h, SLOTS, V_ROW, D, ASM, v0, v1, v2, v3)
+                if SALIENT:
+                    if INT_JOIN:
+                        v0, v1, v2, v3 = _salient_codes(page, V_CODES, V_LOW, tok[:, None], slot, refined, h, SLOTS,
+                                                        V_ROW, BLOCK, D, V_GROUP, ASM)
+                    else:
+                        v0, v1, v2, v3 = _salient_codes_float16(page, V_CODES, V_LOW, tok[:, None], slot, refined,
+                                                                h, SLOTS, V_ROW, BLOCK, D, V_GROUP, ASM)
+                else:
+                    v0, v1, v2, v3 = _code_planes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, V_GROUP,
+                                                  ASM)
                 acc0 = _accumulate_plane(acc0, alpha, ps, pm, pz, v0, 1.0, c0)
-                acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, 1.0 / (1 << V_WIDTH), c1)
+                acc1 = _accumulate_plane(acc1, alpha, ps, pm, pz, v1, V_UNIT1, c1)
                 if VP > 2:
-                    acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, 1.0 / (1 << 2 * V_WIDTH), c2)
-                    acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, 1.0 / (1 << 3 * V_WIDTH), c3)
-                if REFINE:
-                    pv = p1 * vr[None, :]
-                    psr1 = pv.to(tl.float16)
-                    mid = 1.5 * tl.sum(tl.where(refined[None, :], 0.0, pv), 1)[:, None]
-                    pmr = 1024.0 * tl.sum(psr1.to(tl.float32), 1)[:, None]
-                    psr = tl.broadcast_to(psr1, (GP, TILE))  # rows past the first are written nowhere
-                    l0, l1, l2, l3 = _refinements(page, V_LOW, slot, refined, h, SLOTS, V_ROW, D, ASM)
-                    acc0 = _refine_plane(acc0, psr, pmr, l0, 1.0, mid)
-                    acc1 = _refine_plane(acc1, psr, pmr, l1, 1.0 / 4, mid)
-                    acc2 = _refine_plane(acc2, psr, pmr, l2, 1.0 / 16, mid)
-                    acc3 = _refine_plane(acc3, psr, pmr, l3, 1.0 / 64, mid)
+                    acc2 = _accumulate_plane(acc2, alpha, ps, pm, pz, v2, V_UNIT2, c2)
+                    acc3 = _accumulate_plane(acc3, alpha, ps, pm, pz, v3, V_UNIT3, c3)
     if R > 0:  # the kept tokens of the split's blocks, in a loop of their own (the tiles' stays lean)
         if ONE_ROW and not ROW_QUERY:  # the products' other rows are zero: the query row alone
             qk = tl.sum(qf, 0)[None, :]
@@ -828,9 +852,9 @@ def _kept_constants(fmt: KVPageFormat | MergedLayer) -> dict:
 
 
 @functools.cache
-def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
+def default_tuning(fmt: KVPageFormat, grouped: bool, group: int) -> dict:
     """Tokens per tile, pipeline stages and warps, for programs of one query token or of a group of
-    them (``grouped``). Pages are read through an indirection (the block table), so the compiler
+    them (``grouped``), ``group`` query heads a KV head. Pages are read through an indirection (the block table), so the compiler
     prefetches a tile (num_stages - 1) // 2 tiles ahead: 5 stages keep the next tile's loads in
     flight while this one is computed. One token's programs run 2 warps
     (4/4, batch 64 at 4,096 tokens: 409 us instead of 501 with 4 warps for MHA, 112 instead of 149
@@ -842,9 +866,13 @@ def default_tuning(fmt: KVPageFormat, grouped: bool) -> dict:
     step's rows 163.3 against 168.5 MHA, 53.2 against 55.0 GQA; docs/benchmarks.md). So do 3-bit
     codes, whose unpacking holds more registers (H100, a serving step's rows: quant-k3v2-o1 MHA
     258.4 us against 300.0 with 5 stages, 406.1 with 4 warps; GQA 82.4 against 88.3; quant-k3v3 MHA
-    276.5 against 283.6). The split count is ``choose_num_splits``'s."""
+    276.5 against 283.6). ZipCache's one-row (MHA) programs run 4 warps (H200, 144 rows: 214.7 us
+    against 222.3, and 211.9 against 219.7 in another call; GQA's 81.3 against 71.7 with 2). The
+    split count is ``choose_num_splits``'s."""
     lay = page_layout(fmt)
     tile, stages, warps = (128 if lay.head_size <= 128 else 32), 5, (4 if grouped else 2)
+    if isinstance(fmt, SalientTokensFormat) and group == 1:
+        warps = 4
     if {8, 3} & {lay.k.bits, lay.v.bits} and not grouped:
         stages = 3
     return {"tile": min(lay.block_size, tile), "num_stages": stages, "num_warps": warps}
@@ -856,7 +884,7 @@ def _variant(fmt: KVPageFormat, group: int, split: bool, group_size: int | None,
              windowed: bool, lse_out: bool) -> Variant:
     """The decode kernel's variant: constants, and the default tuning where ``tile``, ``num_warps``
     or ``num_stages`` is None."""
-    tuning = default_tuning(fmt, group_size is not None)
+    tuning = default_tuning(fmt, group_size is not None, group)
     return Variant(_decode_kernel,
                    kernel_constants(fmt, group, split, tile or tuning["tile"], group_size, asm_unpack, ordered,
                                     prior, windowed, lse_out),
