@@ -390,15 +390,6 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
 # (benchmarks/registers.py): a decode row's at tile 4 (112 bytes spilled within 96 registers,
 # against 240) or 8 warps (8); a prompt chunk's at 8 warps (187 and 128 registers MHA, no spills,
 # against 255 with 16 bytes spilled at 4). Tiles of 16 and 2 warps ran slower (H200, 2026-11-29).
-DECODE_KERNEL_TUNINGS = ({}, {"tile": 64}, {"num_warps": 4})
-DECODE_WRITE_TUNINGS = ({}, {"tile": 4}, {"num_warps": 8})
-PROMPT_WRITE_TUNINGS = ({}, {"tile": 8}, {"num_warps": 8}, {"tile": 8, "num_warps": 8})
-
-
-def _tuned(tuning: dict) -> str:
-    return "".join(f", {name} {value}" for name, value in tuning.items())
-
-
 def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int = 128,
                         prompt: tuple[int, int, int] = (8, 512, 1536)) -> list[dict]:
     """A layer's attention for ZipCache's pages (``zipcache-r60``) in parts, against the 4-bit preset's
@@ -438,10 +429,9 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     history = seq_lens - 1
     order = longest_first(history)
     prior = torch.zeros(hq, n, device="cuda")
-    for tuning in DECODE_KERNEL_TUNINGS:
-        rows.append({"kernel": f"zipcache-r60 {label}: decode kernel{_tuned(tuning)}",
-                     "ms": _time_ms(lambda: paged_decode(q, cache, fmt, table, history, scale, max(lens), out=out,
-                                                         row_order=order, prior_lse=prior, lse_out=True, **tuning))})
+    rows.append({"kernel": f"zipcache-r60 {label}: decode kernel",
+                 "ms": _time_ms(lambda: paged_decode(q, cache, fmt, table, history, scale, max(lens), out=out,
+                                                     row_order=order, prior_lse=prior, lse_out=True))})
 
     def decode_step():
         lse = decode_rows(q, k, v, cache, fmt, table, history, scale, max(lens), out, row_order=order)
@@ -456,16 +446,14 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
                  "ms": _host_ms(decode_step, cache)})
     lse = torch.zeros(n, hq, device="cuda")
 
-    def write_alone(pages_, table_, new_k, **tuning):
+    def write_alone(pages_, table_, new_k):
         return _time_on_pages_ms(pages_, lambda: write_decoded(q, new_k, v, pages_, fmt, spec, table_, seq_lens, lse,
-                                                               scale, **tuning))
+                                                               scale))
 
     # the random new K widens some channel of most rows' blocks (their earlier tokens re-coded); K
     # inside every channel's grid widens none: a held token written alone, or, past the leading
     # salient tokens, the block's tokens scored and one dropped
-    for tuning in DECODE_WRITE_TUNINGS:
-        rows.append({"kernel": f"zipcache-r60 {label}: the write alone, widening{_tuned(tuning)}",
-                     "ms": write_alone(cache, table, k, **tuning)})
+    rows.append({"kernel": f"zipcache-r60 {label}: the write alone, widening", "ms": write_alone(cache, table, k)})
     k_inside = 0.1 * k
     rows.append({"kernel": f"zipcache-r60 {label}: the write alone, no widening (a held token)",
                  "ms": write_alone(cache, table, k_inside)})
@@ -490,10 +478,9 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     rows.append({"kernel": f"zipcache-r60 {label}: attention + write",
                  "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
     lse_p = torch.zeros(total, hq, device="cuda")
-    for tuning in PROMPT_WRITE_TUNINGS:
-        rows.append({"kernel": f"zipcache-r60 {label}: the write alone (probe scores in it){_tuned(tuning)}",
-                     "ms": _time_on_pages_ms(cache, lambda: write_chunks(qp, kp, vp, cache, fmt, spec, writes, lse_p,
-                                                                         scale, **tuning))})
+    rows.append({"kernel": f"zipcache-r60 {label}: the write alone (probe scores in it)",
+                 "ms": _time_on_pages_ms(cache, lambda: write_chunks(qp, kp, vp, cache, fmt, spec, writes, lse_p,
+                                                                     scale))})
     rows.append({"kernel": f"zipcache-r60 {label}: the step's plan of the writes (once a step, host)",
                  "ms": _time_ms(lambda: plan_chunk_writes(fmt, spec, starts, contexts, table))})
     rows.append({"kernel": f"quant-k4v4 {label}: attention",
