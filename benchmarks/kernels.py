@@ -385,11 +385,6 @@ def bench_step_layers(bits: int, lens: list[int], hq: int, hkv: int, d: int = 12
             "block": block, "splits": splits, "ms": ms, "bytes": nbytes, "GB/s": nbytes / ms / 1e6}
 
 
-# ZipCache's write kernel: its default (4 warps; tile ``salient_write.DECODE_TILE``, 8, for decode rows,
-# ``TILE``, 16, for prompt chunks), then other tiles and warps that spill less on sm_90
-# (benchmarks/registers.py): a decode row's at tile 4 (112 bytes spilled within 96 registers,
-# against 240) or 8 warps (8); a prompt chunk's at 8 warps (187 and 128 registers MHA, no spills,
-# against 255 with 16 bytes spilled at 4). Tiles of 16 and 2 warps ran slower (H200, 2026-11-29).
 def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int = 128,
                         prompt: tuple[int, int, int] = (8, 512, 1536)) -> list[dict]:
     """A layer's attention for ZipCache's pages (``zipcache-r60``) in parts, against the 4-bit preset's

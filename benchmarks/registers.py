@@ -61,9 +61,9 @@ def _write_kernels(hq: int, hkv: int, d: int):
     runtime |= {name: "i32" for name in names if name.endswith("_stride")}
     aligned = {name for name in runtime if name.endswith("_ptr")} | {
         "q_row_stride", "q_head_stride", "k_row_stride", "v_row_stride"}
-    for label, tile, decode_rows in (("decode rows", salient_write.DECODE_TILE, True),
-                                     ("prompt chunks", salient_write.TILE, False)):
-        variant = salient_write._variant(fmt, hq // hkv, tile, 4, decode_rows, False, not decode_rows)
+    for label, decode_rows in (("decode rows", True), ("prompt chunks", False)):
+        tile, warps = salient_write.default_tuning(hq // hkv, decode_rows)
+        variant = salient_write._variant(fmt, hq // hkv, tile, warps, decode_rows, False, not decode_rows)
         yield f"zipcache-r60 write, {label}", variant, runtime, aligned
 
 

@@ -74,21 +74,22 @@ def test_decode_rows_equal_attention_over_the_decoded_pages(HQ, block, splits):
         torch.testing.assert_close(lse[:, i].cpu(), logits.logsumexp(-1), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("write,window", [("torch", None), ("triton", None), ("triton", 40)])
+@pytest.mark.parametrize("write,window,HQ", [("torch", None, 4), ("triton", None, 4), ("triton", 40, 4), ("triton", None, 2)])
 @pytest.mark.parametrize("score", ["normalized", "random"])
-def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write, window):
+def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write, window, HQ):
     """Decode steps of three requests through the kernel, continuing from each new token's exact term,
     and written all at once (``write_decoded``, the torch write or the Triton one), against
     ``attend_and_write`` one request at a time: the same outputs, and the same pages after each step
     (the same 4-bit tokens chosen, K's grids widened alike, or kept), across a re-compression
     (context 100) and a block boundary (64); with a sliding window of 40 (the Triton write), each row
-    and its probe see their window alone. On a GPU, whose products round as TF32, the outputs are
+    and its probe see their window alone; with one query head a KV head (HQ 2), MHA's tile and warps.
+    On a GPU, whose products round as TF32, the outputs are
     compared at that precision and the choice (which near-ties may flip) is not."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.salient_torch import attend_and_write, write_decoded
     from vllm_kvcompress.triton_kernels import salient_write
 
-    H, HQ, D, B = 2, 4, 64, 64  # two tiles of the Triton write
+    H, D, B = 2, 64, 64
     fmt = SalientTokensFormat.create(0.5, torch.float32, B, H, D)
     spec = SalientSpec(ratio=0.5, score=score)
     g = torch.Generator().manual_seed(9)

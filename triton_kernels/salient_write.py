@@ -39,7 +39,6 @@ from .write import _half, _widened_span, ranked
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
 TILE = 16  # a prompt chunk's tokens a program holds at once (H200: 16 with 4 warps the fastest)
-DECODE_TILE = 8  # a decode row's (H200: 8 the fastest, fewer registers; docs/log/2026-11-29.md)
 PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
 # a widened K channel's earlier tokens are re-coded in the bytes that hold one, these many bytes and
 # tokens at a time
@@ -52,6 +51,18 @@ NO_WINDOW = 1 << 30  # the window of a layer without one: a probe sees every tok
 # 358 as compiled, 85 / 125 / 160 / 198 at 96; GQA 84 / 99 / 145 / 166, 75 / 88 / 121 / 133 at 168
 # (docs/log/2026-11-29.md)
 MHA_DECODE_REGISTERS, GQA_DECODE_REGISTERS = 96, 168
+# a decode row's tile (tokens a program holds at once) and warps, MHA and GQA. H200, 144 rows, held /
+# widening / slots full, us: MHA 74.4 / 128.7 / 129.1 at tile 4 and 2 warps, 85.1 / 122.9 / 159.5 at
+# 8 and 4; GQA 74.0 / 82.9 / 121.7 at 8 and 4, 86.6 / 95.1 / 92.5 at 4 and 2 (docs/log/2026-11-29.md)
+MHA_DECODE_TILE, MHA_DECODE_WARPS = 4, 2
+GQA_DECODE_TILE, GQA_DECODE_WARPS = 8, 4
+
+
+def default_tuning(group: int, decode: bool) -> tuple[int, int]:
+    """The write's tile and warps for ``group`` query heads a KV head, for decode rows or prompt chunks."""
+    if not decode:
+        return TILE, 4
+    return (MHA_DECODE_TILE, MHA_DECODE_WARPS) if group == 1 else (GQA_DECODE_TILE, GQA_DECODE_WARPS)
 
 
 @triton.jit
@@ -376,7 +387,7 @@ _RUNTIME = _salient_write_kernel.arg_names[:_salient_write_kernel.arg_names.inde
 
 
 def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores, kind: tuple[bool, bool, bool],
-            tile: int | None = None, num_warps: int = 4, **args) -> None:
+            tile: int | None = None, num_warps: int | None = None, **args) -> None:
     """The write kernel over ``programs`` blocks (or decode rows) and every KV head; ``kind``: its
     DECODE, GIVEN and NORMALIZED. Pointers a kind does not read are given the cache's."""
     values = dict(q_ptr=query, k_ptr=key, v_ptr=value, scores_ptr=scores, pages_ptr=cache,
@@ -384,8 +395,9 @@ def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, s
                   v_row_stride=value.stride(0), scale=1.0, interval=1, window=NO_WINDOW, table_stride=0,
                   lse_row_stride=0, lse_head_stride=0) | args
     heads = fmt.k.num_heads
-    tile = tile or (DECODE_TILE if kind[0] else TILE)
-    launch(_variant(fmt, query.shape[1] // heads, tile, num_warps, *kind), (programs, heads),
+    group = query.shape[1] // heads
+    default_tile, default_warps = default_tuning(group, kind[0])
+    launch(_variant(fmt, group, tile or default_tile, num_warps or default_warps, *kind), (programs, heads),
            tuple([values.get(name, cache) for name in _RUNTIME]))
 
 
