@@ -158,7 +158,7 @@ def test_registers_are_counted_as_the_kernels_are_launched():
     rows = [line for line in run.stdout.splitlines() if "REG:" in line]
     assert len(rows) == 8, run.stdout
     writes = [line for line in rows if "write, decode rows" in line]
-    budgets = (salient_write.MHA_DECODE_REGISTERS, salient_write.GQA_DECODE_REGISTERS)
+    budgets = (salient_write.MHA_DECODE.registers, salient_write.GQA_DECODE.registers)
     held = [int(line.split("REG:")[1].split()[0]) for line in writes]
     assert [f"maxnreg {b}" in line for line, b in zip(writes, budgets)] == [True, True], writes
     assert held[0] <= budgets[0] and held[1] <= budgets[1], writes

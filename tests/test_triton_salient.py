@@ -74,7 +74,8 @@ def test_decode_rows_equal_attention_over_the_decoded_pages(HQ, block, splits):
         torch.testing.assert_close(lse[:, i].cpu(), logits.logsumexp(-1), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("write,window,HQ", [("torch", None, 4), ("triton", None, 4), ("triton", 40, 4), ("triton", None, 2)])
+@pytest.mark.parametrize("write,window,HQ",
+                         [("torch", None, 4), ("triton", None, 4), ("triton", 40, 4), ("triton", None, 2)])
 @pytest.mark.parametrize("score", ["normalized", "random"])
 def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write, window, HQ):
     """Decode steps of three requests through the kernel, continuing from each new token's exact term,
@@ -83,8 +84,8 @@ def test_decode_steps_through_the_kernel_equal_the_torch_path(score, write, wind
     (the same 4-bit tokens chosen, K's grids widened alike, or kept), across a re-compression
     (context 100) and a block boundary (64); with a sliding window of 40 (the Triton write), each row
     and its probe see their window alone; with one query head a KV head (HQ 2), MHA's tile and warps.
-    On a GPU, whose products round as TF32, the outputs are
-    compared at that precision and the choice (which near-ties may flip) is not."""
+    On a GPU, whose products round as TF32, the outputs are compared at that precision and the
+    choice (which near-ties may flip) is not."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.salient_torch import attend_and_write, write_decoded
     from vllm_kvcompress.triton_kernels import salient_write
@@ -222,7 +223,7 @@ def test_decode_writes_hold_to_their_register_budget(HQ):
     lse = torch.zeros(len(history), HQ, device=DEVICE)
     salient_write.write_decoded(q, k, v, cache.to(DEVICE), fmt, SalientSpec(ratio=0.6), table.to(DEVICE), lens, lse,
                                 D ** -0.5)
-    budget = salient_write.MHA_DECODE_REGISTERS if HQ == H else salient_write.GQA_DECODE_REGISTERS
+    budget = salient_write.decode_tuning(HQ // H).registers
     compiled = [c.kernel for (variant, _), c in launch._compiled.items()
                 if variant.kernel is salient_write._salient_write_kernel and variant.constants["DECODE"]
                 and variant.constants["G"] == HQ // H and variant.constants["D"] == D]

@@ -186,15 +186,29 @@ def _accumulate_plane(acc, alpha, ps, pm, pz, codes, unit, channel_scale):
 
 @triton.jit
 def _salient_codes(page, CODES: tl.constexpr, LOW: tl.constexpr, tok, slot, refined, h, SLOTS: tl.constexpr,
-                   ROW: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
-    """ZipCache's 4-bit codes of tokens ``tok`` ([T, 1]) in four planes, plane k channels ``4j + k``
-    as float16 ``1024 + 16**(k // 2) * code``: byte j of the high plane (every token's top 2 bits,
-    ``code_unit_ptr`` places it, ``GROUP`` as there) joined with byte j of a refined token's slot row
-    (``[H, SLOTS, ROW]`` at byte LOW; 0 for a token not ``refined`` [T], which reads as ``4 * high``:
-    callers add its 1.5 steps). The two bytes are joined as integers into two bytes of 4-bit codes,
-    channels 4j, 4j + 2 and 4j + 1, 4j + 3 (``_join_asm``), unpacked as 4-bit codes are: one product
-    per plane and no second unpacking."""
+                   ROW: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr,
+                   INTEGER: tl.constexpr):
+    """ZipCache's 4-bit codes of tokens ``tok`` ([T, 1]) in four planes, plane k channels ``4j + k``:
+    byte j of the high plane (every token's top 2 bits, ``code_unit_ptr`` places it, ``GROUP`` as
+    there) joined with byte j of a refined token's slot row (``[H, SLOTS, ROW]`` at byte LOW; 0 for a
+    token not ``refined`` [T]), one product per plane.
+
+    INTEGER: the bytes are joined as integers into two bytes of 4-bit codes, channels 4j, 4j + 2 and
+    4j + 1, 4j + 3 (``_join_asm``), unpacked as 4-bit codes are (no second unpacking): float16
+    ``1024 + 16**(k // 2) * code``, an unrefined token reading as ``4 * high`` (callers add its 1.5
+    steps). Else each plane is unpacked as 2-bit codes and the two joined in float16, three
+    operations a code: ``4**k * (4 * high + low)``, not offset by 1024, an unrefined token reading as
+    ``4 * high + 1.5`` (exact in float16: at most 960), so that callers add no per-logit term (what
+    prompt groups' 64 rows of logits a tile pay for)."""
     u = tl.arange(0, D // 4)[None, :]
+    # each branch addresses the slot rows after its high-plane load: an address computed once above
+    # both compiles GQA decode rows to 8 spilled bytes (sm_90), a helper function to 16 more instructions
+    if not INTEGER:
+        h0, h1, h2, h3 = _code_planes(page, CODES, tok, h, ROW, BLOCK, D, 2, GROUP, ASM)
+        at = page + LOW + (h * SLOTS + tl.where(refined, slot, 0))[:, None] * ROW + u
+        l0, l1, l2, l3 = _unpacked_planes(tl.load(at, mask=refined[:, None], other=0), 2, ASM)
+        return (_float16_plane(h0, l0, refined, 1.0), _float16_plane(h1, l1, refined, 4.0),
+                _float16_plane(h2, l2, refined, 16.0), _float16_plane(h3, l3, refined, 64.0))
     high = tl.load(code_unit_ptr(page, CODES, tok, h, u, ROW, BLOCK, GROUP))
     at = page + LOW + (h * SLOTS + tl.where(refined, slot, 0))[:, None] * ROW + u
     low = tl.load(at, mask=refined[:, None], other=0)
@@ -210,26 +224,9 @@ def _salient_codes(page, CODES: tl.constexpr, LOW: tl.constexpr, tok, slot, refi
 
 
 @triton.jit
-def _salient_codes_float16(page, CODES: tl.constexpr, LOW: tl.constexpr, tok, slot, refined, h,
-                           SLOTS: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                           GROUP: tl.constexpr, ASM: tl.constexpr):
-    """The codes ``_salient_codes`` reads, joined in float16 instead: plane k is ``4**k * (4 * high +
-    low)``, not offset by 1024, and a token not ``refined`` reads as ``4 * high + 1.5`` (exact in
-    float16: at most 960). Each plane is unpacked as 2-bit codes (``_code_planes``) and the two are
-    joined in three float16 operations a code; the middle costs no per-logit term, which is what
-    prompt groups' 64 rows of logits a tile pay for."""
-    h0, h1, h2, h3 = _code_planes(page, CODES, tok, h, ROW, BLOCK, D, 2, GROUP, ASM)
-    u = tl.arange(0, D // 4)[None, :]
-    at = page + LOW + (h * SLOTS + tl.where(refined, slot, 0))[:, None] * ROW + u
-    l0, l1, l2, l3 = _unpacked_planes(tl.load(at, mask=refined[:, None], other=0), 2, ASM)
-    return (_float16_plane(h0, l0, refined, 1.0), _float16_plane(h1, l1, refined, 4.0),
-            _float16_plane(h2, l2, refined, 16.0), _float16_plane(h3, l3, refined, 64.0))
-
-
-@triton.jit
 def _float16_plane(high, low, refined, unit):
-    """One plane of ``_salient_codes_float16`` from the high plane's and the refinement's codes
-    (float16 ``1024 + unit * code``)."""
+    """One plane of ``_salient_codes`` joined in float16, from the high plane's and the refinement's
+    codes (float16 ``1024 + unit * code``)."""
     middle = tl.where(refined[:, None], 0.0, 1.5 * unit).to(tl.float16)
     return (high - 1024.0) * 4.0 + (low - 1024.0) + middle
 
@@ -435,9 +432,9 @@ def _decode_kernel(
     (K per channel, V per token); a refined token's low 2 bits come from its slot's row (``slot_of``
     [H, BLOCK] at SLOT_OF, NO_SLOT: none), and an unrefined token reads as the middle of its four
     sub-levels, 1.5 steps above ``4 * high``. The two are joined into 4-bit codes before the
-    products, one product per plane: for decode rows as integers (``_salient_codes``; the middle in
-    K's logit bias and V's zeros, per token), for prompt groups in float16
-    (``_salient_codes_float16``; the middle in the codes, no term over a tile's 64 rows of logits).
+    products, one product per plane (``_salient_codes``): for decode rows as integers (the middle in
+    K's logit bias and V's zeros, per token), for prompt groups in float16 (the middle in the codes,
+    no term over a tile's 64 rows of logits).
 
     LSE_OUT (with PRIOR): the merged natural log-sum-exp replaces the prior's at ``lse_ptr`` (the
     ZipCache write turns it into its probes' probabilities).
@@ -456,14 +453,14 @@ def _decode_kernel(
     dtype = q_ptr.dtype.element_ty
     TPP: tl.constexpr = BLOCK // TILE
     # plane k's codes come scaled by 2**(k * width), a plane's width being 8 // planes (``_code_planes``;
-    # ZipCache's in float16 too), ZipCache's joined as integers by 16**(k // 2) (``_salient_codes``)
+    # ZipCache's joined in float16 too), ZipCache's joined as integers by 16**(k // 2) (``_salient_codes``)
     K_WIDTH: tl.constexpr = 8 // KP
     V_WIDTH: tl.constexpr = 8 // VP
     # ZipCache's two planes joined as integers for decode rows, in float16 for prompt groups (H200, in
     # one process, us: 144 decode rows MHA 278.9 -> 222.3, GQA 85.2 -> 71.7; 8x512 prompt tokens after
     # 1,536 MHA 853.9 against 951.1 joined as integers, GQA 845.4 against 961.0; docs/log/2026-11-29.md)
-    HALF_JOIN: tl.constexpr = SALIENT and GROUPED
     INT_JOIN: tl.constexpr = SALIENT and not GROUPED
+    HALF_JOIN: tl.constexpr = SALIENT and not INT_JOIN
     if INT_JOIN:
         V_UNIT1: tl.constexpr = 1.0
         V_UNIT2: tl.constexpr = 1.0 / 16
@@ -564,12 +561,8 @@ def _decode_kernel(
                 if SALIENT:
                     slot = tl.load(page + SLOT_OF + h * BLOCK + tok).to(tl.int32)
                     refined = slot != _NO_SLOT
-                    if INT_JOIN:
-                        k0, k1, k2, k3 = _salient_codes(page, K_CODES, K_LOW, tok[:, None], slot, refined, h, SLOTS,
-                                                        K_ROW, BLOCK, D, 0, ASM)
-                    else:
-                        k0, k1, k2, k3 = _salient_codes_float16(page, K_CODES, K_LOW, tok[:, None], slot, refined,
-                                                                h, SLOTS, K_ROW, BLOCK, D, 0, ASM)
+                    k0, k1, k2, k3 = _salient_codes(page, K_CODES, K_LOW, tok[:, None], slot, refined, h, SLOTS,
+                                                    K_ROW, BLOCK, D, 0, ASM, INT_JOIN)
                 else:
                     k0, k1, k2, k3 = _code_planes(page, K_CODES, tok[:, None], h, K_ROW, BLOCK, D, K_BITS, 0, ASM)
                 qs0, qs1, qs2, qs3 = _split_planes(qs, KP)
@@ -644,12 +637,8 @@ def _decode_kernel(
                 # codes byte-major (statistics per token): a byte's tokens lie together, the order of
                 # the product over tokens
                 if SALIENT:
-                    if INT_JOIN:
-                        v0, v1, v2, v3 = _salient_codes(page, V_CODES, V_LOW, tok[:, None], slot, refined, h, SLOTS,
-                                                        V_ROW, BLOCK, D, V_GROUP, ASM)
-                    else:
-                        v0, v1, v2, v3 = _salient_codes_float16(page, V_CODES, V_LOW, tok[:, None], slot, refined,
-                                                                h, SLOTS, V_ROW, BLOCK, D, V_GROUP, ASM)
+                    v0, v1, v2, v3 = _salient_codes(page, V_CODES, V_LOW, tok[:, None], slot, refined, h, SLOTS,
+                                                    V_ROW, BLOCK, D, V_GROUP, ASM, INT_JOIN)
                 else:
                     v0, v1, v2, v3 = _code_planes(page, V_CODES, tok[:, None], h, V_ROW, BLOCK, D, V_BITS, V_GROUP,
                                                   ASM)
@@ -854,8 +843,8 @@ def _kept_constants(fmt: KVPageFormat | MergedLayer) -> dict:
 @functools.cache
 def default_tuning(fmt: KVPageFormat, grouped: bool, group: int) -> dict:
     """Tokens per tile, pipeline stages and warps, for programs of one query token or of a group of
-    them (``grouped``), ``group`` query heads a KV head. Pages are read through an indirection (the block table), so the compiler
-    prefetches a tile (num_stages - 1) // 2 tiles ahead: 5 stages keep the next tile's loads in
+    them (``grouped``), ``group`` query heads a KV head. Pages are read through an indirection (the
+    block table), so the compiler prefetches a tile (num_stages - 1) // 2 tiles ahead: 5 stages keep the next tile's loads in
     flight while this one is computed. One token's programs run 2 warps
     (4/4, batch 64 at 4,096 tokens: 409 us instead of 501 with 4 warps for MHA, 112 instead of 149
     for GQA; GQA 8/8 172 us instead of 184, a serving step's rows 54.8 us either way;

@@ -24,6 +24,7 @@ the values the pages read as.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -45,24 +46,35 @@ PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
 WIDEN_BYTES = tl.constexpr(4)
 WIDEN_ROWS = tl.constexpr(32)
 NO_WINDOW = 1 << 30  # the window of a layer without one: a probe sees every token before it
-# registers a decode row's program may hold, by query heads a KV head (MHA 1, else GQA): left to
-# itself the compiler takes 221 (sm_90), two programs a SM, and the write waits on its loads.
-# H200, 144 rows, held / widening / slots full / slots full and widening, us: MHA 137 / 195 / 301 /
-# 358 as compiled, 85 / 125 / 160 / 198 at 96; GQA 84 / 99 / 145 / 166, 75 / 88 / 121 / 133 at 168
-# (docs/log/2026-11-29.md)
-MHA_DECODE_REGISTERS, GQA_DECODE_REGISTERS = 96, 168
-# a decode row's tile (tokens a program holds at once) and warps, MHA and GQA. H200, 144 rows, held /
-# widening / slots full, us: MHA 74.4 / 128.7 / 129.1 at tile 4 and 2 warps, 85.1 / 122.9 / 159.5 at
+
+
+class DecodeTuning(NamedTuple):
+    """A decode row's program: tokens a tile, warps, and the registers it may hold."""
+    tile: int
+    warps: int
+    registers: int
+
+
+# By query heads a KV head (MHA 1, else GQA), H200, 144 rows, held / widening / slots full, us.
+# Registers: left to itself the compiler takes 221 (sm_90), two programs a SM, and the write waits on
+# its loads (MHA 137 / 195 / 301 as compiled, 85 / 125 / 160 at 96; GQA 84 / 99 / 145, 75 / 88 / 121
+# at 168). Tiles and warps: MHA 74.4 / 128.7 / 129.1 at tile 4 and 2 warps, 85.1 / 122.9 / 159.5 at
 # 8 and 4; GQA 74.0 / 82.9 / 121.7 at 8 and 4, 86.6 / 95.1 / 92.5 at 4 and 2 (docs/log/2026-11-29.md)
-MHA_DECODE_TILE, MHA_DECODE_WARPS = 4, 2
-GQA_DECODE_TILE, GQA_DECODE_WARPS = 8, 4
+MHA_DECODE = DecodeTuning(tile=4, warps=2, registers=96)
+GQA_DECODE = DecodeTuning(tile=8, warps=4, registers=168)
+
+
+def decode_tuning(group: int) -> DecodeTuning:
+    """A decode row's program for ``group`` query heads a KV head."""
+    return MHA_DECODE if group == 1 else GQA_DECODE
 
 
 def default_tuning(group: int, decode: bool) -> tuple[int, int]:
     """The write's tile and warps for ``group`` query heads a KV head, for decode rows or prompt chunks."""
     if not decode:
         return TILE, 4
-    return (MHA_DECODE_TILE, MHA_DECODE_WARPS) if group == 1 else (GQA_DECODE_TILE, GQA_DECODE_WARPS)
+    tuning = decode_tuning(group)
+    return tuning.tile, tuning.warps
 
 
 @triton.jit
@@ -378,7 +390,7 @@ def _variant(fmt: SalientTokensFormat, group: int, tile: int, num_warps: int, de
              normalized: bool) -> Variant:
     options = {"num_warps": num_warps}
     if decode and torch.version.hip is None:
-        options["maxnreg"] = MHA_DECODE_REGISTERS if group == 1 else GQA_DECODE_REGISTERS
+        options["maxnreg"] = decode_tuning(group).registers
     return Variant(_salient_write_kernel, write_constants(fmt, group, tile)
                    | dict(DECODE=decode, GIVEN=given, NORMALIZED=normalized), options)
 
