@@ -393,13 +393,21 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     chunks (attention, then the batched write)."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.formats.salient import SalientTokensFormat
+    from vllm_kvcompress import cuda_jit
     from vllm_kvcompress.salient_torch import plan_chunk_writes
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode, rows_per_program
     from vllm_kvcompress.triton_kernels.salient_decode import decode_rows
     from vllm_kvcompress.triton_kernels.salient_prompt import salient_prompt
-    from vllm_kvcompress.triton_kernels.salient_write import write_chunks, write_decoded
+    from vllm_kvcompress.triton_kernels import salient_write
+    from vllm_kvcompress.triton_kernels.salient_write import write_chunks
 
+    # the decode write serving takes: the CUDA kernel where nvcc exists (kernels.registry), else Triton's
+    writes = {"Triton": salient_write.write_decoded}
+    if cuda_jit.nvcc_available():
+        from vllm_kvcompress import cuda_salient_write
+        writes = {"CUDA": cuda_salient_write.write_decoded, **writes}
+    write_decoded = next(iter(writes.values()))
     fmt = SalientTokensFormat.create(0.6, torch.bfloat16, block, hkv, d)
     spec, scale = SalientSpec(ratio=0.6), d ** -0.5
 
@@ -435,29 +443,32 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     rows.append({"kernel": f"zipcache-r60 {label}: own token + kernel (no write)",
                  "ms": _time_ms(lambda: decode_rows(q, k, v, cache, fmt, table, history, scale, max(lens), out,
                                                     row_order=order))})
-    rows.append({"kernel": f"zipcache-r60 {label}: own token + kernel + write (probe scores, re-compression)",
-                 "ms": _time_on_pages_ms(cache, decode_step)})
+    rows.append({"kernel": f"zipcache-r60 {label}: own token + kernel + {next(iter(writes))} write (probe scores, "
+                           "re-compression)", "ms": _time_on_pages_ms(cache, decode_step)})
     rows.append({"kernel": f"zipcache-r60 {label}: the same launched by the host (its time, not the GPU's)",
                  "ms": _host_ms(decode_step, cache)})
     lse = torch.zeros(n, hq, device="cuda")
 
-    def write_alone(pages_, table_, new_k):
-        return _time_on_pages_ms(pages_, lambda: write_decoded(q, new_k, v, pages_, fmt, spec, table_, seq_lens, lse,
-                                                               scale))
+    def write_alone(pages_, table_, new_k, write):
+        return _time_on_pages_ms(pages_, lambda: write(q, new_k, v, pages_, fmt, spec, table_, seq_lens, lse, scale))
 
     # the random new K widens some channel of most rows' blocks (their earlier tokens re-coded); K
     # inside every channel's grid widens none: a held token written alone, or, past the leading
     # salient tokens, the block's tokens scored and one dropped
-    rows.append({"kernel": f"zipcache-r60 {label}: the write alone, widening", "ms": write_alone(cache, table, k)})
-    k_inside = 0.1 * k
-    rows.append({"kernel": f"zipcache-r60 {label}: the write alone, no widening (a held token)",
-                 "ms": write_alone(cache, table, k_inside)})
     full, full_table = pages(n, max(lens), leading=True)
-    rows.append({"kernel": f"zipcache-r60 {label}: the write alone, no widening, slots full past {fmt.slots} tokens",
-                 "ms": write_alone(full, full_table, k_inside)})
+    for name, write in writes.items():
+        rows.append({"kernel": f"zipcache-r60 {label}: the {name} write alone, widening",
+                     "ms": write_alone(cache, table, k, write)})
+        rows.append({"kernel": f"zipcache-r60 {label}: the {name} write alone, no widening (a held token)",
+                     "ms": write_alone(cache, table, 0.1 * k, write)})
+        rows.append({"kernel": f"zipcache-r60 {label}: the {name} write alone, no widening, slots full past "
+                               f"{fmt.slots} tokens", "ms": write_alone(full, full_table, 0.1 * k, write)})
     four = bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens)
     rows.append({"kernel": f"quant-k4v4 {label}: Triton decode", "ms": four["ms"]})
     rows.append({"kernel": f"quant-k4v4 {label}: Triton write", "ms": bench_write(4, n, hkv, d, block)["ms"]})
+    if "CUDA" in writes:
+        rows.append({"kernel": f"quant-k4v4 {label}: CUDA write",
+                     "ms": bench_write(4, n, hkv, d, block, cuda=True)["ms"]})
 
     chunks, length, history = prompt
     label = f"{chunks}x{length} prompt tokens after {history}"

@@ -12,6 +12,7 @@ from vllm_kvcompress import paged_torch, policy
 from vllm_kvcompress.config import KVCompressionConfigError, LayerFormat, load_config, preset_names
 from vllm_kvcompress.engine_config import ModelKVShape, full_cuda_graphs, kernel_report
 from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.formats.salient import SalientTokensFormat
 from vllm_kvcompress.kernels import registry
 from vllm_kvcompress.policy import KernelPolicy, PolicyError
 
@@ -102,23 +103,37 @@ def test_full_cuda_graphs_where_decode_steps_run_without_the_host(preset, score,
 
 
 def test_zipcache_pages_go_through_their_own_kernels_only():
-    """The salient kernels (decode, prompt chunks, the decode rows' write) read ZipCache's pages and
-    no others; the other kernels pass them over. Prompt chunks need vLLM's FlashAttention for their
-    own tokens; sliding-window layers go through them too (each row from its window's first key)."""
+    """The salient kernels (decode, prompt chunks, the decode rows' write: for MHA, CUDA where nvcc
+    exists and not KVCOMPRESS_WRITE=triton, else Triton) read ZipCache's pages and no others; the
+    other kernels pass them over. Prompt chunks need vLLM's FlashAttention for their own tokens;
+    sliding-window layers go through them too (each row from its window's first key)."""
     cfg = load_config("zipcache-r60")
-    shape = ModelKVShape(4, 4, 128, torch.bfloat16, 128, 8)
+    shape = ModelKVShape(4, 4, 128, torch.bfloat16, 128, 4)
     fmt = shape.page_format(cfg, 0)
     plan = registry.plan(fmt, shape.layer_context(0, H100), AUTO)
-    assert _names(plan) == ("triton-salient", "flash-attention+triton-salient", "triton-salient")
+    assert _names(plan) == ("triton-salient", "flash-attention+triton-salient", "cuda-salient")
+    assert "not cuda, triton: salient tokens at mixed precision (ZipCache)" in plan.write.describe()
+    gqa = registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 8), AUTO).write
+    assert gqa.name == "triton-salient" and "cuda-salient: GQA (the Triton write measured faster)" in gqa.describe()
+    for device, pol, why in ((H100_NO_NVCC, AUTO, "no nvcc"), (H100, KernelPolicy(write="triton"),
+                                                                "KVCOMPRESS_WRITE=triton")):
+        write = registry.plan(fmt, shape.layer_context(0, device), pol).write
+        assert write.name == "triton-salient" and f"not cuda, cuda-salient: {why}" in write.describe()
+    with pytest.raises(PolicyError, match="KVCOMPRESS_WRITE=cuda: the CUDA write kernel cannot be used: no nvcc"):
+        registry.plan(fmt, shape.layer_context(0, H100_NO_NVCC), KernelPolicy(write="cuda"))
+    assert registry.plan(fmt, shape.layer_context(0, H100), KernelPolicy(write="cuda")).write.name == "cuda-salient"
+    wide = SalientTokensFormat.create(0.6, torch.bfloat16, 256, 4, 128)
+    assert "cuda-salient: pages of 256 tokens (at most 128)" in registry.plan(
+        wide, shape.layer_context(0, H100), AUTO).write.describe()
     assert "not cuda, triton, triton-slim: salient tokens at mixed precision (ZipCache)" in plan.decode.describe()
     assert "not flash-attention+triton: salient tokens" in plan.prompt.describe()
     assert _names(_plan(FOUR))[:2] == ("cuda", "flash-attention+triton")
     assert "triton-salient" not in _plan(FOUR, device=H100_NO_NVCC).decode.describe()
     assert "triton-salient" not in _plan(FOUR).prompt.describe()
-    sliding = registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 8, 512), AUTO)
-    assert _names(sliding) == ("triton-salient", "flash-attention+triton-salient", "triton-salient")
+    sliding = registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 4, 512), AUTO)
+    assert _names(sliding) == ("triton-salient", "flash-attention+triton-salient", "cuda-salient")
     no_flash = registry.plan(fmt, shape.layer_context(0, registry.Device("cuda", (9, 0), nvcc=True)), AUTO)
-    assert _names(no_flash) == ("triton-salient", "torch", "triton-salient")
+    assert _names(no_flash) == ("triton-salient", "torch", "cuda-salient")
     assert "no vLLM FlashAttention" in no_flash.prompt.describe()
 
 

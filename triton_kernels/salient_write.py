@@ -32,7 +32,7 @@ import triton.language as tl
 
 from vllm_kvcompress.config import SalientSpec
 from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
-from vllm_kvcompress.salient_torch import ChunkWrites, last_block_random_scores
+from vllm_kvcompress.salient_torch import NO_WINDOW, ChunkWrites, last_block_random_scores, quota_table
 
 from .grid import code_on, min_max_stats
 from .launch import Variant, launch
@@ -45,7 +45,6 @@ PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
 # tokens at a time
 WIDEN_BYTES = tl.constexpr(4)
 WIDEN_ROWS = tl.constexpr(32)
-NO_WINDOW = 1 << 30  # the window of a layer without one: a probe sees every token before it
 
 
 class DecodeTuning(NamedTuple):
@@ -369,12 +368,6 @@ def _free_slot_gaps(slot, holds, B: tl.constexpr):
     return held - tl.arange(0, B)
 
 
-@functools.cache
-def _quotas(fmt: SalientTokensFormat, device: torch.device) -> torch.Tensor:
-    """[B + 1] int32: the 4-bit tokens a block of n tokens keeps after a re-compression."""
-    return fmt.quota(torch.arange(fmt.block_size + 1)).to(device, torch.int32)
-
-
 def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE) -> dict:
     """The write kernel's compile-time constants for ``fmt``'s pages and ``group`` query heads a KV
     head, but for the kind of write (DECODE, GIVEN, NORMALIZED)."""
@@ -427,7 +420,7 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
               torch.empty(n, fmt.block_size, fmt.k.num_heads, device=cache.device))
     _launch(n, fmt, query, key, value, cache, scores, lse_ptr=lse, lse_row_stride=lse.stride(0),
             lse_head_stride=lse.stride(1), table_ptr=block_table,
-            lens_ptr=seq_lens, quotas_ptr=_quotas(fmt, cache.device), scale=scale,
+            lens_ptr=seq_lens, quotas_ptr=quota_table(fmt, cache.device), scale=scale,
             interval=spec.recompress_interval, window=window or NO_WINDOW, table_stride=block_table.stride(0),
             kind=(True, given, False), **tuning)
 
@@ -466,7 +459,7 @@ def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int,
     common = dict(lse_ptr=lse, lse_row_stride=lse.stride(0), lse_head_stride=lse.stride(1), scale=1.0)
     for given in (False, True):
         _launch(0, fmt, q, new, new, cache, lse, (True, given, False), table_ptr=one, lens_ptr=one,
-                quotas_ptr=_quotas(fmt, cache.device), **common)
+                quotas_ptr=quota_table(fmt, cache.device), **common)
     chunks = {f"{name}_ptr": one for name in ("blocks", "stored", "filled", "first", "quota", "start", "probe_first",
                                                "probe_end", "probe_rows", "probe_pos")}
     for given, normalized in ((True, False), (False, True), (False, False)):

@@ -18,6 +18,7 @@ of the lowest-scored one when not (docs/formats.md).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -215,6 +216,17 @@ def _block_quota(fmt: SalientTokensFormat, filled: torch.Tensor, holding: torch.
     """4-bit tokens blocks of ``filled`` tokens keep: all their slots where ``holding`` (a decoded token
     held until the next re-compression), else their quota."""
     return torch.where(holding, fmt.slots, fmt.quota(filled))
+
+
+# the window the kernels give a layer without one: a probe sees every token before it
+NO_WINDOW = 1 << 30
+
+
+@functools.cache
+def quota_table(fmt: SalientTokensFormat, device: torch.device) -> torch.Tensor:
+    """[B + 1] int32 on ``device``: the 4-bit tokens a block of n tokens keeps after a re-compression
+    (what the kernels look up)."""
+    return fmt.quota(torch.arange(fmt.block_size + 1)).to(device, torch.int32)
 
 
 def last_block_random_scores(seq_lens: torch.Tensor, block_size: int, heads: int, spec: SalientSpec) -> torch.Tensor:

@@ -29,7 +29,7 @@ from .packing import pack, packed_row_bytes, unpack
 HIGH_BITS, LOW_BITS = 4, 2
 REFINE_BITS = HIGH_BITS - LOW_BITS
 NO_SLOT = 255
-_MIDDLE = ((1 << REFINE_BITS) - 1) / 2  # a 2-bit token's place among its four 4-bit sub-levels
+MIDDLE = ((1 << REFINE_BITS) - 1) / 2  # a 2-bit token's place among its four 4-bit sub-levels
 _F16 = torch.float16
 
 
@@ -92,7 +92,7 @@ class SalientTokensFormat(SlottedPage):
         out = []
         for name, axis_shape in (("k", (1, H, D)), ("v", (H, B, 1))):
             high, low = self._planes(pages, name)
-            codes = (high << REFINE_BITS).float() + torch.where(salient, low.float(), _MIDDLE)
+            codes = (high << REFINE_BITS).float() + torch.where(salient, low.float(), MIDDLE)
             scale, zero = (self.regions.view(pages, f"{name}_{s}", _F16, axis_shape).float() for s in ("scale", "zero"))
             if name == "v":
                 scale, zero = scale.transpose(1, 2), zero.transpose(1, 2)

@@ -29,6 +29,7 @@ CUDA_DECODE_HEAD = 128
 CUDA_DECODE_PAGES = (64, 128)
 CUDA_DECODE_GROUPS = {4: (1, 2, 4), 2: (1, 4)}
 CUDA_WRITE_HEADS = (64, 128, 256)
+CUDA_SALIENT_BLOCK = 128  # csrc/salient_write_kernel.cu: tokens a page, at most
 
 
 @dataclass(frozen=True)
@@ -133,13 +134,19 @@ def _choose(operation: str, fmt: KVPageFormat, ctx: LayerContext, policy: Kernel
     for impl in candidates:
         why = _refuses(impl, fmt, ctx, policy) or impl.why_not(fmt, ctx)
         if why is None:
-            if mode == "cuda" and impl.name != "cuda":
-                where = dict(passed).get("cuda", f"the cache is on {ctx.device.type}, not a CUDA device")
+            if mode == "cuda" and not _is_cuda(impl):
+                where = next((why for name, why in passed if name.startswith("cuda")),
+                             f"the cache is on {ctx.device.type}, not a CUDA device")
                 raise PolicyError(f"{policy.variable(operation)}=cuda: the CUDA {operation} kernel cannot be used: "
                                   f"{where}; allowed: 'auto' or 'triton' (the Triton kernel)")
             return Choice(impl, tuple(passed))
         passed.append((impl.name, why))
     raise LookupError(f"no {operation} implementation for {ctx.device.type}")  # torch serves every format
+
+
+def _is_cuda(impl: Implementation) -> bool:
+    """A CUDA kernel (``cuda``, ``cuda-salient``): built with nvcc, and what ``KVCOMPRESS_*=cuda`` asks for."""
+    return impl.name == "cuda" or impl.name.startswith("cuda-")
 
 
 def _refuses(impl: Implementation, fmt: KVPageFormat, ctx: LayerContext, policy: KernelPolicy) -> str | None:
@@ -148,7 +155,7 @@ def _refuses(impl: Implementation, fmt: KVPageFormat, ctx: LayerContext, policy:
         return None
     if policy.reference_only:
         return "KVCOMPRESS_KERNELS=torch"
-    if impl.name == "cuda":
+    if _is_cuda(impl):
         if policy.mode(impl.operation) == "triton":
             return f"{policy.variable(impl.operation)}=triton"
         if ctx.device.hip:
@@ -305,6 +312,16 @@ def _cuda_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     return None
 
 
+def _cuda_salient_write(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
+    if ctx.num_query_heads != fmt.k.num_heads:  # H200: Triton's 70.6 / 79.0 / 121.9 us, CUDA's 109.2 / 115.3 / 145.2
+        return "GQA (the Triton write measured faster)"
+    if fmt.k.head_size not in CUDA_WRITE_HEADS:
+        return f"head size {fmt.k.head_size} ({', '.join(map(str, CUDA_WRITE_HEADS))} only)"
+    if fmt.block_size > CUDA_SALIENT_BLOCK:
+        return f"pages of {fmt.block_size} tokens (at most {CUDA_SALIENT_BLOCK})"
+    return None
+
+
 def _salient_decode(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
     d = fmt.k.head_size
     if d & (d - 1) or d < 16:
@@ -377,6 +394,10 @@ for _impl in (
     Implementation("write", "cuda", "triton", _triton_write, f"{_TRITON}.write:write_tokens",
                    warm_up=f"{_TRITON}.write:warm_up"),
     # ZipCache's decode rows: the new token, the probe's scores and the block's re-compression
+    Implementation("write", "cuda", "cuda-salient", _cuda_salient_write,
+                   "vllm_kvcompress.cuda_salient_write:write_decoded",
+                   prepare="vllm_kvcompress.cuda_salient_write:build",
+                   reads=(SalientTokensFormat,)),
     Implementation("write", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_write:write_decoded",
                    reads=(SalientTokensFormat,)),
     # MiniCache: both layers' tokens of a pair, merged, into the pair's pages (the second layer's write)

@@ -1,0 +1,459 @@
+// ZipCache's decode write (formats.salient): each decode row's new token into the last block of its
+// request, with the block's choice of 4-bit tokens. Same contract and pages as
+// salient_torch.write_decoded, the reference, and as the Triton write's decode rows
+// (triton_kernels/salient_write.py, which serves where there is no nvcc); docs/formats.md has the
+// rule.
+//
+// MHA only (one query head a KV head): for GQA the Triton write measured faster (H200, 144 rows of
+// Llama-3-8B's shape, held / widening / slots full: Triton 70.6 / 79.0 / 121.9 us, this kernel as
+// MHA's 109.2 / 115.3 / 145.2, its 1,152 warps one wave). One warp per (decode row, KV head), with no
+// barrier but the warp's own. Lane l holds bytes l,
+// l + 32, .. of a token's rows (a byte is 4 channels of a plane) and tokens l, l + 32, .. of the
+// block:
+// - K's grid per channel: a new value on its stored grid keeps it, any other widens (the 4-bit
+//   codec's append rule, min_max_grid.cuh);
+// - where the block's quota does not take every candidate, the probe's scores: a token's logit is
+//   the lanes' partial sums over their channels, and a transposing reduction (31 shuffles) spreads
+//   32 tokens' sums over the lanes at once, so each lane ends with its own tokens' scores; then the
+//   least-scored candidate is dropped (the block's slots full) or every candidate ranked (a
+//   re-compression);
+// - a widened channel's earlier codes are mapped through tables of new code by old level (the 16
+//   levels of a 4-bit token, the 4 of a 2-bit one), built with the reference's arithmetic;
+// - the new token's rows, in the lowest free slot where it keeps 4 bits.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "dependent_launch.cuh"
+#include "min_max_grid.cuh"
+
+#if !defined(KVC_NO_SLOT) || !defined(KVC_SALIENT_MIDDLE)
+#error "build through vllm_kvcompress.cuda_jit, which passes the formats' constants"
+#endif
+
+namespace {
+
+using namespace kvc;
+constexpr unsigned kAll = 0xffffffffu;
+constexpr int kWarps = 4;                     // warps a thread block (each on its own row and head)
+constexpr int kMaxBlock = 128;                // tokens a block (4 a lane)
+constexpr int kMaxTokensALane = kMaxBlock / 32;
+constexpr unsigned kNoSlot = KVC_NO_SLOT;     // slot_of of a 2-bit token
+constexpr float kMiddle = KVC_SALIENT_MIDDLE;  // where a 2-bit token reads among its four sub-levels
+constexpr float kTop = 15.f;                  // the shared grid's highest code (4 bits)
+
+}  // namespace
+
+// A launch's arguments, one struct so that the caller (ctypes) converts one pointer a call;
+// cuda_salient_write.py's _SalientWriteArgs mirrors it field for field.
+struct SalientWriteArgs {
+  const void* query;        // [N, H, D] (one query head a KV head), rows q_row_stride apart, heads q_head_stride
+  const void* key;          // [N, H, D], rows k_row_stride apart
+  const void* value;        // [N, H, D], rows v_row_stride apart
+  const void* lse;          // float32 natural log-sum-exp of each row's attention, [row, query head]
+  const void* given;        // float32 [N, B, H] drawn scores (score: random), or null: from the query
+  const void* block_table;  // int32 [N, table_stride]
+  const void* seq_lens;     // int32 [N]: each row's context with its new token (0: a padding row)
+  const void* quotas;       // int32 [B + 1]: 4-bit tokens a block of n keeps after a re-compression
+  void* cache;              // [num_blocks, page_bytes] uint8
+  int64_t q_row_stride, q_head_stride, k_row_stride, v_row_stride, lse_row_stride, lse_head_stride;
+  int64_t table_stride, page_bytes;
+  int num_rows, num_heads, head_size, block_size, slots;
+  int k_scale, k_zero, v_scale, v_zero, k_high, v_high, k_low, v_low, slot_of;  // byte offsets in a page
+  int interval;  // a re-compression every `interval` tokens of context
+  int window;    // the probe sees the tokens of its last `window` positions
+  float scale;   // the softmax scale
+  int dtype;     // of query, key and value: 1 float16, 2 bfloat16
+  void* stream;  // a cudaStream_t
+};
+
+namespace {
+
+// A warp's scratch: the scores a re-compression ranks, and the widened channels' tables.
+template <int D>
+struct Scratch {
+  float score[kMaxBlock];                    // a candidate's score (NaN: not a candidate)
+  unsigned long long refined_table[D];       // a widened channel's new code by old 4-bit code, 4 bits each
+  unsigned short middle_table[D];            // by a 2-bit token's high code h (level 4 h + kMiddle)
+  uint8_t widened[D / 4];                    // a byte's widened channels, bit k: channel 4 b + k
+};
+
+// The 2-bit code of channel k (0..3) of a byte.
+__device__ __forceinline__ unsigned code2(unsigned byte, int k) { return (byte >> (2 * k)) & 3u; }
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kAll, x, o);
+  return x;
+}
+
+__device__ __forceinline__ unsigned warp_or(unsigned x) {
+  for (int o = 16; o > 0; o >>= 1) x |= __shfl_xor_sync(kAll, x, o);
+  return x;
+}
+
+// One round of transposed_sum: a lane keeps the half of its O * 2 values that its partner (lane ^ O)
+// does not, and adds the partner's share of that half.
+template <int O>
+__device__ __forceinline__ void keep_half(float (&v)[32], int lane) {
+  const bool upper = lane & O;
+#pragma unroll
+  for (int k = 0; k < O; ++k) {
+    const float send = upper ? v[k] : v[k + O];
+    const float keep = upper ? v[k + O] : v[k];
+    v[k] = keep + __shfl_xor_sync(kAll, send, O);
+  }
+}
+
+// 32 values a lane in, lane l out with the sum over the warp of everyone's v[l] (31 shuffles).
+__device__ __forceinline__ float transposed_sum(float (&v)[32], int lane) {
+  keep_half<16>(v, lane);
+  keep_half<8>(v, lane);
+  keep_half<4>(v, lane);
+  keep_half<2>(v, lane);
+  keep_half<1>(v, lane);
+  return v[0];
+}
+
+template <typename T, int D>
+// 6 blocks a SM, 80 registers (spilling a little on the scoring path): H200, 144 rows of Llama-2-7B's
+// shape, widening / held / slots full 72.8 / 64.4 / 86.0 us; 8 blocks 75.5 / 65.2 / 83.3; 10 blocks 79.8 /
+// 67.3 / 87.9; uncapped (168 registers) 90.6 / 68.5 / 149.0
+__global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const SalientWriteArgs a) {
+  constexpr int U = D / 4;                  // bytes a plane's row
+  constexpr int BYTES = (U + 31) / 32;      // a lane's bytes of a row
+  __shared__ Scratch<D> scratch[kWarps];
+  kvc::allow_next_grid();  // the kernel after may set up while this writes
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int item = blockIdx.x * kWarps + warp;
+  if (item >= a.num_rows * a.num_heads) return;
+  Scratch<D>& s = scratch[warp];
+  const int i = item / a.num_heads, h = item % a.num_heads, H = a.num_heads, B = a.block_size, R = a.slots;
+  const int length = static_cast<const int32_t*>(a.seq_lens)[i];
+  if (length == 0) return;  // a full CUDA graph's padding row
+  const int off = (length - 1) % B;  // the new token's place in its block, after `off` stored tokens
+  const int64_t block = static_cast<const int32_t*>(a.block_table)[i * a.table_stride + (length - 1) / B];
+  const int quota = length % a.interval != 0 ? R : static_cast<const int32_t*>(a.quotas)[off + 1];
+  kvc::wait_for_prior_grid();  // the new tokens and the log-sum-exps, from the kernels before
+  uint8_t* page = static_cast<uint8_t*>(a.cache) + block * a.page_bytes;
+  uint8_t* slot_of = page + a.slot_of + h * B;
+
+  // the lane's tokens: their slots, and which are earlier 4-bit tokens (the candidates but the new one)
+  int slot[kMaxTokensALane];
+  unsigned earlier_salient = 0;  // bit j: token lane + 32 j
+  int candidates = 1;
+#pragma unroll
+  for (int j = 0; j < kMaxTokensALane; ++j) {
+    const int t = lane + 32 * j;
+    slot[j] = t < B ? slot_of[t] : kNoSlot;
+    const bool salient = t < off && slot[j] != kNoSlot;
+    earlier_salient |= unsigned(salient) << j;
+    candidates += __popc(__ballot_sync(kAll, salient));
+  }
+
+  const T* k_src = static_cast<const T*>(a.key) + i * a.k_row_stride + h * D;
+  // the choice: every candidate where the quota takes them all (a decoded token held while its block
+  // has a free slot), else the best-scored up to the quota
+  unsigned keep = earlier_salient | (unsigned(lane == off % 32) << (off / 32));  // bit j: token lane + 32 j
+  if (quota < candidates) {
+    float score[kMaxTokensALane];
+    if (a.given != nullptr) {
+#pragma unroll
+      for (int j = 0; j < kMaxTokensALane; ++j) {
+        const int t = lane + 32 * j;
+        score[j] = t < B ? static_cast<const float*>(a.given)[(int64_t(i) * B + t) * H + h] : 0.f;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kMaxTokensALane; ++j) score[j] = 0.f;  // tokens past the new one
+      const int first_seen = length - 1 - off, seen_from = length - a.window;  // block start; the window's
+      {
+        // logit = scale (sum_c q_c step_c level_c + sum_c q_c zero_c) on the stored grid; the new token's
+        // from its values
+        const T* q_src = static_cast<const T*>(a.query) + i * a.q_row_stride + h * a.q_head_stride;
+        float qs[BYTES][4], bias = 0.f, own = 0.f;
+#pragma unroll
+        for (int jb = 0; jb < BYTES; ++jb) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int c = 4 * (lane + 32 * jb) + k;
+            if (c >= D) {
+              qs[jb][k] = 0.f;
+              continue;
+            }
+            const float q = to_float(q_src[c]);
+            qs[jb][k] = q * load_half(page + a.k_scale + (h * D + c) * 2);
+            bias += q * load_half(page + a.k_zero + (h * D + c) * 2);
+            own += q * to_float(k_src[c]);
+          }
+        }
+        bias = warp_sum(bias), own = warp_sum(own);
+        const float lse =
+            static_cast<const float*>(a.lse)[i * a.lse_row_stride + h * a.lse_head_stride];
+#pragma unroll
+        for (int j = 0; j < kMaxTokensALane; ++j) {
+          if (32 * j > off) continue;  // (not break: the loop unrolls, the arrays stay in registers)
+          float part[32];
+#pragma unroll
+          for (int src = 0; src < 32; ++src) {
+            const int t = 32 * j + src;
+            const int t_slot = __shfl_sync(kAll, slot[j], src);
+            part[src] = 0.f;
+            if (t < off) {
+              const bool refined = t_slot != int(kNoSlot);
+#pragma unroll
+              for (int jb = 0; jb < BYTES; ++jb) {
+                const int b = lane + 32 * jb;
+                if (b >= U) continue;
+                const unsigned high = page[a.k_high + (int64_t(h) * B + t) * U + b];
+                const unsigned low = refined ? page[a.k_low + (int64_t(h) * R + t_slot) * U + b] : 0u;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                  const float level = float(4 * code2(high, k) + code2(low, k)) + (refined ? 0.f : kMiddle);
+                  part[src] += qs[jb][k] * level;
+                }
+              }
+            }
+          }
+          const float sum = transposed_sum(part, lane);  // every lane takes part in the shuffles
+          const int t = lane + 32 * j;
+          const float logit = a.scale * (t == off ? own : sum + bias);
+          const bool seen = t <= off && first_seen + t >= seen_from;
+          score[j] = seen ? __expf(logit - lse) : 0.f;
+        }
+      }
+    }
+    const unsigned candidate = keep;
+    if (quota == candidates - 1) {  // one to drop (the block's slots full): the least-scored, ties to the later
+      float least = INFINITY;
+      int dropped = -1;
+#pragma unroll
+      for (int j = 0; j < kMaxTokensALane; ++j) {
+        const int t = lane + 32 * j;
+        if (((candidate >> j) & 1) && (score[j] < least || (score[j] == least && t > dropped)))
+          least = score[j], dropped = t;
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        const float other = __shfl_xor_sync(kAll, least, o);
+        const int other_dropped = __shfl_xor_sync(kAll, dropped, o);
+        if (other < least || (other == least && other_dropped > dropped)) least = other, dropped = other_dropped;
+      }
+      if (dropped % 32 == lane) keep &= ~(1u << (dropped / 32));
+    } else {  // a re-compression: a candidate keeps 4 bits if fewer than `quota` are better (ties to the earlier)
+#pragma unroll
+      for (int j = 0; j < kMaxTokensALane; ++j) {
+        const int t = lane + 32 * j;
+        if (t < B) s.score[t] = ((candidate >> j) & 1) ? score[j] : NAN;
+      }
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < kMaxTokensALane; ++j) {
+        if (!((candidate >> j) & 1)) continue;
+        const int t = lane + 32 * j;
+        int better = 0;
+        for (int c = 0; c <= off; ++c) {
+          const float theirs = s.score[c];
+          better += theirs > score[j] || (theirs == score[j] && c < t);
+        }
+        if (better >= quota) keep &= ~(1u << j);
+      }
+    }
+  }
+  // K's grid per channel of the lane's bytes: kept, widened past the stored grid, or the value's own
+  // (a block's first token); and the new value's code on it
+  float old_zero[BYTES][4], old_step[BYTES][4], zero[BYTES][4], step[BYTES][4];
+  unsigned k_code[BYTES];  // the new token's 4-bit codes, channel k in bits 4 k
+  unsigned regridded = 0;  // bit 4 jb + k: the channel takes a new grid (widened, or a block's first token)
+#pragma unroll
+  for (int jb = 0; jb < BYTES; ++jb) {
+    k_code[jb] = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int c = 4 * (lane + 32 * jb) + k;
+      old_zero[jb][k] = 0.f, old_step[jb][k] = 1.f, zero[jb][k] = 0.f, step[jb][k] = 1.f;
+      if (c >= D) continue;
+      const float x = to_float(k_src[c]);
+      float q = 0.f;
+      bool kept = false;
+      if (off > 0) {
+        old_zero[jb][k] = load_half(page + a.k_zero + (h * D + c) * 2);
+        old_step[jb][k] = load_half(page + a.k_scale + (h * D + c) * 2);
+        q = code_on(x, old_zero[jb][k], old_step[jb][k]);
+        kept = q >= 0.f && q <= kTop;
+      }
+      float2 grid = make_float2(old_zero[jb][k], old_step[jb][k]);
+      if (!kept) {
+        const float2 span = off == 0 ? make_float2(x, x)
+                                     : widened_span(x, x, old_zero[jb][k],
+                                                    __fadd_rn(old_zero[jb][k], __fmul_rn(old_step[jb][k], kTop)));
+        grid = min_max_stats(span.x, span.y, kTop);
+        q = float(clamped_code(x, grid.x, grid.y, kTop));
+        regridded |= 1u << (4 * jb + k);
+      }
+      zero[jb][k] = grid.x, step[jb][k] = grid.y;
+      k_code[jb] |= unsigned(q) << (4 * k);
+    }
+  }
+
+  const bool keep_new = (__shfl_sync(kAll, keep, off % 32) >> (off / 32)) & 1;
+
+  // a widened channel's earlier codes, mapped through its tables (built by the channel's lane with
+  // the reference's arithmetic: the level's value on the stored grid, coded on the new one); a lane
+  // a token, the dropped tokens' refinement read before the new token may take their slot
+  const bool widened = off > 0 && __any_sync(kAll, regridded != 0);
+  if (widened) {
+#pragma unroll
+    for (int jb = 0; jb < BYTES; ++jb) {
+      const int b = lane + 32 * jb;
+      if (b >= U) continue;
+      const unsigned mask = (regridded >> (4 * jb)) & 15u;
+      s.widened[b] = uint8_t(mask);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (!((mask >> k) & 1)) continue;
+        const float oz = old_zero[jb][k], os = old_step[jb][k], z = zero[jb][k], st = step[jb][k];
+        unsigned long long refined_table = 0;
+        for (int level = 0; level < 16; ++level)
+          refined_table |= (unsigned long long)clamped_code(__fadd_rn(__fmul_rn(float(level), os), oz), z, st, kTop)
+                           << (4 * level);
+        unsigned middle_table = 0;
+        for (int high = 0; high < 4; ++high)
+          middle_table |= clamped_code(__fadd_rn(__fmul_rn(float(4 * high) + kMiddle, os), oz), z, st, kTop)
+                          << (4 * high);
+        s.refined_table[4 * b + k] = refined_table;
+        s.middle_table[4 * b + k] = (unsigned short)middle_table;
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int jb = 0; jb < BYTES; ++jb) {
+      unsigned bytes = __ballot_sync(kAll, lane + 32 * jb < U && ((regridded >> (4 * jb)) & 15u));
+      while (bytes) {
+        const int b = 32 * jb + __ffs(bytes) - 1;
+        bytes &= bytes - 1;
+        const unsigned mask = s.widened[b];
+#pragma unroll
+        for (int j = 0; j < kMaxTokensALane; ++j) {
+          const int t = lane + 32 * j;
+          if (t >= off) continue;
+          const bool refined = slot[j] != int(kNoSlot);
+          uint8_t* high_at = page + a.k_high + (int64_t(h) * B + t) * U + b;
+          uint8_t* low_at = page + a.k_low + (int64_t(h) * R + (refined ? slot[j] : 0)) * U + b;
+          const unsigned high = *high_at, low = refined ? *low_at : 0u;
+          unsigned new_high = 0, new_low = 0;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            unsigned code = 4 * code2(high, k) + code2(low, k);
+            if ((mask >> k) & 1)
+              code = refined ? unsigned(s.refined_table[4 * b + k] >> (4 * code)) & 15u
+                             : unsigned(s.middle_table[4 * b + k] >> (4 * code2(high, k))) & 15u;
+            new_high |= (code >> 2) << (2 * k);
+            new_low |= (code & 3u) << (2 * k);
+          }
+          *high_at = uint8_t(new_high);
+          if (refined && ((keep >> j) & 1)) *low_at = uint8_t(new_low);
+        }
+      }
+    }
+    __syncwarp();
+  }
+
+  // the new token's slot: the lowest that no kept earlier token holds
+  int new_slot = R;
+  if (keep_new) {
+    for (int w = 0; w * 32 < R && new_slot == R; ++w) {
+      unsigned held = 0;
+#pragma unroll
+      for (int j = 0; j < kMaxTokensALane; ++j)
+        if ((((keep & earlier_salient) >> j) & 1) && (slot[j] >> 5) == w) held |= 1u << (slot[j] & 31);
+      held = warp_or(held);
+      if (held != kAll) new_slot = min(R, 32 * w + __ffs(~held) - 1);
+    }
+  }
+
+  // the new token's rows: K on its channels' grids, V on its own grid
+  const T* v_src = static_cast<const T*>(a.value) + i * a.v_row_stride + h * D;
+  float v[BYTES][4], v_lo = INFINITY, v_hi = -INFINITY;
+#pragma unroll
+  for (int jb = 0; jb < BYTES; ++jb) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int c = 4 * (lane + 32 * jb) + k;
+      v[jb][k] = c < D ? to_float(v_src[c]) : 0.f;
+      if (c < D) v_lo = fminf(v_lo, v[jb][k]), v_hi = fmaxf(v_hi, v[jb][k]);
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    v_lo = fminf(v_lo, __shfl_xor_sync(kAll, v_lo, o));
+    v_hi = fmaxf(v_hi, __shfl_xor_sync(kAll, v_hi, o));
+  }
+  const float2 v_grid = min_max_stats(v_lo, v_hi, kTop);
+#pragma unroll
+  for (int jb = 0; jb < BYTES; ++jb) {
+    const int b = lane + 32 * jb;
+    if (b >= U) continue;
+    unsigned k_high = 0, k_low = 0, v_high = 0, v_low = 0;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const unsigned kc = (k_code[jb] >> (4 * k)) & 15u;
+      const unsigned vc = clamped_code(v[jb][k], v_grid.x, v_grid.y, kTop);
+      k_high |= (kc >> 2) << (2 * k), k_low |= (kc & 3u) << (2 * k);
+      v_high |= (vc >> 2) << (2 * k), v_low |= (vc & 3u) << (2 * k);
+      if ((regridded >> (4 * jb + k)) & 1) {
+        const int c = 4 * b + k;
+        store_half(page + a.k_zero + (h * D + c) * 2, zero[jb][k]);
+        store_half(page + a.k_scale + (h * D + c) * 2, step[jb][k]);
+      }
+    }
+    page[a.k_high + (int64_t(h) * B + off) * U + b] = uint8_t(k_high);
+    page[a.v_high + (int64_t(h) * B + off) * U + b] = uint8_t(v_high);
+    if (keep_new) {
+      page[a.k_low + (int64_t(h) * R + new_slot) * U + b] = uint8_t(k_low);
+      page[a.v_low + (int64_t(h) * R + new_slot) * U + b] = uint8_t(v_low);
+    }
+  }
+  if (lane == 0) {
+    store_half(page + a.v_zero + (h * B + off) * 2, v_grid.x);
+    store_half(page + a.v_scale + (h * B + off) * 2, v_grid.y);
+  }
+  // the slot map: the new token's slot; earlier tokens that lost 4 bits, and rows past the new token, none
+#pragma unroll
+  for (int j = 0; j < kMaxTokensALane; ++j) {
+    const int t = lane + 32 * j;
+    if (t == off)
+      slot_of[t] = uint8_t(keep_new ? new_slot : kNoSlot);
+    else if ((t < off && ((earlier_salient & ~keep) >> j) & 1) || (t > off && t < B))
+      slot_of[t] = uint8_t(kNoSlot);
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch(const SalientWriteArgs& a) {
+  const int items = a.num_rows * a.num_heads;
+  return kvc::launch_dependent(salient_write_kernel<T, D>, dim3((items + kWarps - 1) / kWarps), dim3(kWarps * 32),
+                               static_cast<cudaStream_t>(a.stream), a);
+}
+
+using Launcher = cudaError_t (*)(const SalientWriteArgs&);
+
+template <typename T>
+Launcher launcher_of(int head_size) {
+  return head_size == 64    ? launch<T, 64>
+         : head_size == 128 ? launch<T, 128>
+         : head_size == 256 ? launch<T, 256>
+                            : nullptr;
+}
+
+}  // namespace
+
+// Decode rows' new tokens into ZipCache's pages. Returns a cudaError_t (cudaErrorInvalidValue for what
+// the kernel does not cover: head sizes but 64, 128 and 256, blocks over 128 tokens, float32).
+extern "C" int kvc_salient_write(const SalientWriteArgs* a) {
+  const Launcher f = a->dtype == 1   ? launcher_of<__half>(a->head_size)
+                     : a->dtype == 2 ? launcher_of<__nv_bfloat16>(a->head_size)
+                                     : nullptr;
+  if (f == nullptr || a->block_size > kMaxBlock || a->slots >= int(kNoSlot))
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (a->num_rows == 0) return 0;
+  return static_cast<int>(f(*a));
+}
