@@ -402,9 +402,9 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     from vllm_kvcompress.triton_kernels import salient_write
     from vllm_kvcompress.triton_kernels.salient_write import write_chunks
 
-    # the decode write serving takes: the CUDA kernel where nvcc exists (kernels.registry), else Triton's
+    # the decode write serving takes: for MHA the CUDA kernel where nvcc exists (kernels.registry), else Triton's
     writes = {"Triton": salient_write.write_decoded}
-    if cuda_jit.nvcc_available():
+    if cuda_jit.nvcc_available() and hq == hkv:
         from vllm_kvcompress import cuda_salient_write
         writes = {"CUDA": cuda_salient_write.write_decoded, **writes}
     write_decoded = next(iter(writes.values()))

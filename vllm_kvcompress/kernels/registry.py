@@ -313,7 +313,7 @@ def _cuda_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
 
 
 def _cuda_salient_write(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
-    if ctx.num_query_heads != fmt.k.num_heads:  # H200: Triton's 70.6 / 79.0 / 121.9 us, CUDA's 109.2 / 115.3 / 145.2
+    if ctx.num_query_heads != fmt.k.num_heads:  # H200: Triton's 70.6 / 79.0 / 121.9 us, CUDA's 112.0 / 117.3 / 155.9
         return "GQA (the Triton write measured faster)"
     if fmt.k.head_size not in CUDA_WRITE_HEADS:
         return f"head size {fmt.k.head_size} ({', '.join(map(str, CUDA_WRITE_HEADS))} only)"
