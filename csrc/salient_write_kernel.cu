@@ -6,17 +6,17 @@
 //
 // MHA only (one query head a KV head): for GQA the Triton write measured faster (H200, 144 rows of
 // Llama-3-8B's shape, held / widening / slots full: Triton 70.6 / 79.0 / 121.9 us, this kernel
-// 112.0 / 117.3 / 155.9, its 1,152 warps one wave). One warp per (decode row, KV head), with no
-// barrier but the warp's own. Lane l holds bytes l,
-// l + 32, .. of a token's rows (a byte is 4 channels of a plane) and tokens l, l + 32, .. of the
-// block:
+// 112.0 / 117.3 / 155.9, its 1,152 warps one wave).
+//
+// One warp per (decode row, KV head), with no barrier but the warp's own. Lane l holds bytes l,
+// l + 32 of a token's rows (a byte is 4 channels of a plane) and tokens l, l + 32, .. of the block:
+// - the choice: where the block's quota does not take every candidate, the probe's scores (a
+//   token's logit is the lanes' partial sums over their channels, and a transposing reduction, 31
+//   shuffles, spreads 32 tokens' sums over the lanes at once, so each lane ends with its own
+//   tokens' scores); then the least-scored candidate is dropped (the block's slots full) or every
+//   candidate ranked (a re-compression);
 // - K's grid per channel: a new value on its stored grid keeps it, any other widens (the 4-bit
 //   codec's append rule, min_max_grid.cuh);
-// - where the block's quota does not take every candidate, the probe's scores: a token's logit is
-//   the lanes' partial sums over their channels, and a transposing reduction (31 shuffles) spreads
-//   32 tokens' sums over the lanes at once, so each lane ends with its own tokens' scores; then the
-//   least-scored candidate is dropped (the block's slots full) or every candidate ranked (a
-//   re-compression);
 // - a widened channel's earlier codes are mapped through tables of new code by old level (the 16
 //   levels of a 4-bit token, the 4 of a 2-bit one), built with the reference's arithmetic;
 // - the new token's rows, in the lowest free slot where it keeps 4 bits.
