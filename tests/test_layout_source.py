@@ -13,6 +13,7 @@ from vllm_kvcompress import cuda_jit
 from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import EPS, KERNEL_CONSTANTS, TOKEN_GROUP, WIDEN_MARGIN, KVPageFormat, page_layout
 from vllm_kvcompress.formats.packing import packed_row_bytes
+from vllm_kvcompress.formats.salient import MIDDLE, NO_SLOT
 
 CSRC = Path(cuda_jit.CSRC)
 
@@ -26,11 +27,12 @@ def test_cuda_sources_take_every_shared_constant_from_the_build_flags():
     for name, text in _sources().items():
         used |= set(re.findall(r"\bKVC_[A-Z_]+\b", text)) - {"KVC_HEADERS"}
         # no constant of the formats stated as a number in a kernel source
-        for constant in ("kTokenGroup", "kEps", "kWidenMargin"):
+        for constant in ("kTokenGroup", "kEps", "kWidenMargin", "kNoSlot", "kMiddle"):
             for value in re.findall(rf"{constant}\s*=\s*([^;]+);", text):
                 assert value.strip().startswith("KVC_"), f"{name}: {constant} = {value}"
     assert used == set(KERNEL_CONSTANTS)
-    assert KERNEL_CONSTANTS == {"KVC_TOKEN_GROUP": TOKEN_GROUP, "KVC_WIDEN_MARGIN": WIDEN_MARGIN, "KVC_EPS": EPS}
+    assert KERNEL_CONSTANTS == {"KVC_TOKEN_GROUP": TOKEN_GROUP, "KVC_WIDEN_MARGIN": WIDEN_MARGIN, "KVC_EPS": EPS,
+                                "KVC_NO_SLOT": NO_SLOT, "KVC_SALIENT_MIDDLE": MIDDLE}
 
 
 def test_build_flags_carry_the_formats_values(monkeypatch):
