@@ -169,7 +169,8 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
       const int first_seen = length - 1 - off, seen_from = length - a.window;  // block start; the window's
       {
         // logit = scale (sum_c q_c step_c level_c + sum_c q_c zero_c) on the stored grid; the new token's
-        // from its values
+        // from its values. The stored grid and new values are loaded here and again for the grids below
+        // (L1 hits): held across this loop they took the kernel past its 80 registers.
         const T* q_src = static_cast<const T*>(a.query) + i * a.q_row_stride + h * a.q_head_stride;
         float qs[BYTES][4], bias = 0.f, own = 0.f;
 #pragma unroll
