@@ -12,6 +12,7 @@ now that a token which fits its grids writes one row).
     python benchmarks/kernels.py --zipcache  # ZipCache's attention of a layer in parts, beside the 4-bit preset's
     python benchmarks/kernels.py --minicache  # MiniCache's merged pair in parts, beside two 4-bit layers
     python benchmarks/kernels.py --presets quant-k3v2-o1 quant-k4v4  # presets' decode rows and write
+    python benchmarks/kernels.py --slim      # slim attention's decode rows in parts, against FlashAttention bf16
     ncu ... python benchmarks/kernels.py --profile 4 32 32     # one decode launch per repeat, for a profiler
     ncu ... python benchmarks/kernels.py --profile-write 4 32  # the decode step's cache write only
 """
@@ -631,6 +632,55 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
     return [{"kernel": name, "host_us": _host_us(fn)} for name, fn in cases.items()] + [once_a_step]
 
 
+def bench_slim_step(lens: list[int], h: int, d: int, block: int = 128, tunings=(), k_bits: int = 16) -> list[dict]:
+    """Slim attention's decode rows over K-only pages of ``k_bits`` (``lens``: each row's context), in
+    parts (scores, mix, the W_KV product), beside vLLM's FlashAttention over bf16 K and V pages of
+    the same contexts. ``tunings``: also the whole decode at these ((tile, warps, stages) of the
+    scores pass, the same of the mix pass)."""
+    from vllm_kvcompress.config import LayerFormat
+    from vllm_kvcompress.formats import KVPageFormat
+    from vllm_kvcompress.slim import Rotary, SlimLayer
+    from vllm_kvcompress.triton_kernels import slim_decode as sd
+
+    from vllm_kvcompress.formats.layout import page_layout
+
+    fmt = KVPageFormat.from_layer_format(LayerFormat(k_only=True, k_bits=k_bits), torch.bfloat16, block, h, d)
+    k = page_layout(fmt).k
+    where = dict(BITS=k.bits, CODES=k.codes, SCALE=k.scale, ZERO=k.zero)
+    n, ctx = len(lens), max(lens)
+    cache, table = _pages(fmt, n, ctx)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16)
+    angles = torch.arange(ctx, device="cuda")[:, None] * 10000.0 ** (-torch.arange(0, d, 2, device="cuda") / d)
+    rotary = Rotary(torch.cat([angles.cos(), angles.sin()], -1).to(torch.bfloat16), d, True)
+    slim = SlimLayer(torch.randn(h, h * d, d, device="cuda", dtype=torch.bfloat16) / (h * d) ** 0.5, rotary)
+    out = torch.empty_like(q)
+    scores = torch.empty((n, h, -(-ctx // 16) * 16), dtype=torch.float32, device="cuda")
+    stats = torch.empty((n, h, 2), dtype=torch.float32, device="cuda")
+    mixed = torch.empty(h, n, h * d, dtype=torch.bfloat16, device="cuda")
+
+    def scores_pass():
+        sd._scores_kernel[(h, n)](q, cache, table, seq_lens, scores, stats, d ** -0.5, table.stride(0),
+                                  fmt.page_bytes, scores.stride(1), H=h, D=d, BLOCK=block, TILE=32, STAGES=1,
+                                  **where)
+
+    def mix_pass():
+        sd._mix_kernel[(h, n)](scores, stats, cache, table, seq_lens, rotary.cos_sin, mixed, table.stride(0),
+                               fmt.page_bytes, scores.stride(1), rotary.cos_sin.stride(0), H=h, HP=max(16, h), D=d,
+                               BLOCK=block, TILE=16, STAGES=1, **where)
+
+    cases = {"slim decode (scores, mix, W_KV product)": lambda: sd.slim_decode(q, cache, fmt, table, seq_lens,
+                                                                               d ** -0.5, ctx, slim, out=out),
+             "  scores pass": scores_pass, "  mix pass": mix_pass,
+             "  W_KV product": lambda: torch.bmm(mixed, slim.w_heads)}
+    for scores_tuning, mix_tuning in tunings:
+        cases[f"slim decode, scores {scores_tuning}, mix {mix_tuning}"] = lambda a=scores_tuning, b=mix_tuning: (
+            sd.slim_decode(q, cache, fmt, table, seq_lens, d ** -0.5, ctx, slim, out=out, scores_tuning=a,
+                           mix_tuning=b))
+    rows = [{"kernel": f"K{k_bits}: {name}", "ms": _time_ms(fn)} for name, fn in cases.items()]
+    return rows + ([bench_flash_bf16(n, h, h, d, ctx, lens=lens)] if k_bits == 16 else [])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -675,6 +725,13 @@ def main() -> None:
     ap.add_argument("--zipcache", action="store_true",
                     help="only ZipCache's attention of a layer in parts (kernel, probe scores and re-compression) "
                          "against the 4-bit preset's, a serving step's decode rows and prompt chunks")
+    ap.add_argument("--slim", action="store_true",
+                    help="only slim attention's decode rows over K-only pages in parts, against vLLM's "
+                         "FlashAttention bf16 (MHA 32 heads of 128; 72 and 144 rows of contexts 16..900; 8-bit K "
+                         "at 144)")
+    ap.add_argument("--slim-tunings", nargs="*", default=[], metavar="TILE,WARPS,STAGES,TILE,WARPS,STAGES",
+                    help="with --slim: also the decode with these tiles, warps and pipeline stages of the scores "
+                         "pass, then of the mix pass")
     ap.add_argument("--profile", nargs=3, type=int, metavar=("BITS", "HQ", "HKV"),
                     help="only launch that decode a few times (for a profiler such as ncu)")
     ap.add_argument("--profile-write", nargs=2, type=int, metavar=("BITS", "HKV"),
@@ -696,6 +753,12 @@ def main() -> None:
         for name, hq, hkv, d in SHAPES:
             for r in bench_minicache_step(serving_lens(144, 900), hq, hkv, d):
                 print(f"{name:24s} {r['kernel']:80s} {r['ms'] * 1e3:8.1f} us")
+        return
+    if args.slim:
+        tunings = [(v[:3], v[3:]) for v in (tuple(map(int, t.split(","))) for t in args.slim_tunings)]
+        for rows, k_bits in ((72, 16), (144, 16), (144, 8)):
+            for r in bench_slim_step(serving_lens(rows, 900), 32, 128, tunings=tunings, k_bits=k_bits):
+                print(f"MHA 32/32, {rows} rows     {r['kernel']:60s} {r['ms'] * 1e3:8.1f} us")
         return
     if args.zipcache:
         for name, hq, hkv, d in SHAPES:

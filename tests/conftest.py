@@ -10,9 +10,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 @pytest.fixture(scope="session")
 def mha(tmp_path_factory):
-    """A tiny trained multi-head-attention Llama (4 heads, 4 KV heads)."""
+    """A tiny trained multi-head-attention Llama (4 heads, 4 KV heads); cond(W_K) at most 1,000."""
     from tiny_models import build_llama
-    return build_llama(tmp_path_factory.mktemp("models") / "mha", num_kv_heads=4, num_heads=4)
+    return build_llama(tmp_path_factory.mktemp("models") / "mha", num_kv_heads=4, num_heads=4, max_cond_k=1e3)
 
 
 @pytest.fixture(scope="session")

@@ -62,8 +62,9 @@ def test_every_preset_runs_the_torch_reference_on_the_cpu(preset):
     (LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
     (LayerFormat(k_bits=4, v_bits=4, rpc_fraction=0.1, rpc_tokens=16), H100, AUTO, ("torch", "torch", "torch")),
     (LayerFormat(k_bits=4, v_bits=4, k_axis="token"), H100, AUTO, ("torch", "torch", "cuda")),
-    (LayerFormat(k_only=True), H100, AUTO, ("triton-slim", "torch", "triton")),
-    (LayerFormat(k_bits=8, k_only=True), H100, AUTO, ("torch", "torch", "cuda")),
+    (LayerFormat(k_only=True), H100, AUTO, ("triton-slim", "flash-attention+slim", "triton")),
+    (LayerFormat(k_bits=8, k_only=True), H100, AUTO, ("triton-slim", "flash-attention+slim", "cuda")),
+    (LayerFormat(k_bits=4, k_only=True), H100, AUTO, ("torch", "torch", "cuda")),
     # no vLLM FlashAttention for a chunk's own tokens: prompt chunks take the torch path
     (FOUR, registry.Device("cuda", (9, 0), nvcc=True), AUTO, ("cuda", "torch", "cuda")),
 ])
@@ -83,14 +84,14 @@ def test_passed_over_implementations_say_why():
 
 def test_only_kernels_that_run_in_cuda_graphs_say_so():
     graphs = {(i.operation, i.name): i.cuda_graphs for i in registry.implementations("decode", "cuda")}
-    assert graphs == {("decode", "cuda"): True, ("decode", "triton"): True, ("decode", "triton-slim"): False,
+    assert graphs == {("decode", "cuda"): True, ("decode", "triton"): True, ("decode", "triton-slim"): True,
                       ("decode", "triton-salient"): True, ("decode", "triton-merged"): False,
                       ("decode", "torch"): False}
 
 
 @pytest.mark.parametrize("preset,score,full", [("quant-k4v4", None, True), ("zipcache-r60", None, True),
                                                ("zipcache-r60", "random", False), ("minicache", None, False),
-                                               ("slim-k16", None, False)])
+                                               ("slim-k16", None, True)])
 def test_full_cuda_graphs_where_decode_steps_run_without_the_host(preset, score, full):
     """vLLM captures decode-only steps whole where every layer's decode kernel runs in a graph, and
     not with ZipCache's scores drawn at random (on the host); on the CPU, never."""

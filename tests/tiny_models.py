@@ -34,11 +34,14 @@ def build_tokenizer(path: Path, vocab_size: int = 512):
 
 def build_llama(path: Path, num_kv_heads: int = 4, num_heads: int = 4, hidden: int = 256,
                 layers: int = 4, seed: int = 0, init_range: float = 0.02, train_steps: int = 150,
-                attention_bias: bool = False) -> Path:
+                attention_bias: bool = False, max_cond_k: float | None = None) -> Path:
     """Write a small Llama (head size hidden/num_heads) and its tokenizer to ``path``.
 
     A few training steps on ``CORPUS`` make its greedy choices confident, as a
     real model's are, so token-level comparisons are not decided by near-ties.
+    ``max_cond_k``: after training, each layer's (square) W_K has its small singular values
+    raised to ``1 / max_cond_k`` of its largest, so slim attention's conditioning does not depend
+    on how this CPU's arithmetic steered the training (one machine's run gave 3e3..4e5).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -56,6 +59,12 @@ def build_llama(path: Path, num_kv_heads: int = 4, num_heads: int = 4, hidden: i
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     _train(model, tok, train_steps)
+    if max_cond_k is not None:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                w = layer.self_attn.k_proj.weight
+                u, s, vh = torch.linalg.svd(w.double())
+                w.copy_((u * s.clamp(min=s.max() / max_cond_k)) @ vh)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -48,12 +48,12 @@ def own_chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                                     max_seqlen_q=max_query_len, cu_seqlens_k=query_start,
                                     max_seqlen_k=max_query_len, softmax_scale=sm_scale, causal=True,
                                     window_size=(-1, -1) if window is None else (window - 1, 0),
-                                    return_softmax_lse=True, fa_version=_flash_attention_version(query.shape[-1]))
+                                    return_softmax_lse=True, fa_version=flash_attention_version(query.shape[-1]))
     return lse
 
 
 @functools.cache
-def _flash_attention_version(head_size: int) -> int | None:
+def flash_attention_version(head_size: int) -> int | None:
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
     return get_flash_attn_version(head_size=head_size)
 

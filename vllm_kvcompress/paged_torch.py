@@ -155,7 +155,7 @@ def attend_k_only(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, q
     """
     out = torch.empty_like(query)
     B = fmt.block_size
-    for i, qs, qe, history in _chunks(query_start_loc, seq_lens):
+    for i, qs, qe, history in chunks(query_start_loc, seq_lens):
         m = qe - qs
         q = query[qs:qe].float().transpose(0, 1)  # [H, m, D]
         k_new, v_new = (t[qs:qe].float().transpose(0, 1) for t in (key, value))
@@ -195,7 +195,7 @@ def attend_pair(query: torch.Tensor, cache: torch.Tensor, fmt: MergedPairFormat,
     take them only once both layers have run); with a sliding window, keys p - window < j <= p."""
     out = torch.empty_like(query)
     B = fmt.block_size
-    for i, qs, qe, history in _chunks(query_start_loc, seq_lens):
+    for i, qs, qe, history in chunks(query_start_loc, seq_lens):
         L = seq_lens[i]
         # with a sliding window, vLLM has freed the pages before the first one the chunk sees
         first = 0 if sliding_window is None else max(0, history - sliding_window + 1) // B * B
@@ -215,7 +215,7 @@ def attend_pair(query: torch.Tensor, cache: torch.Tensor, fmt: MergedPairFormat,
     return out
 
 
-def _chunks(query_start_loc: list[int], seq_lens: list[int]):
+def chunks(query_start_loc: list[int], seq_lens: list[int]):
     """(request, first query row, end, tokens before its chunk) of each request with query rows."""
     for i, L in enumerate(seq_lens):
         qs, qe = query_start_loc[i], query_start_loc[i + 1]

@@ -88,6 +88,12 @@ class SlimLayer:
         mixed = weights @ k_pre  # [H, q, H*D]
         return mixed @ self.w_heads.float()
 
+    def values(self, k_post: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """V [L, H, D] in ``dtype`` of keys ``k_post`` [L, H, D] at ``positions``: ``RoPE^-1(K) W_KV``,
+        one matrix product in ``dtype`` (what a prompt chunk's history needs, as FlashAttention's V)."""
+        k_pre = self.rotary.unrotate(k_post, positions).flatten(1).to(dtype)  # [L, H*D]
+        return torch.matmul(k_pre, self.w_heads.to(dtype)).transpose(0, 1)  # [H, L, D] -> [L, H, D]
+
 
 def w_kv_from_projections(w_k: torch.Tensor, w_v: torch.Tensor) -> tuple[torch.Tensor | None, Conditioning]:
     """(W_KV float64, its conditioning) from ``nn.Linear`` weights [H*D, hidden] of K and V;

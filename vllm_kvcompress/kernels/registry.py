@@ -276,8 +276,10 @@ def _flash_prompt(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
 def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     if fmt.v is not None:
         return "pages hold V (K-only pages only)"
-    if not isinstance(fmt.k, UncompressedCodec):
-        return f"{fmt.k.bits}-bit K (the kernels read 16-bit K pages)"
+    k = fmt.k
+    if not (isinstance(k, UncompressedCodec) or isinstance(k, MinMaxCodec) and k.bits == 8 and k.axis == "channel"
+            and not k.channel_scaling):
+        return f"K at {k.bits} bits (the kernels read 16-bit K, or 8-bit codes per channel)"
     rotary = ctx.rotary
     if rotary is not None and (not rotary.neox or rotary.rotary_dim != fmt.k.head_size):
         return "RoPE other than NeoX style over the whole head"
@@ -285,6 +287,12 @@ def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     if d & (d - 1) or d < 32:
         return f"head size {d} (powers of two from 32)"
     return None
+
+
+def _flash_slim_prompt(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    """K-only pages' prompt chunks: FlashAttention over their own tokens and their history (V rebuilt
+    from K); served only where the slim decode is (a step's decodes and prompts attend together)."""
+    return _slim_decode(fmt, ctx) or _own_tokens_through_flash_attention(ctx)
 
 
 def _triton_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
@@ -367,7 +375,8 @@ for _impl in (
                    prepare="vllm_kvcompress.cuda_decode:build", cuda_graphs=True),
     Implementation("decode", "cuda", "triton", _triton_decode, f"{_TRITON}.decode:paged_decode",
                    warm_up=f"{_TRITON}.decode:warm_up", cuda_graphs=True),
-    Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode"),
+    Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode",
+                   cuda_graphs=True),
     # ZipCache's decode rows: the new token exactly, then the pages through the layer decode kernel
     Implementation("decode", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_decode:decode_rows",
                    warm_up=f"{_TRITON}.salient_decode:warm_up", cuda_graphs=True, reads=(SalientTokensFormat,)),
@@ -384,6 +393,8 @@ for _impl in (
     Implementation("prompt", "cuda", "flash-attention+triton-salient", _flash_salient_prompt,
                    f"{_TRITON}.salient_prompt:salient_prompt", warm_up=f"{_TRITON}.salient_decode:warm_up",
                    reads=(SalientTokensFormat,)),
+    # K-only pages: FlashAttention over each chunk's history (V rebuilt from K) and its own tokens
+    Implementation("prompt", "cuda", "flash-attention+slim", _flash_slim_prompt, f"{_TRITON}.slim_prompt:slim_prompt"),
     Implementation("prompt", "cuda", "flash-attention+triton-merged", _flash_merged_prompt,
                    f"{_TRITON}.merged_prompt:merged_prompt", warm_up=f"{_TRITON}.merged_decode:warm_up",
                    reads=(MergedPairFormat,)),
