@@ -642,11 +642,7 @@ def bench_slim_step(lens: list[int], h: int, d: int, block: int = 128, tunings=(
     from vllm_kvcompress.slim import Rotary, SlimLayer
     from vllm_kvcompress.triton_kernels import slim_decode as sd
 
-    from vllm_kvcompress.formats.layout import page_layout
-
     fmt = KVPageFormat.from_layer_format(LayerFormat(k_only=True, k_bits=k_bits), torch.bfloat16, block, h, d)
-    k = page_layout(fmt).k
-    where = dict(BITS=k.bits, CODES=k.codes, SCALE=k.scale, ZERO=k.zero)
     n, ctx = len(lens), max(lens)
     cache, table = _pages(fmt, n, ctx)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -659,19 +655,10 @@ def bench_slim_step(lens: list[int], h: int, d: int, block: int = 128, tunings=(
     stats = torch.empty((n, h, 2), dtype=torch.float32, device="cuda")
     mixed = torch.empty(h, n, h * d, dtype=torch.bfloat16, device="cuda")
 
-    def scores_pass():
-        sd._scores_kernel[(h, n)](q, cache, table, seq_lens, scores, stats, d ** -0.5, table.stride(0),
-                                  fmt.page_bytes, scores.stride(1), H=h, D=d, BLOCK=block, TILE=32, STAGES=1,
-                                  **where)
-
-    def mix_pass():
-        sd._mix_kernel[(h, n)](scores, stats, cache, table, seq_lens, rotary.cos_sin, mixed, table.stride(0),
-                               fmt.page_bytes, scores.stride(1), rotary.cos_sin.stride(0), H=h, HP=max(16, h), D=d,
-                               BLOCK=block, TILE=16, STAGES=1, **where)
-
     cases = {"slim decode (scores, mix, W_KV product)": lambda: sd.slim_decode(q, cache, fmt, table, seq_lens,
                                                                                d ** -0.5, ctx, slim, out=out),
-             "  scores pass": scores_pass, "  mix pass": mix_pass,
+             "  scores pass": lambda: sd.scores_pass(q, cache, fmt, table, seq_lens, d ** -0.5, scores, stats),
+             "  mix pass": lambda: sd.mix_pass(scores, stats, cache, fmt, table, seq_lens, rotary.cos_sin, mixed),
              "  W_KV product": lambda: torch.bmm(mixed, slim.w_heads)}
     for scores_tuning, mix_tuning in tunings:
         cases[f"slim decode, scores {scores_tuning}, mix {mix_tuning}"] = lambda a=scores_tuning, b=mix_tuning: (

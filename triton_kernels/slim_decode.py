@@ -118,30 +118,54 @@ def _mix_kernel(s_ptr, stats_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, cos_
     tl.store(dst + HALF, acc2.to(dtype), mask=hmask[:, None])
 
 
+# Each pass's (tokens a step, warps, pipeline stages), tokens at most a page's: the fastest of a sweep on
+# an H200 (docs/slim.md); 16 tokens in 1 stage for the mix took 1.5x as long.
+SCORES_TUNING = (64, 8, 1)
+MIX_TUNING = (32, 4, 2)
+
+
+def _where_k(fmt: KVPageFormat) -> dict:
+    k = page_layout(fmt).k
+    return dict(BITS=k.bits, CODES=k.codes, SCALE=k.scale, ZERO=k.zero)
+
+
+def scores_pass(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, sm_scale: float, scores: torch.Tensor, stats: torch.Tensor,
+                tuning: tuple[int, int, int] = SCORES_TUNING) -> None:
+    """``scores`` [N, H, S] and their softmax ``stats`` [N, H, 2] of ``query`` [N, H, D] (contiguous)."""
+    n, h, d = query.shape
+    tile, warps, stages = tuning
+    _scores_kernel[(h, n)](query, cache, block_table, seq_lens, scores, stats, sm_scale, block_table.stride(0),
+                           fmt.page_bytes, scores.stride(1), H=h, D=d, BLOCK=fmt.block_size,
+                           TILE=min(tile, fmt.block_size), STAGES=stages, num_warps=warps, **_where_k(fmt))
+
+
+def mix_pass(scores: torch.Tensor, stats: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat,
+             block_table: torch.Tensor, seq_lens: torch.Tensor, cos_sin: torch.Tensor, mixed: torch.Tensor,
+             tuning: tuple[int, int, int] = MIX_TUNING) -> None:
+    """Every head's probability-weighted sum of ``RoPE^-1(K)`` into ``mixed`` [H, N, H*D]."""
+    h, n, _ = mixed.shape
+    tile, warps, stages = tuning
+    _mix_kernel[(h, n)](scores, stats, cache, block_table, seq_lens, cos_sin, mixed, block_table.stride(0),
+                        fmt.page_bytes, scores.stride(1), cos_sin.stride(0), H=h, HP=max(16, triton.next_power_of_2(h)),
+                        D=fmt.k.head_size, BLOCK=fmt.block_size, TILE=min(tile, fmt.block_size), STAGES=stages,
+                        num_warps=warps, **_where_k(fmt))
+
+
 def slim_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
                 seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int, slim, out: torch.Tensor | None = None,
-                scores_tuning: tuple[int, int, int] = (64, 8, 1),
-                mix_tuning: tuple[int, int, int] = (32, 4, 2)) -> torch.Tensor:
+                scores_tuning: tuple[int, int, int] = SCORES_TUNING,
+                mix_tuning: tuple[int, int, int] = MIX_TUNING) -> torch.Tensor:
     """One new token per request (``query`` [N, H, D]) over K-only pages; ``slim`` is the layer's
-    ``SlimLayer`` (``w_heads`` [H, H*D, D] and the RoPE table). ``scores_tuning``, ``mix_tuning``:
-    each pass's (tokens a step, warps, pipeline stages), at most a page's tokens (for benchmarks)."""
+    ``SlimLayer`` (``w_heads`` [H, H*D, D] and the RoPE table). The tunings: for benchmarks."""
     query = query.contiguous()  # may arrive as a view into the fused QKV output
     n, h, d = query.shape
-    block = fmt.block_size
-    (s_tile, s_warps, s_stages), (m_tile, m_warps, m_stages) = scores_tuning, mix_tuning
-    k = page_layout(fmt).k
-    where = dict(BITS=k.bits, CODES=k.codes, SCALE=k.scale, ZERO=k.zero)
     # a multiple of 16 tokens a row: one compiled variant of both kernels whatever the step's longest context
     scores = torch.empty((n, h, -(-max(max_seq_len, 1) // 16) * 16), dtype=torch.float32, device=query.device)
     stats = torch.empty((n, h, 2), dtype=torch.float32, device=query.device)
-    _scores_kernel[(h, n)](query, cache, block_table, seq_lens, scores, stats, sm_scale, block_table.stride(0),
-                           fmt.page_bytes, scores.stride(1), H=h, D=d, BLOCK=block, TILE=min(s_tile, block),
-                           STAGES=s_stages, num_warps=s_warps, **where)
+    scores_pass(query, cache, fmt, block_table, seq_lens, sm_scale, scores, stats, scores_tuning)
     mixed = torch.empty(h, n, h * d, dtype=query.dtype, device=query.device)
-    cos_sin = slim.rotary.cos_sin
-    _mix_kernel[(h, n)](scores, stats, cache, block_table, seq_lens, cos_sin, mixed, block_table.stride(0),
-                        fmt.page_bytes, scores.stride(1), cos_sin.stride(0), H=h, HP=max(16, triton.next_power_of_2(h)),
-                        D=d, BLOCK=block, TILE=min(m_tile, block), STAGES=m_stages, num_warps=m_warps, **where)
+    mix_pass(scores, stats, cache, fmt, block_table, seq_lens, slim.rotary.cos_sin, mixed, mix_tuning)
     result = torch.bmm(mixed, slim.w_heads.to(query.dtype)).transpose(0, 1)  # [N, H, D]
     if out is None:
         return result.contiguous()
