@@ -187,3 +187,18 @@ def test_slim_values_are_unrotated_keys_times_w_kv():
     k = torch.randn(50, 4, 32, generator=gen)
     got = slim.values(k, torch.arange(50), torch.float32)
     torch.testing.assert_close(got, values_reference(k, slim, w_kv), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k_bits", [16, 8])
+def test_history_kv_in_pieces_equals_the_whole(k_bits):
+    """A prompt chunk's history K and rebuilt V, taken a few pages at a time (bounded memory), equal
+    the pages' keys and RoPE^-1(K) W_KV over the whole history at once."""
+    from vllm_kvcompress.triton_kernels.slim_prompt import history_kv
+
+    gen = torch.Generator().manual_seed(7)
+    fmt, cache, bt, (keys,) = paged_keys([150], 2, 32, 16, torch.float32, gen, k_bits)
+    slim, w_kv = slim_layer(2, 32, torch.float32, 151, gen)
+    for history, piece in ((150, 32), (131, 48), (17, 2048)):
+        k, v = history_kv(cache, fmt, bt[0], history, slim, torch.float32, piece=piece)
+        torch.testing.assert_close(k, keys[:history], rtol=0, atol=0)
+        torch.testing.assert_close(v, values_reference(keys, slim, w_kv)[:history], rtol=1e-4, atol=1e-4)

@@ -32,11 +32,9 @@ def slim_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cac
     keys, values, key_lens = [], [], []
     for i, qs, qe, history in chunks:
         if history:
-            blocks = block_table[i, :-(-history // fmt.block_size)].long()
-            k_hist = fmt.decode(cache[blocks])[0].flatten(0, 1)[:history].to(query.dtype)  # [history, H, D]
-            positions = torch.arange(history, device=query.device)
+            k_hist, v_hist = history_kv(cache, fmt, block_table[i], history, slim, query.dtype)
             keys.append(k_hist)
-            values.append(slim.values(k_hist, positions, query.dtype))
+            values.append(v_hist)
         keys.append(key[qs:qe])
         values.append(value[qs:qe])
         key_lens.append(history + qe - qs)
@@ -46,3 +44,23 @@ def slim_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cac
                            max_seqlen_q=rows.max_query_len, cu_seqlens_k=starts, max_seqlen_k=max(key_lens),
                            softmax_scale=sm_scale, causal=True, fa_version=flash_attention_version(query.shape[-1]))
     return out
+
+
+# Tokens of history decoded and given their V at a time: the float32 intermediates of a piece (about
+# 16 KB a token at 32 heads of 128) stay near 100 MB however long the history.
+HISTORY_PIECE = 2048
+
+
+def history_kv(cache: torch.Tensor, fmt: KVPageFormat, block_table_row: torch.Tensor, history: int, slim,
+               dtype: torch.dtype, piece: int = HISTORY_PIECE) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's first ``history`` tokens from its K-only pages: K as the pages give it back and V =
+    RoPE^-1(K) W_KV, both [history, H, D] in ``dtype``, built ``piece`` tokens (whole pages) at a time."""
+    step = max(piece // fmt.block_size, 1) * fmt.block_size
+    k = torch.empty(history, fmt.k.num_heads, fmt.k.head_size, dtype=dtype, device=cache.device)
+    v = torch.empty_like(k)
+    for start in range(0, history, step):
+        end = min(start + step, history)
+        blocks = block_table_row[start // fmt.block_size: -(-end // fmt.block_size)].long()
+        k[start:end] = fmt.decode(cache[blocks])[0].flatten(0, 1)[:end - start]
+        v[start:end] = slim.values(k[start:end], torch.arange(start, end, device=cache.device), dtype)
+    return k, v
