@@ -2,7 +2,7 @@
 
 A chunk's own tokens have the K and V the model just computed. Where no chunk of the step has
 history (the common case), vLLM's FlashAttention takes them as they are. Where some have, each
-such chunk's history is read from the pages and its V rebuilt in one matrix product,
+such chunk's history is read from the pages and its V rebuilt as a matrix product,
 ``V = RoPE^-1(K) W_KV`` (``SlimLayer.values``), and FlashAttention runs every chunk over its
 history followed by its own tokens (causal, aligned at the end). Rebuilding V once for the
 chunk costs ``2 (H D)^2`` a history token, less than the decode route's ``2 H^2 D`` a token and
