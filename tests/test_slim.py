@@ -39,8 +39,35 @@ def test_w_kv_rebuilds_v_from_k():
     w_kv, conditioning = w_kv_from_projections(w_k, w_v)
     k, v = x.double() @ w_k.double().T, x.double() @ w_v.double().T
     torch.testing.assert_close(k @ w_kv, v, rtol=1e-9, atol=1e-9)
-    assert conditioning.cond == pytest.approx(torch.linalg.cond(w_k.double()).item())
+    assert conditioning.cond == pytest.approx(torch.linalg.cond(w_k.double()).item(), rel=0.02)  # an estimate
     assert 0 < conditioning.amplification <= conditioning.cond
+
+
+@pytest.mark.parametrize("cond", [1e1, 1e4, 1e8, 1e11])
+def test_condition_number_estimate_matches_the_svd(cond):
+    """The power-iteration estimate against the SVD's 2-norm condition number: matrices of a chosen
+    spectrum (singular values spaced evenly in log) and Gaussian ones (whose largest singular
+    values lie close together, the estimate's slowest case)."""
+    from vllm_kvcompress.slim import condition_number
+
+    gen = torch.Generator().manual_seed(int(cond))
+    n = 256
+    u, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))
+    v, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=gen))
+    spectrum = torch.logspace(0, -torch.log10(torch.tensor(cond)).item(), n, dtype=torch.float64)
+    for a in ((u * spectrum) @ v.T, torch.randn(n, n, dtype=torch.float64, generator=gen)):
+        assert condition_number(a, *torch.linalg.lu_factor(a)) == pytest.approx(torch.linalg.cond(a).item(), rel=0.02)
+
+
+def test_singular_w_k_gets_no_w_kv():
+    gen = torch.Generator().manual_seed(0)
+    w_k = torch.randn(64, 64, dtype=torch.float64, generator=gen)
+    w_k[3] = w_k[5]  # two equal rows: rank 63
+    w_kv, conditioning = w_kv_from_projections(w_k, torch.randn(64, 64, generator=gen))
+    assert w_kv is None and conditioning.amplification == float("inf")
+    u, _ = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64, generator=gen))
+    nearly = (u * torch.logspace(0, -13, 64, dtype=torch.float64)) @ u.T  # cond 1e13: past SINGULAR
+    assert w_kv_from_projections(nearly, torch.randn(64, 64, generator=gen))[0] is None
 
 
 @pytest.mark.parametrize("neox, rotary_dim", [(True, 16), (False, 16), (True, 8)])
