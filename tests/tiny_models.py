@@ -39,9 +39,10 @@ def build_llama(path: Path, num_kv_heads: int = 4, num_heads: int = 4, hidden: i
 
     A few training steps on ``CORPUS`` make its greedy choices confident, as a
     real model's are, so token-level comparisons are not decided by near-ties.
-    ``max_cond_k``: after training, each layer's (square) W_K has its small singular values
-    raised to ``1 / max_cond_k`` of its largest, so slim attention's conditioning does not depend
-    on how this CPU's arithmetic steered the training (one machine's run gave 3e3..4e5).
+    ``max_cond_k``: after every training step, each layer's (square) W_K has its small singular
+    values raised to ``1 / max_cond_k`` of its largest (projected training: the model learns with
+    the bound, so its greedy choices stay confident), so slim attention's conditioning does not
+    depend on how this CPU's arithmetic steered the training (one machine's run gave 3e3..4e5).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -58,18 +59,18 @@ def build_llama(path: Path, num_kv_heads: int = 4, num_heads: int = 4, hidden: i
                          eos_token_id=tok.eos_token_id, tie_word_embeddings=False, torch_dtype="float32")
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    _train(model, tok, train_steps)
-    if max_cond_k is not None:
-        with torch.no_grad():
-            for layer in model.model.layers:
-                w = layer.self_attn.k_proj.weight
-                u, s, vh = torch.linalg.svd(w.double())
-                w.copy_((u * s.clamp(min=s.max() / max_cond_k)) @ vh)
+    def bound_k_conditioning():
+        for layer in model.model.layers:
+            w = layer.self_attn.k_proj.weight
+            u, s, vh = torch.linalg.svd(w.double())
+            w.copy_((u * s.clamp(min=s.max() / max_cond_k)) @ vh)
+
+    _train(model, tok, train_steps, after_step=bound_k_conditioning if max_cond_k is not None else None)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
 
-def _train(model, tok, steps: int, seq: int = 64, batch: int = 8) -> None:
+def _train(model, tok, steps: int, seq: int = 64, batch: int = 8, after_step=None) -> None:
     import torch
 
     ids = torch.tensor(tok(CORPUS * 8).input_ids)
@@ -81,6 +82,9 @@ def _train(model, tok, steps: int, seq: int = 64, batch: int = 8) -> None:
         model(x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            with torch.no_grad():
+                after_step()
 
 
 def llama_as_phi3(llama_dir: Path, path: Path) -> Path:
