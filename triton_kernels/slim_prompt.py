@@ -15,22 +15,24 @@ from __future__ import annotations
 import torch
 
 from vllm_kvcompress.formats import KVPageFormat
+from vllm_kvcompress.paged_torch import chunks
 from vllm_kvcompress.token_rows import TokenRows
 
 from .prompt import flash_attention_version, own_chunk_attention
 
 
 def slim_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                fmt: KVPageFormat, rows: TokenRows, chunks: list[tuple[int, int, int, int]],
+                fmt: KVPageFormat, rows: TokenRows, query_start_loc: list[int], seq_lens: list[int],
                 block_table: torch.Tensor, sm_scale: float, slim, out: torch.Tensor) -> torch.Tensor:
     """``query`` [T, H, D] and the chunks' new ``key``/``value`` [T, H, D], laid out by ``rows``;
-    ``chunks``: (request, first row, end, history) of each chunk, from the host; ``block_table``
-    [R, max_blocks]; ``slim``: the layer's ``SlimLayer``. The attention goes to ``out`` [T, H, D]."""
+    ``query_start_loc`` [R+1] and ``seq_lens`` [R]: the chunks' offsets in the step (the first at
+    ``query``'s row 0) and their requests' lengths, from the host; ``block_table`` [R, max_blocks];
+    ``slim``: the layer's ``SlimLayer``. The attention goes to ``out`` [T, H, D]."""
     if not rows.max_seq_len:  # no chunk has history
         own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out)
         return out
     keys, values, key_lens = [], [], []
-    for i, qs, qe, history in chunks:
+    for i, qs, qe, history in chunks([x - query_start_loc[0] for x in query_start_loc], seq_lens):
         if history:
             k_hist, v_hist = history_kv(cache, fmt, block_table[i], history, slim, query.dtype)
             keys.append(k_hist)

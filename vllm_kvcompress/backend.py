@@ -346,17 +346,15 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
             rows = md.token_rows
             k_new = key[start:t].view(t - start, self.num_kv_heads, self.head_size)
             v_new = value[start:t].view(t - start, self.num_kv_heads, self.head_size)
-            query_start = [x - start for x in md.query_start_loc[nd:]]
             if self._prompt_kernel is not None and rows is not None:
                 if slim is not None:
-                    self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows,
-                                        list(paged_torch.chunks(query_start, md.seq_lens[nd:])), md.block_table[nd:],
-                                        self.scale, slim, out[start:])
+                    self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, md.query_start_loc[nd:],
+                                        md.seq_lens[nd:], md.block_table[nd:], self.scale, slim, out[start:])
                 else:
                     self._prompt_kernel(q[start:], k_new, v_new, pages, fmt, rows, self.scale, out=out[start:],
                                         **self._window_args())
                 return output
-            rest = (query_start, md.seq_lens[nd:], md.block_table[nd:], self.scale)
+            rest = ([x - start for x in md.query_start_loc[nd:]], md.seq_lens[nd:], md.block_table[nd:], self.scale)
             if slim is not None:
                 out[start:] = paged_torch.attend_k_only(q[start:], pages, fmt, *rest, slim, k_new, v_new)
             else:

@@ -116,8 +116,8 @@ def prebuild(archs: tuple[str, ...] = PREBUILT_ARCHS, libraries: dict[str, str] 
     from tqdm import tqdm
 
     # torch's CUDA_HOME is None in a CPU build of torch: a wheel's builder may have nvcc without a GPU
-    nvcc = shutil.which("nvcc", path=str(Path(os.environ.get("CUDA_HOME", "/nonexistent")) / "bin")) or shutil.which(
-        "nvcc")
+    home = os.environ.get("CUDA_HOME")
+    nvcc = (shutil.which("nvcc", path=f"{home}/bin") if home else None) or shutil.which("nvcc")
     if nvcc is None:
         raise RuntimeError("no nvcc: put a CUDA toolkit's nvcc on PATH, or set CUDA_HOME, to prebuild the CUDA kernels")
     out = CSRC / "prebuilt"
