@@ -403,9 +403,9 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     from vllm_kvcompress.triton_kernels import salient_write
     from vllm_kvcompress.triton_kernels.salient_write import write_chunks
 
-    # the decode write serving takes: for MHA the CUDA kernel where nvcc exists (kernels.registry), else Triton's
+    # the decode write serving takes: for MHA the CUDA kernel where it can be had (kernels.registry), else Triton's
     writes = {"Triton": salient_write.write_decoded}
-    if cuda_jit.nvcc_available() and hq == hkv:
+    if cuda_jit.cuda_kernels_loadable() and hq == hkv:
         from vllm_kvcompress import cuda_salient_write
         writes = {"CUDA": cuda_salient_write.write_decoded, **writes}
     write_decoded = next(iter(writes.values()))
@@ -621,7 +621,7 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
                 fa_version=3),
         }
     from vllm_kvcompress import cuda_jit
-    if cuda_jit.nvcc_available():  # what the backend launches where nvcc exists
+    if cuda_jit.cuda_kernels_loadable():  # what the backend launches where it can have the CUDA kernels
         from vllm_kvcompress import cuda_decode, cuda_write
         order = longest_first(seq_lens[:nd])
         cases[f"ours k{bits}v{bits}: cache write (K and V), CUDA"] = lambda: cuda_write.write_tokens(

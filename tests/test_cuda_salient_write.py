@@ -1,6 +1,6 @@
 """The CUDA kernel of ZipCache's decode write (csrc/salient_write_kernel.cu) against the torch
-reference of the same pages. The kernel tests need a GPU and nvcc; which layers it serves is the
-registry's (tests/test_kernel_registry.py)."""
+reference of the same pages. The kernel tests need a GPU, and nvcc or the prebuilt kernels; which
+layers it serves is the registry's (tests/test_kernel_registry.py)."""
 
 import pytest
 import torch
@@ -11,8 +11,8 @@ from vllm_kvcompress.formats.salient import SalientTokensFormat
 from vllm_kvcompress.salient_torch import attend_and_write
 from c_structs import c_struct_fields
 
-needs_gpu_and_nvcc = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_jit.nvcc_available()),
-                                        reason="needs a CUDA GPU and nvcc")
+needs_cuda_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_jit.cuda_kernels_loadable()),
+                                        reason="needs a CUDA GPU, and nvcc or the prebuilt kernels")
 
 
 def test_launch_arguments_mirror_the_kernels_struct():
@@ -45,7 +45,7 @@ def _log_sum_exps(fmt, pages, table, lens, q, k_new, scale, window):
     return torch.stack(out)
 
 
-@needs_gpu_and_nvcc
+@needs_cuda_kernels
 @pytest.mark.parametrize("D,B,dtype", [(64, 64, torch.bfloat16), (128, 64, torch.bfloat16), (128, 32, torch.bfloat16),
                                        (128, 128, torch.float16), (256, 64, torch.float16)],
                          ids=["64", "128", "128-block-32", "128-block-128", "256"])
@@ -92,7 +92,7 @@ def test_decode_steps_write_the_pages_the_torch_path_writes(D, B, dtype, window,
     assert dropped > 0  # some step chose which tokens lose their 4 bits
 
 
-@needs_gpu_and_nvcc
+@needs_cuda_kernels
 def test_padding_rows_write_nothing():
     """A full CUDA graph's rows of context 0 write nothing, whatever their block table row holds."""
     H, D, B = 2, 128, 64

@@ -1,5 +1,6 @@
 """The CUDA cache-write kernel (csrc/) writes the same bytes as the torch reference. The kernel
-tests need a GPU and nvcc; what the kernel covers is the registry's (tests/test_kernel_registry.py)."""
+tests need a GPU, and nvcc or the prebuilt kernels; what the kernel covers is the registry's
+(tests/test_kernel_registry.py)."""
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from c_structs import c_struct_fields, stub_launches
 
 COVERED = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
            LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"), LayerFormat(k_bits=2, k_only=True)]
-needs_gpu_and_nvcc = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_jit.nvcc_available()),
-                                        reason="needs a CUDA GPU and nvcc")
+needs_cuda_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and cuda_jit.cuda_kernels_loadable()),
+                                        reason="needs a CUDA GPU, and nvcc or the prebuilt kernels")
 
 
 def _format(layer_format, dtype=torch.float32, block=16, heads=2, head_size=64):
@@ -114,7 +115,7 @@ def _assert_pages_hold_reference_values(fmt, steps, new_kv):
             assert (got is None and want is None) or torch.equal(got, want)
 
 
-@needs_gpu_and_nvcc
+@needs_cuda_kernels
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layer_format", COVERED, ids=lambda f: f.describe())
@@ -132,7 +133,7 @@ def test_prefill_and_decode_match_reference(layer_format, dtype, head_size):
         (torch.randn(n, H, D, generator=gen) * 2 + 0.5).to(dtype), (torch.randn(n, H, D, generator=gen) - 0.3).to(dtype)))
 
 
-@needs_gpu_and_nvcc
+@needs_cuda_kernels
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_decode_into_new_blocks_matches_reference(bits, head_size):
@@ -149,7 +150,7 @@ def test_decode_into_new_blocks_matches_reference(bits, head_size):
         torch.randn(n, H, head_size, generator=gen).bfloat16()))
 
 
-@needs_gpu_and_nvcc
+@needs_cuda_kernels
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_long_prompts_and_chunks_match_reference(bits):
     """128-token blocks: a 300-token prompt and a 70-token one (blocks with more new tokens than the
@@ -165,7 +166,7 @@ def test_long_prompts_and_chunks_match_reference(bits):
         (torch.randn(n, H, D, generator=gen) * 1.5).bfloat16(), torch.randn(n, H, D, generator=gen).bfloat16()))
 
 
-@needs_gpu_and_nvcc
+@needs_cuda_kernels
 @pytest.mark.parametrize("bits,fills,head_size,B", [(4, (90, 100), 128, 128), (2, (3, 1), 64, 128),
                                                 (8, (60, 100), 128, 128), (4, (30, 40), 128, 64)])
 def test_decode_appends_match_reference_bytes(bits, fills, head_size, B):

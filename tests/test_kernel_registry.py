@@ -287,9 +287,11 @@ def test_the_backend_loads_what_the_registry_planned(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_plan_on_this_gpu():
     """The plan the backend makes for quant-k4v4 on the Llama-2-7B shape on this GPU: the CUDA
-    kernels where nvcc exists, else Triton; prompt chunks through FlashAttention and Triton rows."""
-    from vllm_kvcompress.cuda_jit import nvcc_available
+    kernels where nvcc or the prebuilt kernels exist, else Triton; prompt chunks through FlashAttention
+    and Triton rows."""
+    from vllm_kvcompress.cuda_jit import nvcc_available, prebuilt_available
     device = registry.Device.of("cuda", torch.cuda.get_device_capability())
-    kernel = "cuda" if nvcc_available() and device.capability >= (8, 0) else "triton"
+    modern = device.capability >= (8, 0)
+    write = "cuda" if nvcc_available() or (prebuilt_available() and modern) else "triton"
     plan = registry.plan(_fmt(heads=32), registry.LayerContext(device, torch.bfloat16, 32), AUTO)
-    assert _names(plan) == (kernel, "flash-attention+triton", "cuda" if nvcc_available() else "triton")
+    assert _names(plan) == ("cuda" if write == "cuda" and modern else "triton", "flash-attention+triton", write)
