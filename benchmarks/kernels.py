@@ -682,7 +682,7 @@ def main() -> None:
     ap.add_argument("--write-warps", nargs="*", type=int, default=[], metavar="WARPS",
                     help="also time the 4/4 write with these warps per program")
     ap.add_argument("--write-cuda", action="store_true",
-                    help="also time the CUDA write kernel (csrc/; needs nvcc, see docs/gpu.md)")
+                    help="also time the CUDA write kernel (csrc/; needs nvcc or the prebuilt kernels, see docs/gpu.md)")
     ap.add_argument("--scaling", action="store_true", help="also 4/4 bits and bf16 over batch and context sizes")
     ap.add_argument("--host", action="store_true",
                     help="only the host time of a mixed step's attention calls for one layer, ours and (where "
@@ -700,7 +700,7 @@ def main() -> None:
                     help="with --step: also the step without the write, the decode alone and the write alone")
     ap.add_argument("--step", action="store_true",
                     help="only a decode step's cache write and decode for 32 layers in a CUDA graph (us a layer; "
-                         "CUDA kernels, needs nvcc): a serving step's 144 rows and a run's tail of 3 and 8 rows")
+                         "CUDA kernels: nvcc or prebuilt): a serving step's 144 rows and a run's tail of 3 and 8 rows")
     ap.add_argument("--step-splits", nargs="*", type=int, default=[], metavar="SPLITS",
                     help="with --step: also the MHA decode alone of 3 to 40 rows with these split counts")
     ap.add_argument("--presets", nargs="*", default=[], metavar="PRESET",

@@ -1,10 +1,10 @@
-"""ZipCache's decode write as a CUDA kernel (``csrc/salient_write_kernel.cu``), built just in time with
-nvcc through ``torch.utils.cpp_extension`` and called through ctypes.
+"""ZipCache's decode write as a CUDA kernel (``csrc/salient_write_kernel.cu``), prebuilt or built just
+in time with nvcc (``cuda_jit``) and called through ctypes.
 
 Same contract and pages as ``salient_torch.write_decoded`` and the Triton write's decode rows
-(``triton_kernels.salient_write.write_decoded``, which serves where there is no nvcc): one warp per
+(``triton_kernels.salient_write.write_decoded``, which serves where the CUDA kernels cannot be had): one warp per
 (row, KV head) instead of a Triton program whose block-wide reductions wait on each other. MHA
-only: the kernel registry (``kernels.registry``) gives it MHA layers' decode rows where nvcc exists,
+only: the kernel registry (``kernels.registry``) gives it MHA layers' decode rows where it can be had,
 unless ``KVCOMPRESS_WRITE=triton``; GQA layers keep the Triton write, which measured faster.
 """
 

@@ -6,7 +6,7 @@ Same contract and bytes as ``paged_torch.write_tokens``. It covers 2-, 4- and 8-
 statistics per channel (append rule) or per token, head sizes 64, 128 and 256; the kernel registry
 (``kernels.registry``) says why not for the rest (3 bits, ZipCache channel scales, 16-bit tensors,
 the KVmix recent window), which the Triton kernel writes, and gives it every format it covers
-where nvcc exists unless ``KVCOMPRESS_WRITE=triton`` (``docs/gpu.md`` has the timings).
+where nvcc or the prebuilt kernels exist unless ``KVCOMPRESS_WRITE=triton`` (``docs/gpu.md`` has the timings).
 """
 
 from __future__ import annotations
