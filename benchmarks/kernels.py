@@ -394,7 +394,7 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     chunks (attention, then the batched write)."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.formats.salient import SalientTokensFormat
-    from vllm_kvcompress import cuda_jit
+    from vllm_kvcompress.kernels import registry
     from vllm_kvcompress.salient_torch import plan_chunk_writes
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode, rows_per_program
@@ -405,7 +405,7 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
 
     # the decode write serving takes: for MHA the CUDA kernel where it can be had (kernels.registry), else Triton's
     writes = {"Triton": salient_write.write_decoded}
-    if cuda_jit.cuda_kernels_loadable() and hq == hkv:
+    if registry.Device.of("cuda", torch.cuda.get_device_capability()).why_no_cuda_kernels() is None and hq == hkv:
         from vllm_kvcompress import cuda_salient_write
         writes = {"CUDA": cuda_salient_write.write_decoded, **writes}
     write_decoded = next(iter(writes.values()))
@@ -620,8 +620,8 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
                 seqused_k=seq_lens, softmax_scale=d ** -0.5, causal=True, block_table=flat_table, out=out,
                 fa_version=3),
         }
-    from vllm_kvcompress import cuda_jit
-    if cuda_jit.cuda_kernels_loadable():  # what the backend launches where it can have the CUDA kernels
+    from vllm_kvcompress.kernels import registry
+    if registry.Device.of("cuda", torch.cuda.get_device_capability()).why_no_cuda_kernels() is None:  # what the backend launches
         from vllm_kvcompress import cuda_decode, cuda_write
         order = longest_first(seq_lens[:nd])
         cases[f"ours k{bits}v{bits}: cache write (K and V), CUDA"] = lambda: cuda_write.write_tokens(

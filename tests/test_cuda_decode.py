@@ -76,7 +76,7 @@ def _gpu_ready() -> str | None:
         return "no CUDA GPU"
     if torch.cuda.get_device_capability() < (8, 0):
         return "compute capability below 8.0"
-    return None if cuda_jit.cuda_kernels_loadable() else "no nvcc to build the kernel, and no prebuilt one"
+    return registry.Device.of("cuda", torch.cuda.get_device_capability()).why_no_cuda_kernels()
 
 
 def _why_not(fmt, num_query_heads, dtype) -> str | None:

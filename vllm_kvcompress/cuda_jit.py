@@ -70,11 +70,6 @@ def prebuilt_available() -> bool:
     return all(prebuilt_path(name, source).exists() for name, source in LIBRARIES.items())
 
 
-def cuda_kernels_loadable() -> bool:
-    """Whether the CUDA kernels can be had here: prebuilt for these sources, or built with nvcc."""
-    return prebuilt_available() or nvcc_available()
-
-
 def load(name: str, source: str, variable: str) -> ctypes.CDLL:
     """Load ``csrc/source``'s prebuilt library, or build (or load the cached build of) it as a shared
     library named ``name``: at startup, not in the middle of serving; a failed build names

@@ -53,6 +53,19 @@ class Device:
                    not hip and capability is not None and capability >= (8, 0) and flash_attention_available(),
                    prebuilt_available())
 
+    def why_no_cuda_kernels(self) -> str | None:
+        """Why the CUDA kernels' libraries cannot be had here (built with nvcc, or prebuilt for this GPU), or None."""
+        if self.hip:
+            return "not an NVIDIA GPU"
+        if self.nvcc:
+            return None
+        if not self.prebuilt:
+            return "no nvcc (set CUDA_HOME to a CUDA toolkit) and no prebuilt kernels (kvcompress prebuild-cuda)"
+        cap = self.capability
+        if cap is not None and cap < (8, 0):
+            return f"no nvcc, and the prebuilt kernels need compute capability 8.0 or later (this GPU: {cap[0]}.{cap[1]})"
+        return None
+
 
 @dataclass(frozen=True)
 class LayerContext:
@@ -160,14 +173,9 @@ def _refuses(impl: Implementation, fmt: KVPageFormat, ctx: LayerContext, policy:
     if _is_cuda(impl):
         if policy.mode(impl.operation) == "triton":
             return f"{policy.variable(impl.operation)}=triton"
-        if ctx.device.hip:
-            return "not an NVIDIA GPU"
-        if not ctx.device.nvcc:
-            if not ctx.device.prebuilt:
-                return "no nvcc (set CUDA_HOME to a CUDA toolkit) and no prebuilt kernels (kvcompress prebuild-cuda)"
-            cap = ctx.device.capability
-            if cap is not None and cap < (8, 0):
-                return f"no nvcc, and the prebuilt kernels need compute capability 8.0 or later (this GPU: {cap[0]}.{cap[1]})"
+        why = ctx.device.why_no_cuda_kernels()
+        if why is not None:
+            return why
     return _unread_by(impl, fmt)
 
 
