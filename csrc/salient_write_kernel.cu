@@ -10,11 +10,10 @@
 //
 // One warp per (decode row, KV head), with no barrier but the warp's own. Lane l holds bytes l,
 // l + 32 of a token's rows (a byte is 4 channels of a plane) and tokens l, l + 32, .. of the block:
-// - the choice: where the block's quota does not take every candidate, the probe's scores (a
-//   token's logit is the lanes' partial sums over their channels, and a transposing reduction, 31
-//   shuffles, spreads 32 tokens' sums over the lanes at once, so each lane ends with its own
-//   tokens' scores); then the least-scored candidate is dropped (the block's slots full) or every
-//   candidate ranked (a re-compression);
+// - the choice: where the block's quota does not take every candidate, the probe's scores (each lane
+//   scores its own tokens, their K rows loaded whole in 16-byte vectors, the probe times the
+//   channels' steps read from shared memory); then the least-scored candidate is dropped (the
+//   block's slots full) or every candidate ranked (a re-compression);
 // - K's grid per channel: a new value on its stored grid keeps it, any other widens (the 4-bit
 //   codec's append rule, min_max_grid.cuh);
 // - a widened channel's earlier codes are mapped through tables of new code by old level (the 16
@@ -72,12 +71,22 @@ namespace {
 
 // A warp's scratch: the scores a re-compression ranks, and the widened channels' tables.
 template <int D>
-struct Scratch {
-  float score[kMaxBlock];                    // a candidate's score (NaN: not a candidate)
+struct alignas(16) Scratch {
+  float score[kMaxBlock];                    // a candidate's score (NaN: not a candidate), read 4 at once
+  float q_step[D];                           // the probe times K's channel steps, read 4 at once
   unsigned long long refined_table[D];       // a widened channel's new code by old 4-bit code, 4 bits each
   unsigned short middle_table[D];            // by a 2-bit token's high code h (level 4 h + kMiddle)
   uint8_t widened[D / 4];                    // a byte's widened channels, bit k: channel 4 b + k
 };
+
+__device__ __forceinline__ uint32_t v_word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Nibble n of x as a float: its bits as the mantissa of 2^23 + nibble, less 2^23 (no conversion unit)
+__device__ __forceinline__ float nibble(uint32_t x, int n) {
+  return __uint_as_float(0x4B000000u | ((x >> (4 * n)) & 15u)) - 8388608.f;
+}
 
 // The 2-bit code of channel k (0..3) of a byte.
 __device__ __forceinline__ unsigned code2(unsigned byte, int k) { return (byte >> (2 * k)) & 3u; }
@@ -92,27 +101,36 @@ __device__ __forceinline__ unsigned warp_or(unsigned x) {
   return x;
 }
 
-// One round of transposed_sum: a lane keeps the half of its O * 2 values that its partner (lane ^ O)
-// does not, and adds the partner's share of that half.
-template <int O>
-__device__ __forceinline__ void keep_half(float (&v)[32], int lane) {
-  const bool upper = lane & O;
+// q_step . levels of a stored token's K row: its high plane `high` and, for a 4-bit token, its
+// refinement row `low` (null: a 2-bit token, whose low bits read as 0 here), each D / 4 bytes (4
+// channels a byte, channel 4 b + k in bits 2 k of byte b) loaded whole in 16-byte vectors.
+template <int D>
+__device__ __forceinline__ float stored_logit(const uint8_t* high, const uint8_t* low, const float* q_step) {
+  constexpr int kVectors = D / 64;  // 16-byte vectors of a row
+  uint4 hv[kVectors], lv[kVectors];
 #pragma unroll
-  for (int k = 0; k < O; ++k) {
-    const float send = upper ? v[k] : v[k + O];
-    const float keep = upper ? v[k + O] : v[k];
-    v[k] = keep + __shfl_xor_sync(kAll, send, O);
+  for (int v = 0; v < kVectors; ++v) {
+    hv[v] = *reinterpret_cast<const uint4*>(high + 16 * v);
+    lv[v] = low != nullptr ? *reinterpret_cast<const uint4*>(low + 16 * v) : make_uint4(0, 0, 0, 0);
   }
-}
-
-// 32 values a lane in, lane l out with the sum over the warp of everyone's v[l] (31 shuffles).
-__device__ __forceinline__ float transposed_sum(float (&v)[32], int lane) {
-  keep_half<16>(v, lane);
-  keep_half<8>(v, lane);
-  keep_half<4>(v, lane);
-  keep_half<2>(v, lane);
-  keep_half<1>(v, lane);
-  return v[0];
+  float sum = 0.f;
+#pragma unroll
+  for (int v = 0; v < kVectors; ++v)
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t hw = v_word(hv[v], w), lw = v_word(lv[v], w);
+      // 4-bit codes 4 high + low, a nibble each: channels 4 b, 4 b + 2 of byte b in `even`, 4 b + 1,
+      // 4 b + 3 in `odd`
+      const uint32_t even = ((hw & 0x33333333u) << 2) | (lw & 0x33333333u);
+      const uint32_t odd = (hw & 0xCCCCCCCCu) | ((lw & 0xCCCCCCCCu) >> 2);
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        const float4 q = reinterpret_cast<const float4*>(q_step)[16 * v + 4 * w + b];  // channels 4 (16 v + 4 w + b)..
+        sum += q.x * nibble(even, 2 * b) + q.y * nibble(odd, 2 * b) + q.z * nibble(even, 2 * b + 1) +
+               q.w * nibble(odd, 2 * b + 1);
+      }
+    }
+  return sum;
 }
 
 template <typename T, int D>
@@ -167,61 +185,43 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
 #pragma unroll
       for (int j = 0; j < kMaxTokensALane; ++j) score[j] = 0.f;  // tokens past the new one
       const int first_seen = length - 1 - off, seen_from = length - a.window;  // block start; the window's
-      {
-        // logit = scale (sum_c q_c step_c level_c + sum_c q_c zero_c) on the stored grid; the new token's
-        // from its values. The stored grid and new values are loaded here and again for the grids below
-        // (L1 hits): held across this loop they took the kernel past its 80 registers.
-        const T* q_src = static_cast<const T*>(a.query) + i * a.q_row_stride + h * a.q_head_stride;
-        float qs[BYTES][4], bias = 0.f, own = 0.f;
+      // logit = scale (sum_c q_c step_c level_c + sum_c q_c zero_c) on the stored grid; the new token's
+      // from its values. q times the channels' steps goes to shared memory, where the lanes read the
+      // same channels at once (a broadcast) as each scores its own tokens. The stored grid and new
+      // values are loaded here and again for the grids below (L1 hits): held across the scoring they
+      // took the kernel past its 80 registers.
+      const T* q_src = static_cast<const T*>(a.query) + i * a.q_row_stride + h * a.q_head_stride;
+      float bias = 0.f, own = 0.f, q_steps = 0.f;
 #pragma unroll
-        for (int jb = 0; jb < BYTES; ++jb) {
+      for (int jb = 0; jb < BYTES; ++jb) {
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int c = 4 * (lane + 32 * jb) + k;
-            if (c >= D) {
-              qs[jb][k] = 0.f;
-              continue;
-            }
-            const float q = to_float(q_src[c]);
-            qs[jb][k] = q * load_half(page + a.k_scale + (h * D + c) * 2);
-            bias += q * load_half(page + a.k_zero + (h * D + c) * 2);
-            own += q * to_float(k_src[c]);
-          }
+        for (int k = 0; k < 4; ++k) {
+          const int c = 4 * (lane + 32 * jb) + k;
+          if (c >= D) continue;
+          const float q = to_float(q_src[c]);
+          const float qs = q * load_half(page + a.k_scale + (h * D + c) * 2);
+          s.q_step[c] = qs;
+          q_steps += qs;
+          bias += q * load_half(page + a.k_zero + (h * D + c) * 2);
+          own += q * to_float(k_src[c]);
         }
-        bias = warp_sum(bias), own = warp_sum(own);
-        const float lse =
-            static_cast<const float*>(a.lse)[i * a.lse_row_stride + h * a.lse_head_stride];
+      }
+      bias = warp_sum(bias), own = warp_sum(own), q_steps = warp_sum(q_steps);
+      __syncwarp();
+      const float lse = static_cast<const float*>(a.lse)[i * a.lse_row_stride + h * a.lse_head_stride];
 #pragma unroll
-        for (int j = 0; j < kMaxTokensALane; ++j) {
-          if (32 * j > off) continue;  // (not break: the loop unrolls, the arrays stay in registers)
-          float part[32];
-#pragma unroll
-          for (int src = 0; src < 32; ++src) {
-            const int t = 32 * j + src;
-            const int t_slot = __shfl_sync(kAll, slot[j], src);
-            part[src] = 0.f;
-            if (t < off) {
-              const bool refined = t_slot != int(kNoSlot);
-#pragma unroll
-              for (int jb = 0; jb < BYTES; ++jb) {
-                const int b = lane + 32 * jb;
-                if (b >= U) continue;
-                const unsigned high = page[a.k_high + (int64_t(h) * B + t) * U + b];
-                const unsigned low = refined ? page[a.k_low + (int64_t(h) * R + t_slot) * U + b] : 0u;
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                  const float level = float(4 * code2(high, k) + code2(low, k)) + (refined ? 0.f : kMiddle);
-                  part[src] += qs[jb][k] * level;
-                }
-              }
-            }
-          }
-          const float sum = transposed_sum(part, lane);  // every lane takes part in the shuffles
-          const int t = lane + 32 * j;
-          const float logit = a.scale * (t == off ? own : sum + bias);
-          const bool seen = t <= off && first_seen + t >= seen_from;
-          score[j] = seen ? __expf(logit - lse) : 0.f;
+      for (int j = 0; j < kMaxTokensALane; ++j) {
+        if (32 * j > off) continue;  // (not break: the loop unrolls, the arrays stay in registers)
+        const int t = lane + 32 * j;
+        float logit = own;
+        if (t < off) {
+          const bool refined = slot[j] != int(kNoSlot);
+          const uint8_t* high = page + a.k_high + (int64_t(h) * B + t) * U;
+          const uint8_t* low = refined ? page + a.k_low + (int64_t(h) * R + slot[j]) * U : nullptr;
+          logit = stored_logit<D>(high, low, s.q_step) + (refined ? 0.f : kMiddle * q_steps) + bias;
         }
+        const bool seen = t <= off && first_seen + t >= seen_from;
+        score[j] = seen ? __expf(a.scale * logit - lse) : 0.f;
       }
     }
     const unsigned candidate = keep;
@@ -242,22 +242,22 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
       if (dropped % 32 == lane) keep &= ~(1u << (dropped / 32));
     } else {  // a re-compression: a candidate keeps 4 bits if fewer than `quota` are better (ties to the earlier)
 #pragma unroll
-      for (int j = 0; j < kMaxTokensALane; ++j) {
-        const int t = lane + 32 * j;
-        if (t < B) s.score[t] = ((candidate >> j) & 1) ? score[j] : NAN;
-      }
+      for (int j = 0; j < kMaxTokensALane; ++j)  // NaN, never better: not a candidate, or past the block
+        s.score[lane + 32 * j] = ((candidate >> j) & 1) ? score[j] : NAN;
       __syncwarp();
+      int better[kMaxTokensALane] = {};
+      for (int c4 = 0; c4 <= off; c4 += 4) {  // every lane reads the same four scores: a broadcast
+        const float4 theirs4 = reinterpret_cast<const float4*>(s.score)[c4 / 4];
+        const float theirs[4] = {theirs4.x, theirs4.y, theirs4.z, theirs4.w};
 #pragma unroll
-      for (int j = 0; j < kMaxTokensALane; ++j) {
-        if (!((candidate >> j) & 1)) continue;
-        const int t = lane + 32 * j;
-        int better = 0;
-        for (int c = 0; c <= off; ++c) {
-          const float theirs = s.score[c];
-          better += theirs > score[j] || (theirs == score[j] && c < t);
-        }
-        if (better >= quota) keep &= ~(1u << j);
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+          for (int j = 0; j < kMaxTokensALane; ++j)
+            better[j] += theirs[e] > score[j] || (theirs[e] == score[j] && c4 + e < lane + 32 * j);
       }
+#pragma unroll
+      for (int j = 0; j < kMaxTokensALane; ++j)
+        if (better[j] >= quota) keep &= ~(1u << j);
     }
   }
   // K's grid per channel of the lane's bytes: kept, widened past the stored grid, or the value's own
