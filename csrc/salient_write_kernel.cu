@@ -6,7 +6,7 @@
 //
 // MHA only (one query head a KV head): for GQA the Triton write measured faster (H200, 144 rows of
 // Llama-3-8B's shape, held / widening / slots full: Triton 70.6 / 79.0 / 121.9 us, this kernel
-// 112.0 / 117.3 / 155.9, its 1,152 warps one wave).
+// 112.0 / 117.3 / 155.9 when it scored with byte loads, its 1,152 warps one wave).
 //
 // One warp per (decode row, KV head), with no barrier but the warp's own. Lane l holds bytes l,
 // l + 32 of a token's rows (a byte is 4 channels of a plane) and tokens l, l + 32, .. of the block:

@@ -273,8 +273,9 @@ def test_grouped_prompt_rows_continue_a_prior_attention(splits):
 
 
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("score", ["normalized", "random"])
-def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, window, monkeypatch):
+@pytest.mark.parametrize("score,probes", [("normalized", None), ("random", None), ("normalized", 2)],
+                         ids=["normalized", "random", "normalized-2-probes-a-product"])
+def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, probes, window, monkeypatch):
     """Steps of prompt chunks from three requests, batched (``salient_prompt``: own attention, history
     rows in groups, merged; then ``write_chunks`` over all touched blocks at once, the probes' scores
     in the write kernel), against
@@ -282,15 +283,19 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, window, mo
     every step. The steps cover a first chunk, chunks with history across block boundaries, a
     one-token chunk (held at 4 bits) and a chunk that opens a fresh block; with a sliding window of
     20, each token and probe see their window alone. On the CPU a torch causal attention stands in
-    for FlashAttention."""
+    for FlashAttention. With 2 probes a product, a chunk's probes take several products, whose
+    scores add up over the block's tokens."""
     from test_triton_prompt import torch_own_chunk_attention
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.salient_torch import attend_and_write, plan_chunk_writes
     from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels import salient_prompt
+    from vllm_kvcompress.triton_kernels import salient_prompt, salient_write
 
     if DEVICE == "cpu":
         monkeypatch.setattr(salient_prompt, "own_chunk_attention", torch_own_chunk_attention)
+    if probes is not None:
+        monkeypatch.setattr(salient_write, "PROBES", probes)
+        monkeypatch.setattr(salient_write, "_variant", salient_write._variant.__wrapped__)  # none cached
     H, HQ, D, B = 2, 4, 64, 32
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = SalientTokensFormat.create(0.5, dtype, B, H, D)
