@@ -35,21 +35,28 @@ inline bool dependent_launch_supported() {
   return major_of[device] >= 9;
 }
 
-// kernel<<<grid, block, 0, stream>>>(args...), allowed to start before the kernel before it ends
-// where the device supports it
+// kernel<<<grid, block, shared_bytes, stream>>>(args...), allowed to start before the kernel before it
+// ends where the device supports it
 template <typename... Params, typename... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+cudaError_t launch_dependent_shared(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes,
+                                    cudaStream_t stream, Args... args) {
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = attribute;
   config.numAttrs = dependent_launch_supported() ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
+// the same without dynamic shared memory
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+  return launch_dependent_shared(kernel, grid, block, 0, stream, args...);
 }
 
 }  // namespace kvc

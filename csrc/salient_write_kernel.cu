@@ -4,9 +4,8 @@
 // (triton_kernels/salient_write.py, which serves where there is no nvcc); docs/formats.md has the
 // rule.
 //
-// MHA only (one query head a KV head): for GQA the Triton write measured faster (H200, 144 rows of
-// Llama-3-8B's shape, held / widening / slots full: Triton 70.6 / 79.0 / 121.9 us, this kernel
-// 112.0 / 117.3 / 155.9 when it scored with byte loads, its 1,152 warps one wave).
+// MHA and GQA: a token's score sums the probabilities its KV head's query heads give it, each query
+// head's probe in dynamic shared memory (probe_floats, at most kMaxProbeFloats a warp).
 //
 // One warp per (decode row, KV head), with no barrier but the warp's own. Lane l holds bytes l,
 // l + 32 of a token's rows (a byte is 4 channels of a plane) and tokens l, l + 32, .. of the block:
@@ -41,13 +40,16 @@ constexpr int kMaxTokensALane = kMaxBlock / 32;
 constexpr unsigned kNoSlot = KVC_NO_SLOT;     // slot_of of a 2-bit token
 constexpr float kMiddle = KVC_SALIENT_MIDDLE;  // where a 2-bit token reads among its four sub-levels
 constexpr float kTop = 15.f;                  // the shared grid's highest code (4 bits)
+// a warp's probe floats (probe_floats), at most: a block's dynamic shared memory within the 48 KB a
+// launch may take without asking for more
+constexpr int kMaxProbeFloats = 48 * 1024 / (kWarps * 4);
 
 }  // namespace
 
 // A launch's arguments, one struct so that the caller (ctypes) converts one pointer a call;
 // cuda_salient_write.py's _SalientWriteArgs mirrors it field for field.
 struct SalientWriteArgs {
-  const void* query;        // [N, H, D] (one query head a KV head), rows q_row_stride apart, heads q_head_stride
+  const void* query;        // [N, H * group, D], rows q_row_stride apart, heads q_head_stride
   const void* key;          // [N, H, D], rows k_row_stride apart
   const void* value;        // [N, H, D], rows v_row_stride apart
   const void* lse;          // float32 natural log-sum-exp of each row's attention, [row, query head]
@@ -65,6 +67,7 @@ struct SalientWriteArgs {
   float scale;   // the softmax scale
   int dtype;     // of query, key and value: 1 float16, 2 bfloat16
   void* stream;  // a cudaStream_t
+  int group;     // query heads a KV head (heads h * group .. of KV head h)
 };
 
 namespace {
@@ -73,7 +76,6 @@ namespace {
 template <int D>
 struct alignas(16) Scratch {
   float score[kMaxBlock];                    // a candidate's score (NaN: not a candidate), read 4 at once
-  float q_step[D];                           // the probe times K's channel steps, read 4 at once
   unsigned long long refined_table[D];       // a widened channel's new code by old 4-bit code, 4 bits each
   unsigned short middle_table[D];            // by a 2-bit token's high code h (level 4 h + kMiddle)
   uint8_t widened[D / 4];                    // a byte's widened channels, bit k: channel 4 b + k
@@ -101,21 +103,22 @@ __device__ __forceinline__ unsigned warp_or(unsigned x) {
   return x;
 }
 
-// q_step . levels of a stored token's K row: its high plane `high` and, for a 4-bit token, its
-// refinement row `low` (null: a 2-bit token, whose low bits read as 0 here), each D / 4 bytes (4
-// channels a byte, channel 4 b + k in bits 2 k of byte b) loaded whole in 16-byte vectors.
+// A stored token's K row, D / 4 bytes (4 channels a byte, channel 4 b + k in bits 2 k of byte b), whole
+// in 16-byte vectors; null: zeros (a 2-bit token's refinement)
 template <int D>
-__device__ __forceinline__ float stored_logit(const uint8_t* high, const uint8_t* low, const float* q_step) {
-  constexpr int kVectors = D / 64;  // 16-byte vectors of a row
-  uint4 hv[kVectors], lv[kVectors];
+__device__ __forceinline__ void load_row(uint4 (&row)[D / 64], const uint8_t* at) {
 #pragma unroll
-  for (int v = 0; v < kVectors; ++v) {
-    hv[v] = *reinterpret_cast<const uint4*>(high + 16 * v);
-    lv[v] = low != nullptr ? *reinterpret_cast<const uint4*>(low + 16 * v) : make_uint4(0, 0, 0, 0);
-  }
+  for (int v = 0; v < D / 64; ++v)
+    row[v] = at != nullptr ? *reinterpret_cast<const uint4*>(at + 16 * v) : make_uint4(0, 0, 0, 0);
+}
+
+// q_step . levels of a stored token: its high plane and refinement rows (load_row)
+template <int D>
+__device__ __forceinline__ float stored_logit(const uint4 (&hv)[D / 64], const uint4 (&lv)[D / 64],
+                                              const float* q_step) {
   float sum = 0.f;
 #pragma unroll
-  for (int v = 0; v < kVectors; ++v)
+  for (int v = 0; v < D / 64; ++v)
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const uint32_t hw = v_word(hv[v], w), lw = v_word(lv[v], w);
@@ -133,6 +136,11 @@ __device__ __forceinline__ float stored_logit(const uint8_t* high, const uint8_t
   return sum;
 }
 
+// Floats a warp's probes take in dynamic shared memory: for each query head of the KV head, the
+// query times K's channel steps [D], then its logit bias, 1.5 steps of the summed scaled query, its
+// log-sum-exp and the new token's logit
+__host__ __device__ constexpr int probe_floats(int group, int head_size) { return group * (head_size + 4); }
+
 template <typename T, int D>
 // 6 blocks a SM, 80 registers (spilling a little on the scoring path): H200, 144 rows of Llama-2-7B's
 // shape, widening / held / slots full 72.8 / 64.4 / 86.0 us; 8 blocks 75.5 / 65.2 / 83.3; 10 blocks 79.8 /
@@ -141,6 +149,8 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
   constexpr int U = D / 4;                  // bytes a plane's row
   constexpr int BYTES = (U + 31) / 32;      // a lane's bytes of a row
   __shared__ Scratch<D> scratch[kWarps];
+  extern __shared__ float4 probe_shared_vectors[];  // probe_floats(group, D) floats a warp
+  float* probe_shared = reinterpret_cast<float*>(probe_shared_vectors);
   kvc::allow_next_grid();  // the kernel after may set up while this writes
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int item = blockIdx.x * kWarps + warp;
@@ -190,38 +200,56 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
       // same channels at once (a broadcast) as each scores its own tokens. The stored grid and new
       // values are loaded here and again for the grids below (L1 hits): held across the scoring they
       // took the kernel past its 80 registers.
-      const T* q_src = static_cast<const T*>(a.query) + i * a.q_row_stride + h * a.q_head_stride;
-      float bias = 0.f, own = 0.f, q_steps = 0.f;
+      // per query head g of the KV head (its probe: the row's query of head h * group + g)
+      float* q_steps = probe_shared + warp * probe_floats(a.group, D);
+      float4* terms = reinterpret_cast<float4*>(q_steps + a.group * D);  // bias, middle, lse, new token's logit
+      for (int g = 0; g < a.group; ++g) {
+        const int head = h * a.group + g;
+        const T* q_src = static_cast<const T*>(a.query) + i * a.q_row_stride + head * a.q_head_stride;
+        float bias = 0.f, own = 0.f, q_sum = 0.f;
 #pragma unroll
-      for (int jb = 0; jb < BYTES; ++jb) {
+        for (int jb = 0; jb < BYTES; ++jb) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int c = 4 * (lane + 32 * jb) + k;
-          if (c >= D) continue;
-          const float q = to_float(q_src[c]);
-          const float qs = q * load_half(page + a.k_scale + (h * D + c) * 2);
-          s.q_step[c] = qs;
-          q_steps += qs;
-          bias += q * load_half(page + a.k_zero + (h * D + c) * 2);
-          own += q * to_float(k_src[c]);
+          for (int k = 0; k < 4; ++k) {
+            const int c = 4 * (lane + 32 * jb) + k;
+            if (c >= D) continue;
+            const float q = to_float(q_src[c]);
+            const float qs = q * load_half(page + a.k_scale + (h * D + c) * 2);
+            q_steps[g * D + c] = qs;
+            q_sum += qs;
+            bias += q * load_half(page + a.k_zero + (h * D + c) * 2);
+            own += q * to_float(k_src[c]);
+          }
         }
+        bias = warp_sum(bias), own = warp_sum(own), q_sum = warp_sum(q_sum);
+        if (lane == 0)
+          terms[g] = make_float4(bias, kMiddle * q_sum,
+                                 static_cast<const float*>(a.lse)[i * a.lse_row_stride + head * a.lse_head_stride], own);
       }
-      bias = warp_sum(bias), own = warp_sum(own), q_steps = warp_sum(q_steps);
       __syncwarp();
-      const float lse = static_cast<const float*>(a.lse)[i * a.lse_row_stride + h * a.lse_head_stride];
 #pragma unroll
       for (int j = 0; j < kMaxTokensALane; ++j) {
         if (32 * j > off) continue;  // (not break: the loop unrolls, the arrays stay in registers)
         const int t = lane + 32 * j;
-        float logit = own;
+        const bool seen = t <= off && first_seen + t >= seen_from;
+        if (!seen) continue;
+        float sum = 0.f;  // the probabilities the KV head's query heads give the token
         if (t < off) {
           const bool refined = slot[j] != int(kNoSlot);
-          const uint8_t* high = page + a.k_high + (int64_t(h) * B + t) * U;
-          const uint8_t* low = refined ? page + a.k_low + (int64_t(h) * R + slot[j]) * U : nullptr;
-          logit = stored_logit<D>(high, low, s.q_step) + (refined ? 0.f : kMiddle * q_steps) + bias;
+          const uint8_t* high_at = page + a.k_high + (int64_t(h) * B + t) * U;
+          const uint8_t* low_at = refined ? page + a.k_low + (int64_t(h) * R + slot[j]) * U : nullptr;
+          for (int g = 0; g < a.group; ++g) {  // the rows loaded again for each head (L1 hits): held, they spilled
+            uint4 high[D / 64], low[D / 64];
+            load_row<D>(high, high_at);
+            load_row<D>(low, low_at);
+            const float4 tg = terms[g];
+            const float logit = stored_logit<D>(high, low, q_steps + g * D) + (refined ? 0.f : tg.y) + tg.x;
+            sum += __expf(a.scale * logit - tg.z);
+          }
+        } else {
+          for (int g = 0; g < a.group; ++g) sum += __expf(a.scale * terms[g].w - terms[g].z);
         }
-        const bool seen = t <= off && first_seen + t >= seen_from;
-        score[j] = seen ? __expf(a.scale * logit - lse) : 0.f;
+        score[j] = sum;
       }
     }
     const unsigned candidate = keep;
@@ -431,8 +459,9 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
 template <typename T, int D>
 cudaError_t launch(const SalientWriteArgs& a) {
   const int items = a.num_rows * a.num_heads;
-  return kvc::launch_dependent(salient_write_kernel<T, D>, dim3((items + kWarps - 1) / kWarps), dim3(kWarps * 32),
-                               static_cast<cudaStream_t>(a.stream), a);
+  return kvc::launch_dependent_shared(salient_write_kernel<T, D>, dim3((items + kWarps - 1) / kWarps),
+                                      dim3(kWarps * 32), size_t(kWarps) * probe_floats(a.group, D) * sizeof(float),
+                                      static_cast<cudaStream_t>(a.stream), a);
 }
 
 using Launcher = cudaError_t (*)(const SalientWriteArgs&);
@@ -448,12 +477,14 @@ Launcher launcher_of(int head_size) {
 }  // namespace
 
 // Decode rows' new tokens into ZipCache's pages. Returns a cudaError_t (cudaErrorInvalidValue for what
-// the kernel does not cover: head sizes but 64, 128 and 256, blocks over 128 tokens, float32).
+// the kernel does not cover: head sizes but 64, 128 and 256, blocks over 128 tokens, float32, more
+// query heads a KV head than kMaxProbeFloats holds).
 extern "C" int kvc_salient_write(const SalientWriteArgs* a) {
   const Launcher f = a->dtype == 1   ? launcher_of<__half>(a->head_size)
                      : a->dtype == 2 ? launcher_of<__nv_bfloat16>(a->head_size)
                                      : nullptr;
-  if (f == nullptr || a->block_size > kMaxBlock || a->slots >= int(kNoSlot))
+  if (f == nullptr || a->block_size > kMaxBlock || a->slots >= int(kNoSlot) || a->group < 1 ||
+      probe_floats(a->group, a->head_size) > kMaxProbeFloats)
     return static_cast<int>(cudaErrorInvalidValue);
   if (a->num_rows == 0) return 0;
   return static_cast<int>(f(*a));

@@ -23,14 +23,13 @@ def test_launch_arguments_mirror_the_kernels_struct():
                                                                             "SalientWriteArgs")
 
 
-def test_gqa_rows_are_refused():
-    """The kernel writes MHA layers' rows; the registry gives GQA layers the Triton write."""
+def test_query_heads_not_a_whole_number_a_kv_head_are_refused():
     fmt = SalientTokensFormat.create(0.6, torch.bfloat16, 64, 2, 64)
-    q, kv = torch.zeros(1, 4, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="4 query heads for 2 KV heads; allowed: one a KV head"):
+    q, kv = torch.zeros(1, 3, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="3 query heads for 2 KV heads; allowed: a whole number a KV head"):
         cuda_salient_write.write_decoded(q, kv, kv, torch.zeros(1, fmt.page_bytes, dtype=torch.uint8), fmt,
                                          SalientSpec(ratio=0.6), torch.zeros(1, 1, dtype=torch.int32),
-                                         torch.ones(1, dtype=torch.int32), torch.zeros(1, 4), 0.125)
+                                         torch.ones(1, dtype=torch.int32), torch.zeros(1, 3), 0.125)
 
 
 def _log_sum_exps(fmt, pages, table, lens, q, k_new, scale, window):
@@ -54,14 +53,17 @@ def _log_sum_exps(fmt, pages, table, lens, q, k_new, scale, window):
                          ids=["64", "128", "128-block-32", "128-block-128", "256"])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("score", ["normalized", "random"])
-def test_decode_steps_write_the_pages_the_torch_path_writes(D, B, dtype, window, score):
-    """Decode steps of three requests (MHA), written all at once by the kernel, against
+@pytest.mark.parametrize("group", [1, 4], ids=["mha", "gqa"])
+def test_decode_steps_write_the_pages_the_torch_path_writes(D, B, dtype, window, score, group):
+    """Decode steps of three requests (MHA, and GQA: 4 query heads a KV head, whose probabilities a
+    token's score sums), written all at once by the kernel, against
     ``attend_and_write`` one request at a time, with the same log-sum-exps (float32): after each step
     the same 4-bit tokens, and every token reads as the same values. The steps cross a re-compression
     (context 100) and block boundaries; every other step K stays inside its channels' grids (no
     widening), the others widen; a block's slots fill (the least-scored candidate dropped); with a
     sliding window of 40, each probe scores the tokens in its window alone."""
-    H = HQ = 2
+    H = 2
+    HQ = H * group
     fmt = SalientTokensFormat.create(0.5, dtype, B, H, D)
     spec = SalientSpec(ratio=0.5, score=score)
     scale = D ** -0.5

@@ -104,8 +104,9 @@ def test_full_cuda_graphs_where_decode_steps_run_without_the_host(preset, score,
 
 
 def test_zipcache_pages_go_through_their_own_kernels_only():
-    """The salient kernels (decode, prompt chunks, the decode rows' write: for MHA, CUDA where nvcc
-    exists and not KVCOMPRESS_WRITE=triton, else Triton) read ZipCache's pages and no others; the
+    """The salient kernels (decode, prompt chunks, the decode rows' write: CUDA where nvcc exists, the
+    query heads a KV head fit its shared memory and not KVCOMPRESS_WRITE=triton, else Triton) read
+    ZipCache's pages and no others; the
     other kernels pass them over. Prompt chunks need vLLM's FlashAttention for their own tokens;
     sliding-window layers go through them too (each row from its window's first key)."""
     cfg = load_config("zipcache-r60")
@@ -114,8 +115,10 @@ def test_zipcache_pages_go_through_their_own_kernels_only():
     plan = registry.plan(fmt, shape.layer_context(0, H100), AUTO)
     assert _names(plan) == ("triton-salient", "flash-attention+triton-salient", "cuda-salient")
     assert "not cuda, triton: salient tokens at mixed precision (ZipCache)" in plan.write.describe()
-    gqa = registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 8), AUTO).write
-    assert gqa.name == "triton-salient" and "cuda-salient: GQA (the Triton write measured faster)" in gqa.describe()
+    assert registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 8), AUTO).write.name == "cuda-salient"
+    many = registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 4 * 24), AUTO).write
+    assert many.name == "triton-salient" and ("cuda-salient: 24 query heads a KV head at head size 128 (query heads "
+                                              "x (head size + 4) at most 3072)") in many.describe()
     for device, pol, why in ((H100_NO_NVCC, AUTO, "no nvcc"), (H100, KernelPolicy(write="triton"),
                                                                 "KVCOMPRESS_WRITE=triton")):
         write = registry.plan(fmt, shape.layer_context(0, device), pol).write

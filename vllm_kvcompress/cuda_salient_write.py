@@ -3,9 +3,9 @@ in time with nvcc (``cuda_jit``) and called through ctypes.
 
 Same contract and pages as ``salient_torch.write_decoded`` and the Triton write's decode rows
 (``triton_kernels.salient_write.write_decoded``, which serves where the CUDA kernels cannot be had): one warp per
-(row, KV head) instead of a Triton program whose block-wide reductions wait on each other. MHA
-only: the kernel registry (``kernels.registry``) gives it MHA layers' decode rows where it can be had,
-unless ``KVCOMPRESS_WRITE=triton``; GQA layers keep the Triton write, which measured faster.
+(row, KV head) instead of a Triton program whose block-wide reductions wait on each other. The kernel
+registry (``kernels.registry``) gives it the decode rows where it can be had, unless
+``KVCOMPRESS_WRITE=triton``, and where a KV head's query heads fit its shared memory.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class _SalientWriteArgs(ctypes.Structure):
     """``csrc/salient_write_kernel.cu``'s SalientWriteArgs, field for field."""
     _fields_ = ([(name, ctypes.c_void_p) for name in _POINTERS] + [(name, ctypes.c_int64) for name in _STRIDES]
                 + [(name, ctypes.c_int) for name in _SIZES + _REGIONS + ("interval", "window")]
-                + [("scale", ctypes.c_float), ("dtype", ctypes.c_int), ("stream", ctypes.c_void_p)])
+                + [("scale", ctypes.c_float), ("dtype", ctypes.c_int), ("stream", ctypes.c_void_p),
+                   ("group", ctypes.c_int)])
 
 
 @functools.cache
@@ -66,23 +67,23 @@ def _plan(fmt: SalientTokensFormat, spec: SalientSpec, query: torch.Tensor, bloc
         num_heads=fmt.k.num_heads, head_size=fmt.k.head_size,
         block_size=fmt.block_size, slots=fmt.slots, **{name: at(name) for name in _REGIONS},
         interval=spec.recompress_interval, window=window or NO_WINDOW, scale=scale, dtype=_DTYPES[query.dtype],
-        stream=stream)
+        stream=stream, group=query.shape[1] // fmt.k.num_heads)
 
 
 def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                   fmt: SalientTokensFormat, spec: SalientSpec, block_table: torch.Tensor, seq_lens: torch.Tensor,
                   lse: torch.Tensor, scale: float, window: int | None = None) -> None:
-    """``salient_torch.write_decoded``'s contract for MHA: each decode row's new token (``key``/``value``
-    [N, H, D], contiguous channels) into its last block, scored by its ``query`` [N, H, D] with ``lse``
-    [N, H] float32 (its attention's log-sum-exp over the whole context, or its sliding ``window``)."""
+    """``salient_torch.write_decoded``'s contract: each decode row's new token (``key``/``value`` [N, H,
+    D], contiguous channels) into its last block, scored by its ``query`` [N, Hq, D] with ``lse`` [N,
+    Hq] float32 (its attention's log-sum-exp over the whole context, or its sliding ``window``)."""
     n = query.shape[0]
     if n == 0:
         return
     if query.dtype not in _DTYPES:
         raise ValueError(f"CUDA ZipCache write: queries in {query.dtype}; allowed: float16, bfloat16")
-    if query.shape[1] != fmt.k.num_heads:
+    if query.shape[1] % fmt.k.num_heads:
         raise ValueError(f"CUDA ZipCache write: {query.shape[1]} query heads for {fmt.k.num_heads} KV heads; "
-                         "allowed: one a KV head (MHA)")
+                         "allowed: a whole number a KV head")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.stride(-1) != 1 or (name != "query" and x.stride(1) != x.shape[2]):
             raise ValueError(f"CUDA ZipCache write: {name} with contiguous heads and channels, got strides "

@@ -30,6 +30,9 @@ CUDA_DECODE_PAGES = (64, 128)
 CUDA_DECODE_GROUPS = {4: (1, 2, 4), 2: (1, 4)}
 CUDA_WRITE_HEADS = (64, 128, 256)
 CUDA_SALIENT_BLOCK = 128  # csrc/salient_write_kernel.cu: tokens a page, at most
+# csrc/salient_write_kernel.cu: a warp's probes in shared memory, query heads a KV head x (head size + 4)
+# floats, at most (its kMaxProbeFloats)
+CUDA_SALIENT_PROBE_FLOATS = 3072
 
 
 @dataclass(frozen=True)
@@ -335,8 +338,10 @@ def _cuda_write(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
 
 
 def _cuda_salient_write(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
-    if ctx.num_query_heads != fmt.k.num_heads:  # H200: Triton's 70.6 / 79.0 / 121.9 us, CUDA's 112.0 / 117.3 / 155.9
-        return "GQA (the Triton write measured faster)"
+    group = ctx.num_query_heads // fmt.k.num_heads
+    if group * (fmt.k.head_size + 4) > CUDA_SALIENT_PROBE_FLOATS:
+        return (f"{group} query heads a KV head at head size {fmt.k.head_size} (query heads x (head size + 4) "
+                f"at most {CUDA_SALIENT_PROBE_FLOATS})")
     if fmt.k.head_size not in CUDA_WRITE_HEADS:
         return f"head size {fmt.k.head_size} ({', '.join(map(str, CUDA_WRITE_HEADS))} only)"
     if fmt.block_size > CUDA_SALIENT_BLOCK:
