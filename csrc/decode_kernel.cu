@@ -32,6 +32,7 @@
 #include <stdint.h>
 
 #include "dependent_launch.cuh"
+#include "vector_words.cuh"
 
 namespace {
 
@@ -49,9 +50,7 @@ constexpr unsigned kAll = 0xffffffffu;
 
 __device__ __forceinline__ uint4 load16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
+using kvc::word;
 
 // d += a . b, m16n8k16, float16 operands (a: 16 rows of codes; b: 8 columns, one query's repeated
 // or a group's heads), float32 accumulator: d[0], d[1] are row g's columns 2c, 2c + 1 (lane 4g + c),

@@ -25,6 +25,7 @@
 
 #include "dependent_launch.cuh"
 #include "min_max_grid.cuh"
+#include "vector_words.cuh"
 
 #if !defined(KVC_NO_SLOT) || !defined(KVC_SALIENT_MIDDLE)
 #error "build through vllm_kvcompress.cuda_jit, which passes the formats' constants"
@@ -81,10 +82,6 @@ struct alignas(16) Scratch {
   uint8_t widened[D / 4];                    // a byte's widened channels, bit k: channel 4 b + k
 };
 
-__device__ __forceinline__ uint32_t v_word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
 // Nibble n of x as a float: its bits as the mantissa of 2^23 + nibble, less 2^23 (no conversion unit)
 __device__ __forceinline__ float nibble(uint32_t x, int n) {
   return __uint_as_float(0x4B000000u | ((x >> (4 * n)) & 15u)) - 8388608.f;
@@ -121,7 +118,7 @@ __device__ __forceinline__ float stored_logit(const uint4 (&hv)[D / 64], const u
   for (int v = 0; v < D / 64; ++v)
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      const uint32_t hw = v_word(hv[v], w), lw = v_word(lv[v], w);
+      const uint32_t hw = word(hv[v], w), lw = word(lv[v], w);
       // 4-bit codes 4 high + low, a nibble each: channels 4 b, 4 b + 2 of byte b in `even`, 4 b + 1,
       // 4 b + 3 in `odd`
       const uint32_t even = ((hw & 0x33333333u) << 2) | (lw & 0x33333333u);
@@ -196,11 +193,11 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
       for (int j = 0; j < kMaxTokensALane; ++j) score[j] = 0.f;  // tokens past the new one
       const int first_seen = length - 1 - off, seen_from = length - a.window;  // block start; the window's
       // logit = scale (sum_c q_c step_c level_c + sum_c q_c zero_c) on the stored grid; the new token's
-      // from its values. q times the channels' steps goes to shared memory, where the lanes read the
+      // from its values. For each query head g of the KV head (its probe: the row's query of head
+      // h * group + g), q times the channels' steps goes to shared memory, where the lanes read the
       // same channels at once (a broadcast) as each scores its own tokens. The stored grid and new
       // values are loaded here and again for the grids below (L1 hits): held across the scoring they
       // took the kernel past its 80 registers.
-      // per query head g of the KV head (its probe: the row's query of head h * group + g)
       float* q_steps = probe_shared + warp * probe_floats(a.group, D);
       float4* terms = reinterpret_cast<float4*>(q_steps + a.group * D);  // bias, middle, lse, new token's logit
       for (int g = 0; g < a.group; ++g) {
