@@ -395,6 +395,7 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.formats.salient import SalientTokensFormat
     from vllm_kvcompress.kernels import registry
+    from vllm_kvcompress.policy import KernelPolicy
     from vllm_kvcompress.salient_torch import plan_chunk_writes
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels.decode import longest_first, paged_decode, rows_per_program
@@ -403,13 +404,14 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     from vllm_kvcompress.triton_kernels import salient_write
     from vllm_kvcompress.triton_kernels.salient_write import write_chunks
 
-    # the decode write serving takes: for MHA the CUDA kernel where it can be had (kernels.registry), else Triton's
+    fmt = SalientTokensFormat.create(0.6, torch.bfloat16, block, hkv, d)
+    # the decode write serving takes (kernels.registry's plan) first, then Triton's
     writes = {"Triton": salient_write.write_decoded}
-    if registry.Device.of("cuda", torch.cuda.get_device_capability()).why_no_cuda_kernels() is None and hq == hkv:
+    context = registry.LayerContext(registry.Device.of("cuda", torch.cuda.get_device_capability()), torch.bfloat16, hq)
+    if registry.plan(fmt, context, KernelPolicy()).write.name == "cuda-salient":
         from vllm_kvcompress import cuda_salient_write
         writes = {"CUDA": cuda_salient_write.write_decoded, **writes}
     write_decoded = next(iter(writes.values()))
-    fmt = SalientTokensFormat.create(0.6, torch.bfloat16, block, hkv, d)
     spec, scale = SalientSpec(ratio=0.6), d ** -0.5
 
     def pages(num_seqs: int, ctx: int, leading: bool = False):
@@ -621,7 +623,7 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
                 fa_version=3),
         }
     from vllm_kvcompress.kernels import registry
-    if registry.Device.of("cuda", torch.cuda.get_device_capability()).why_no_cuda_kernels() is None:  # what the backend launches
+    if registry.why_no_cuda_kernels_here() is None:  # what the backend launches
         from vllm_kvcompress import cuda_decode, cuda_write
         order = longest_first(seq_lens[:nd])
         cases[f"ours k{bits}v{bits}: cache write (K and V), CUDA"] = lambda: cuda_write.write_tokens(

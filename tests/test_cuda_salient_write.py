@@ -12,10 +12,8 @@ from vllm_kvcompress.kernels import registry
 from vllm_kvcompress.salient_torch import attend_and_write
 from c_structs import c_struct_fields
 
-needs_cuda_kernels = pytest.mark.skipif(
-    not (torch.cuda.is_available()
-         and registry.Device.of("cuda", torch.cuda.get_device_capability()).why_no_cuda_kernels() is None),
-    reason="needs a CUDA GPU, and nvcc or the prebuilt kernels")
+needs_cuda_kernels = pytest.mark.skipif(registry.why_no_cuda_kernels_here() is not None,
+                                        reason="needs a CUDA GPU, and nvcc or the prebuilt kernels")
 
 
 def test_launch_arguments_mirror_the_kernels_struct():

@@ -14,10 +14,8 @@ from c_structs import c_struct_fields, stub_launches
 
 COVERED = [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=8, v_bits=8),
            LayerFormat(k_bits=4, v_bits=8, k_axis="token", v_axis="channel"), LayerFormat(k_bits=2, k_only=True)]
-needs_cuda_kernels = pytest.mark.skipif(
-    not (torch.cuda.is_available()
-         and registry.Device.of("cuda", torch.cuda.get_device_capability()).why_no_cuda_kernels() is None),
-    reason="needs a CUDA GPU, and nvcc or the prebuilt kernels")
+needs_cuda_kernels = pytest.mark.skipif(registry.why_no_cuda_kernels_here() is not None,
+                                        reason="needs a CUDA GPU, and nvcc or the prebuilt kernels")
 
 
 def _format(layer_format, dtype=torch.float32, block=16, heads=2, head_size=64):

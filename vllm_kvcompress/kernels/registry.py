@@ -70,6 +70,14 @@ class Device:
         return None
 
 
+def why_no_cuda_kernels_here() -> str | None:
+    """Why this process's current GPU cannot run the CUDA kernels (none, or ``Device.why_no_cuda_kernels``), or
+    None: what the CUDA kernels' tests and benchmarks ask."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    return Device.of("cuda", torch.cuda.get_device_capability()).why_no_cuda_kernels()
+
+
 @dataclass(frozen=True)
 class LayerContext:
     """What besides the page format decides a layer's implementations."""
