@@ -405,13 +405,18 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     from vllm_kvcompress.triton_kernels.salient_write import write_chunks
 
     fmt = SalientTokensFormat.create(0.6, torch.bfloat16, block, hkv, d)
-    # the decode write serving takes (kernels.registry's plan) first, then Triton's
+    # the decode rows' kernels and write serving takes (kernels.registry's plan) first, then Triton's
+    decodes = {"Triton": decode_rows}
     writes = {"Triton": salient_write.write_decoded}
     context = registry.LayerContext(registry.Device.of("cuda", torch.cuda.get_device_capability()), torch.bfloat16, hq)
-    if registry.plan(fmt, context, KernelPolicy()).write.name == "cuda-salient":
+    plan = registry.plan(fmt, context, KernelPolicy())
+    if plan.decode.name == "cuda-salient":
+        from vllm_kvcompress import cuda_salient_decode
+        decodes = {"CUDA": cuda_salient_decode.decode_rows, **decodes}
+    if plan.write.name == "cuda-salient":
         from vllm_kvcompress import cuda_salient_write
         writes = {"CUDA": cuda_salient_write.write_decoded, **writes}
-    write_decoded = next(iter(writes.values()))
+    decode_served, write_decoded = next(iter(decodes.values())), next(iter(writes.values()))
     spec, scale = SalientSpec(ratio=0.6), d ** -0.5
 
     def pages(num_seqs: int, ctx: int, leading: bool = False):
@@ -435,19 +440,20 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     history = seq_lens - 1
     order = longest_first(history)
     prior = torch.zeros(hq, n, device="cuda")
-    rows.append({"kernel": f"zipcache-r60 {label}: decode kernel",
+    rows.append({"kernel": f"zipcache-r60 {label}: Triton decode kernel",
                  "ms": _time_ms(lambda: paged_decode(q, cache, fmt, table, history, scale, max(lens), out=out,
                                                      row_order=order, prior_lse=prior, lse_out=True))})
 
     def decode_step():
-        lse = decode_rows(q, k, v, cache, fmt, table, history, scale, max(lens), out, row_order=order)
+        lse = decode_served(q, k, v, cache, fmt, table, history, scale, max(lens), out, row_order=order)
         write_decoded(q, k, v, cache, fmt, spec, table, seq_lens, lse.t(), scale)
 
-    rows.append({"kernel": f"zipcache-r60 {label}: own token + kernel (no write)",
-                 "ms": _time_ms(lambda: decode_rows(q, k, v, cache, fmt, table, history, scale, max(lens), out,
-                                                    row_order=order))})
-    rows.append({"kernel": f"zipcache-r60 {label}: own token + kernel + {next(iter(writes))} write (probe scores, "
-                           "re-compression)", "ms": _time_on_pages_ms(cache, decode_step)})
+    for name, decode in decodes.items():
+        rows.append({"kernel": f"zipcache-r60 {label}: own token + {name} kernel (no write)",
+                     "ms": _time_ms(lambda: decode(q, k, v, cache, fmt, table, history, scale, max(lens), out,
+                                                   row_order=order))})
+    rows.append({"kernel": f"zipcache-r60 {label}: own token + {next(iter(decodes))} kernel + {next(iter(writes))} "
+                           "write (probe scores, re-compression)", "ms": _time_on_pages_ms(cache, decode_step)})
     rows.append({"kernel": f"zipcache-r60 {label}: the same launched by the host (its time, not the GPU's)",
                  "ms": _host_ms(decode_step, cache)})
     lse = torch.zeros(n, hq, device="cuda")
@@ -466,8 +472,11 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
                      "ms": write_alone(cache, table, 0.1 * k, write)})
         rows.append({"kernel": f"zipcache-r60 {label}: the {name} write alone, no widening, slots full past "
                                f"{fmt.slots} tokens", "ms": write_alone(full, full_table, 0.1 * k, write)})
-    four = bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens)
-    rows.append({"kernel": f"quant-k4v4 {label}: Triton decode", "ms": four["ms"]})
+    rows.append({"kernel": f"quant-k4v4 {label}: Triton decode",
+                 "ms": bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens)["ms"]})
+    if "CUDA" in decodes:
+        rows.append({"kernel": f"quant-k4v4 {label}: CUDA decode",
+                     "ms": bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens, cuda=True)["ms"]})
     rows.append({"kernel": f"quant-k4v4 {label}: Triton write", "ms": bench_write(4, n, hkv, d, block)["ms"]})
     if "CUDA" in writes:
         rows.append({"kernel": f"quant-k4v4 {label}: CUDA write",

@@ -31,54 +31,20 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "decode_mma.cuh"
 #include "dependent_launch.cuh"
 #include "vector_words.cuh"
 
 namespace {
 
-constexpr int kHead = 128;    // head size
-constexpr int kSlice = 64;    // tokens one warp takes at a time
-constexpr int kWarps = 2;
+using namespace kvc;
+
 // V codes of a unit's consecutive tokens lie together, KVC_TOKEN_GROUP of them (formats.layout.TOKEN_GROUP,
 // passed by cuda_jit at build; the kernel registry refuses pages grouped otherwise)
 #ifndef KVC_TOKEN_GROUP
 #error "build through vllm_kvcompress.cuda_jit, which passes the page layout's constants"
 #endif
 constexpr int kTokenGroup = KVC_TOKEN_GROUP;
-constexpr uint32_t kMagic = 0x64006400u;  // float16 1024.0, twice
-constexpr unsigned kAll = 0xffffffffu;
-
-__device__ __forceinline__ uint4 load16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
-using kvc::word;
-
-// d += a . b, m16n8k16, float16 operands (a: 16 rows of codes; b: 8 columns, one query's repeated
-// or a group's heads), float32 accumulator: d[0], d[1] are row g's columns 2c, 2c + 1 (lane 4g + c),
-// d[2], d[3] row g + 8's.
-__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Codes of plane P (bits P * BITS of a byte) of bytes 0 and 2 as float16 1024 + code * 2^(P * BITS):
-// (x & mask) | 1024.0h as one LOP3 (written as two operations, the compiler emits two)
-template <int BITS, int P>
-__device__ __forceinline__ uint32_t codes(uint32_t x) {
-  uint32_t y;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;"
-      : "=r"(y)
-      : "r"(x), "n"((((1u << BITS) - 1) << (P * BITS)) * 0x00010001u), "r"(kMagic));
-  return y;
-}
-
-// k-step of plane P: d += codes . b, the codes of rows g and g + 8 from words r0 and r1
-template <int BITS, int P>
-__device__ __forceinline__ void mma_codes(float (&d)[4], uint32_t r0, uint32_t r1, uint32_t b0, uint32_t b1) {
-  mma(d, codes<BITS, P>(r0), codes<BITS, P>(r1), codes<BITS, P>(r0 >> 8), codes<BITS, P>(r1 >> 8), b0, b1);
-}
 
 // What a width of codes changes: planes, bytes of a lane's share of a K row, V's units (m-tiles of 16)
 template <int BITS>
@@ -90,26 +56,6 @@ struct Geometry {
   static constexpr int kTiles = kUnits / 16;    // m-tiles of V units
   static constexpr int kStatVecs = kPlanes / 2;  // MHA: 16-byte vectors of a lane's 4 * planes K scales
 };
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
-
-__device__ __forceinline__ float2 unpack_half2(uint32_t x) {
-  return __half22float2(*reinterpret_cast<__half2*>(&x));
-}
-
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ __half from_float(float x, __half*) { return __float2half_rn(x); }
-__device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
 
 struct Offsets {  // byte offsets of a page's regions
   int k_codes, k_scale, k_zero, v_codes, v_scale, v_zero;
@@ -195,32 +141,6 @@ __device__ __forceinline__ float half_at(const uint4 (&v)[N], int t) {
   const uint32_t w = word(v[t >> 3], (t >> 1) & 3);
   return __half2float(__ushort_as_half(static_cast<unsigned short>((t & 1) ? (w >> 16) : (w & 0xFFFF))));
 }
-
-// The page of block-table entry `entry`
-__device__ __forceinline__ const uint8_t* page_of(const uint8_t* cache, int entry, int64_t page_bytes) {
-  return cache + int64_t(entry) * page_bytes;
-}
-
-// The block-table entry of a warp's first page, loaded before the context length it would otherwise
-// wait for (the page's loads wait for both, one trip to memory sooner); 0 past the `table_blocks`
-// entries a launch may index (the pages of max_seq_len, within the table's row)
-__device__ __forceinline__ int first_table_entry(const int32_t* table, int b_first, int table_blocks) {
-  return b_first < table_blocks ? table[b_first] : 0;
-}
-
-// Whether page b of a context of L tokens holds any of the warp's slice (its tokens slice0.. of a page)
-template <int BLOCK>
-__device__ __forceinline__ bool holds_slice(int b, int slice0, int L) { return b * BLOCK + slice0 < L; }
-
-// Where a warp's slices lie: pages b_first, b_first + STEP, ... of its split, tokens slice0.. of each
-template <int BLOCK>
-struct WarpSlices {
-  static_assert(BLOCK == kSlice || BLOCK == kWarps * kSlice, "pages of 64 or 128 tokens");
-  static constexpr int SLICES = BLOCK / kSlice;   // a page's slices
-  static constexpr int STEP = kWarps / SLICES;    // pages from one of a warp's slices to its next
-  __device__ static int first_page(int b_start, int warp) { return b_start + (SLICES == 1 ? warp : 0); }
-  __device__ static int slice0(int warp) { return (warp % SLICES) * kSlice; }
-};
 
 // q.K of the warp's slice: s[i][0..1] for token 8g + i (product row g), s[i][2..3] for token 8g + 4 + i
 // (row g + 8), columns 2c, 2c + 1 of the right operand (qa, qb: the scaled query of k-step (w, plane))
@@ -719,27 +639,6 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   }
 }
 
-// The output of a split launch from its partials ([rows, query heads, splits, head size + 2]: the
-// split's unnormalized output, its maximum in base-2 units, its sum), as triton_kernels/decode.py's
-// _merge_splits_kernel: a thread block a (row, query head), a thread a channel.
-template <typename T>
-__global__ void __launch_bounds__(kHead) merge_splits(const float* __restrict__ part, T* __restrict__ out,
-                                                      int64_t out_stride, int num_splits) {
-  kvc::wait_for_prior_grid();
-  const int row = blockIdx.x, qhead = blockIdx.y, ch = threadIdx.x;
-  const float* split0 = part + (int64_t(row) * gridDim.y + qhead) * num_splits * (kHead + 2);
-  float mm = -INFINITY;
-  for (int s = 0; s < num_splits; ++s) mm = fmaxf(mm, split0[s * (kHead + 2) + kHead]);
-  float sum_out = 0.f, sum_l = 0.f;
-  for (int s = 0; s < num_splits; ++s) {
-    const float* split = split0 + s * (kHead + 2);
-    const float w = ex2(split[kHead] - mm);  // 0 for a split that saw no token (maximum -inf)
-    sum_out = fmaf(split[ch], w, sum_out);
-    sum_l = fmaf(split[kHead + 1], w, sum_l);
-  }
-  out[int64_t(row) * out_stride + qhead * kHead + ch] = from_float(sum_out / sum_l, static_cast<T*>(nullptr));
-}
-
 }  // namespace
 
 template <int BLOCK, int BITS, int GROUP, typename T>
@@ -786,7 +685,7 @@ static cudaError_t launch(const DecodeArgs& a) {
   if (err == cudaSuccess && a.num_splits > 1)
     err = kvc::launch_dependent(merge_splits<T>, dim3(a.num_rows, a.num_heads * GROUP), dim3(kHead), stream,
                                 static_cast<const float*>(a.part), static_cast<T*>(a.out), a.out_stride,
-                                a.num_splits);
+                                a.num_splits, static_cast<float*>(nullptr), int64_t(0));
   return err;
 }
 

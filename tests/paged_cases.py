@@ -50,6 +50,19 @@ def encoded_pages(fmt, seq_lens, spare_blocks, seed, encode):
     return cache, table
 
 
+def salient_pages(fmt, seq_lens, spare_blocks, seed):
+    """ZipCache's pages (``SalientTokensFormat``) of random K/V, each block's salient tokens drawn at
+    random up to its slots, behind a block table that scatters each request's blocks over the cache."""
+    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
+
+    def encode(g, n, filled):
+        k, v = torch.randn(n, B, H, D, generator=g), torch.randn(n, B, H, D, generator=g) * 2
+        salient = torch.rand(n, B, H, generator=g).argsort(1) < torch.minimum(filled, torch.tensor(fmt.slots))[:, None, None]
+        return fmt.encode(k, v, filled, salient)
+
+    return encoded_pages(fmt, seq_lens, spare_blocks, seed, encode)
+
+
 def fill_pages(fmt, seq_lens, spare_blocks, seed, garbage=False, tokens=None):
     """Each request's tokens in scattered pages, behind a block table; ``spare_blocks`` pages more.
     With ``garbage``, spare pages and the unwritten rest of a last page hold random bytes (float16

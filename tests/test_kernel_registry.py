@@ -85,7 +85,8 @@ def test_passed_over_implementations_say_why():
 def test_only_kernels_that_run_in_cuda_graphs_say_so():
     graphs = {(i.operation, i.name): i.cuda_graphs for i in registry.implementations("decode", "cuda")}
     assert graphs == {("decode", "cuda"): True, ("decode", "triton"): True, ("decode", "triton-slim"): True,
-                      ("decode", "triton-salient"): True, ("decode", "triton-merged"): False,
+                      ("decode", "cuda-salient"): True, ("decode", "triton-salient"): True,
+                      ("decode", "triton-merged"): False,
                       ("decode", "torch"): False}
 
 
@@ -104,16 +105,27 @@ def test_full_cuda_graphs_where_decode_steps_run_without_the_host(preset, score,
 
 
 def test_zipcache_pages_go_through_their_own_kernels_only():
-    """The salient kernels (decode, prompt chunks, the decode rows' write: CUDA where nvcc exists, the
-    query heads a KV head fit its shared memory and not KVCOMPRESS_WRITE=triton, else Triton) read
-    ZipCache's pages and no others; the
-    other kernels pass them over. Prompt chunks need vLLM's FlashAttention for their own tokens;
-    sliding-window layers go through them too (each row from its window's first key)."""
+    """The salient kernels (decode rows: CUDA for MHA layers where nvcc exists and not
+    KVCOMPRESS_DECODE=triton, else Triton; prompt chunks; the decode rows' write: CUDA where nvcc
+    exists, the query heads a KV head fit its shared memory and not KVCOMPRESS_WRITE=triton, else
+    Triton) read ZipCache's pages and no others; the other kernels pass them over. Prompt chunks
+    need vLLM's FlashAttention for their own tokens; sliding-window layers go through them too (each
+    row from its window's first key)."""
     cfg = load_config("zipcache-r60")
     shape = ModelKVShape(4, 4, 128, torch.bfloat16, 128, 4)
     fmt = shape.page_format(cfg, 0)
     plan = registry.plan(fmt, shape.layer_context(0, H100), AUTO)
-    assert _names(plan) == ("triton-salient", "flash-attention+triton-salient", "cuda-salient")
+    assert _names(plan) == ("cuda-salient", "flash-attention+triton-salient", "cuda-salient")
+    for ctx, pol, why in ((registry.LayerContext(H100, torch.bfloat16, 8), AUTO,
+                           "8 query heads for 4 KV heads (one a KV head only)"),
+                          (shape.layer_context(0, H100_NO_NVCC), AUTO, "no nvcc"),
+                          (shape.layer_context(0, H100), KernelPolicy(decode="triton"), "KVCOMPRESS_DECODE=triton"),
+                          (registry.LayerContext(H100, torch.bfloat16, 4, 512), AUTO, "sliding-window layer")):
+        decode = registry.plan(fmt, ctx, pol).decode
+        assert decode.name == "triton-salient" and f"cuda-salient: {why}" in decode.describe()
+    small = SalientTokensFormat.create(0.6, torch.bfloat16, 128, 4, 64)
+    assert "cuda-salient: head size 64 (128 only)" in registry.plan(small, shape.layer_context(0, H100),
+                                                                     AUTO).decode.describe()
     assert "not cuda, triton: salient tokens at mixed precision (ZipCache)" in plan.write.describe()
     assert registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 8), AUTO).write.name == "cuda-salient"
     many = registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 4 * 24), AUTO).write
@@ -137,7 +149,7 @@ def test_zipcache_pages_go_through_their_own_kernels_only():
     sliding = registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 4, 512), AUTO)
     assert _names(sliding) == ("triton-salient", "flash-attention+triton-salient", "cuda-salient")
     no_flash = registry.plan(fmt, shape.layer_context(0, registry.Device("cuda", (9, 0), nvcc=True)), AUTO)
-    assert _names(no_flash) == ("triton-salient", "torch", "cuda-salient")
+    assert _names(no_flash) == ("cuda-salient", "torch", "cuda-salient")
     assert "no vLLM FlashAttention" in no_flash.prompt.describe()
 
 
@@ -151,7 +163,7 @@ def test_merged_pairs_go_through_their_own_kernels_only(preset):
     merged = shape.page_format(cfg, 2)
     plan = registry.plan(merged, shape.layer_context(2, H100), AUTO)
     assert _names(plan) == ("triton-merged", "flash-attention+triton-merged", "triton-merged")
-    assert "not cuda, triton, triton-slim, triton-salient: layers merged in pairs (MiniCache)" in plan.decode.describe()
+    assert "not cuda, triton, triton-slim, cuda-salient, triton-salient: layers merged in pairs (MiniCache)" in plan.decode.describe()
     assert "triton-merged" not in registry.plan(shape.page_format(cfg, 0), shape.layer_context(0, H100), AUTO).decode.name
     no_flash = registry.plan(merged, shape.layer_context(2, registry.Device("cuda", (9, 0), nvcc=True)), AUTO)
     assert _names(no_flash)[:2] == ("triton-merged", "torch") and "no vLLM FlashAttention" in no_flash.prompt.describe()

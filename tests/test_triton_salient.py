@@ -12,24 +12,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from paged_cases import encoded_pages  # noqa: E402
+from paged_cases import salient_pages  # noqa: E402
 from vllm_kvcompress.formats.salient import SalientTokensFormat  # noqa: E402
 from vllm_kvcompress.triton_kernels.salient_decode import decode_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _pages(fmt, seq_lens, spare, seed):
-    """Pages of random K/V, each block's salient tokens drawn at random up to its slots, and a
-    block table that scatters each request's blocks over the cache."""
-    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
-
-    def encode(g, n, filled):
-        k, v = torch.randn(n, B, H, D, generator=g), torch.randn(n, B, H, D, generator=g) * 2
-        salient = torch.rand(n, B, H, generator=g).argsort(1) < torch.minimum(filled, torch.tensor(fmt.slots))[:, None, None]
-        return fmt.encode(k, v, filled, salient)
-
-    return encoded_pages(fmt, seq_lens, spare, seed, encode)
 
 
 def _assert_same_tokens(fmt, ours, cache, table, lens):
@@ -52,7 +39,7 @@ def test_decode_rows_equal_attention_over_the_decoded_pages(HQ, block, splits):
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = SalientTokensFormat.create(0.6, dtype, block, H, D)
     history = [0, 17, block, 3 * block - 5, 70]
-    cache, table = _pages(fmt, history, 3, seed=HQ + block)
+    cache, table = salient_pages(fmt, history, 3, seed=HQ + block)
     g = torch.Generator().manual_seed(5)
     q = torch.randn(len(history), HQ, D, generator=g)
     k_new, v_new = torch.randn(len(history), H, D, generator=g), torch.randn(len(history), H, D, generator=g)
@@ -146,7 +133,7 @@ def test_padding_rows_write_nothing():
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = SalientTokensFormat.create(0.6, dtype, B, H, D)
     history = [40, 70]
-    cache, table = _pages(fmt, history, 2, seed=4)
+    cache, table = salient_pages(fmt, history, 2, seed=4)
     # every entry a padding row may read (its own, or the row before's last) holds request 0's first
     # block, which holds tokens and takes none this step
     held = table[0, 0].item()
@@ -175,7 +162,7 @@ def test_decode_steps_replayed_in_a_cuda_graph():
     fmt = SalientTokensFormat.create(0.6, torch.bfloat16, B, H, D)
     spec = SalientSpec(ratio=0.6, recompress_interval=100)
     history = [98, 40, 300]
-    cache, table = _pages(fmt, history + [0], 6, seed=7)
+    cache, table = salient_pages(fmt, history + [0], 6, seed=7)
     table = table.to(DEVICE)
     steps = [[*_decode_step_args(fmt, history + [0], HQ, 20 + s, torch.bfloat16),
               torch.tensor([L + 1 + s for L in history] + [0], dtype=torch.int32, device=DEVICE)]
@@ -217,7 +204,7 @@ def test_decode_writes_hold_to_their_register_budget(HQ):
     H, D, B = 2, 128, 128
     fmt = SalientTokensFormat.create(0.6, torch.bfloat16, B, H, D)
     history = [98, 300]
-    cache, table = _pages(fmt, history, 2, seed=3)
+    cache, table = salient_pages(fmt, history, 2, seed=3)
     q, k, v = _decode_step_args(fmt, history, HQ, 5, torch.bfloat16)
     lens = torch.tensor([L + 1 for L in history], dtype=torch.int32, device=DEVICE)
     lse = torch.zeros(len(history), HQ, device=DEVICE)
@@ -244,7 +231,7 @@ def test_grouped_prompt_rows_continue_a_prior_attention(splits):
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = SalientTokensFormat.create(0.6, dtype, B, H, D)
     seq_lens, q_lens = [70, 5, 40], [20, 5, 3]
-    cache, table = _pages(fmt, [L - m for L, m in zip(seq_lens, q_lens)], 3, seed=4)
+    cache, table = salient_pages(fmt, [L - m for L, m in zip(seq_lens, q_lens)], 3, seed=4)
     table = torch.cat([table, torch.zeros(3, 2, dtype=torch.int32)], 1)  # room for the chunks' blocks
     qsl = [0, 20, 25, 28]
     g = torch.Generator().manual_seed(8)

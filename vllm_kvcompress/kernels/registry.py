@@ -357,6 +357,26 @@ def _cuda_salient_write(fmt: SalientTokensFormat, ctx: LayerContext) -> str | No
     return None
 
 
+def _cuda_salient_decode(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
+    """csrc/salient_decode_kernel.cu: MHA rows (GQA rows take the Triton kernel), head size and pages as
+    the 4-bit CUDA decode's."""
+    why = _salient_decode(fmt, ctx) or _whole_contexts(ctx) or _sixteen_bit_queries(ctx)
+    if why is not None:
+        return why
+    if ctx.num_query_heads != fmt.k.num_heads:
+        return f"{ctx.num_query_heads} query heads for {fmt.k.num_heads} KV heads (one a KV head only)"
+    if fmt.k.head_size != CUDA_DECODE_HEAD:
+        return f"head size {fmt.k.head_size} ({CUDA_DECODE_HEAD} only)"
+    if fmt.block_size not in CUDA_DECODE_PAGES:
+        return f"pages of {fmt.block_size} tokens ({' or '.join(map(str, CUDA_DECODE_PAGES))} only)"
+    if fmt.page_bytes % 16:  # regions start on 16-byte boundaries (formats.layout.REGION_ALIGN); pages too
+        return f"pages of {fmt.page_bytes} bytes (a multiple of 16 only)"
+    cap = ctx.device.capability
+    if cap is not None and cap < (8, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (8.0 or later: mma.sync m16n8k16)"
+    return None
+
+
 def _salient_decode(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
     d = fmt.k.head_size
     if d & (d - 1) or d < 16:
@@ -404,7 +424,12 @@ for _impl in (
                    warm_up=f"{_TRITON}.decode:warm_up", cuda_graphs=True),
     Implementation("decode", "cuda", "triton-slim", _slim_decode, f"{_TRITON}.slim_decode:slim_decode",
                    cuda_graphs=True),
-    # ZipCache's decode rows: the new token exactly, then the pages through the layer decode kernel
+    # ZipCache's decode rows: the new token exactly, then the pages through a CUDA kernel (MHA) or
+    # the layer decode kernel
+    Implementation("decode", "cuda", "cuda-salient", _cuda_salient_decode,
+                   "vllm_kvcompress.cuda_salient_decode:decode_rows",
+                   prepare="vllm_kvcompress.cuda_salient_decode:build", cuda_graphs=True,
+                   reads=(SalientTokensFormat,)),
     Implementation("decode", "cuda", "triton-salient", _salient_decode, f"{_TRITON}.salient_decode:decode_rows",
                    warm_up=f"{_TRITON}.salient_decode:warm_up", cuda_graphs=True, reads=(SalientTokensFormat,)),
     # MiniCache's decode rows: the new token exactly, then the pair's pages through the layer decode kernel

@@ -1,0 +1,136 @@
+// What the decode kernels over packed pages share (decode_kernel.cu, salient_decode_kernel.cu): the
+// tensor-core product of float16 codes, the codes' unpacking into its operands, and how a thread block
+// of 2 warps walks a row's pages in slices of 64 tokens.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "dependent_launch.cuh"
+
+namespace kvc {
+
+constexpr int kHead = 128;    // head size
+constexpr int kSlice = 64;    // tokens one warp takes at a time
+constexpr int kWarps = 2;
+constexpr uint32_t kMagic = 0x64006400u;  // float16 1024.0, twice
+constexpr unsigned kAll = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__device__ __forceinline__ uint4 load16(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// d += a . b, m16n8k16, float16 operands (a: 16 rows of codes; b: 8 columns, one query's repeated
+// or a group's heads), float32 accumulator: d[0], d[1] are row g's columns 2c, 2c + 1 (lane 4g + c),
+// d[2], d[3] row g + 8's.
+__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Codes of plane P (bits P * BITS of a byte) of bytes 0 and 2 as float16 1024 + code * 2^(P * BITS):
+// (x & mask) | 1024.0h as one LOP3 (written as two operations, the compiler emits two)
+template <int BITS, int P>
+__device__ __forceinline__ uint32_t codes(uint32_t x) {
+  uint32_t y;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;"
+      : "=r"(y)
+      : "r"(x), "n"((((1u << BITS) - 1) << (P * BITS)) * 0x00010001u), "r"(kMagic));
+  return y;
+}
+
+// k-step of plane P: d += codes . b, the codes of rows g and g + 8 from words r0 and r1
+template <int BITS, int P>
+__device__ __forceinline__ void mma_codes(float (&d)[4], uint32_t r0, uint32_t r1, uint32_t b0, uint32_t b1) {
+  mma(d, codes<BITS, P>(r0), codes<BITS, P>(r1), codes<BITS, P>(r0 >> 8), codes<BITS, P>(r1 >> 8), b0, b1);
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ float2 unpack_half2(uint32_t x) {
+  return __half22float2(*reinterpret_cast<__half2*>(&x));
+}
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ __half from_float(float x, __half*) { return __float2half_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
+
+// The page of block-table entry `entry`
+__device__ __forceinline__ const uint8_t* page_of(const uint8_t* cache, int entry, int64_t page_bytes) {
+  return cache + int64_t(entry) * page_bytes;
+}
+
+// The block-table entry of a warp's first page, loaded before the context length it would otherwise
+// wait for (the page's loads wait for both, one trip to memory sooner); 0 past the `table_blocks`
+// entries a launch may index (the pages of max_seq_len, within the table's row)
+__device__ __forceinline__ int first_table_entry(const int32_t* table, int b_first, int table_blocks) {
+  return b_first < table_blocks ? table[b_first] : 0;
+}
+
+// Whether page b of a context of L tokens holds any of the warp's slice (its tokens slice0.. of a page)
+template <int BLOCK>
+__device__ __forceinline__ bool holds_slice(int b, int slice0, int L) { return b * BLOCK + slice0 < L; }
+
+// Where a warp's slices lie: pages b_first, b_first + STEP, ... of its split, tokens slice0.. of each
+template <int BLOCK>
+struct WarpSlices {
+  static_assert(BLOCK == kSlice || BLOCK == kWarps * kSlice, "pages of 64 or 128 tokens");
+  static constexpr int SLICES = BLOCK / kSlice;   // a page's slices
+  static constexpr int STEP = kWarps / SLICES;    // pages from one of a warp's slices to its next
+  __device__ static int first_page(int b_start, int warp) { return b_start + (SLICES == 1 ? warp : 0); }
+  __device__ static int slice0(int warp) { return (warp % SLICES) * kSlice; }
+};
+
+// The output of a split launch from its partials ([rows, query heads, splits, head size + 2]: the
+// split's unnormalized output, its maximum in base-2 units, its sum), as triton_kernels/decode.py's
+// _merge_splits_kernel: a thread block a (row, query head), a thread a channel. PRIOR: `out` holds
+// each row's attention over other keys, with its natural log-sum-exp in `lse` ([query head, row],
+// heads `lse_stride` apart), and the result is the attention over both, its log-sum-exp in `lse`.
+template <typename T, bool PRIOR = false>
+__global__ void __launch_bounds__(kHead) merge_splits(const float* __restrict__ part, T* __restrict__ out,
+                                                      int64_t out_stride, int num_splits, float* __restrict__ lse,
+                                                      int64_t lse_stride) {
+  kvc::wait_for_prior_grid();
+  const int row = blockIdx.x, qhead = blockIdx.y, ch = threadIdx.x;
+  const float* split0 = part + (int64_t(row) * gridDim.y + qhead) * num_splits * (kHead + 2);
+  float mm = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) mm = fmaxf(mm, split0[s * (kHead + 2) + kHead]);
+  float sum_out = 0.f, sum_l = 0.f;
+  for (int s = 0; s < num_splits; ++s) {
+    const float* split = split0 + s * (kHead + 2);
+    const float w = ex2(split[kHead] - mm);  // 0 for a split that saw no token (maximum -inf)
+    sum_out = fmaf(split[ch], w, sum_out);
+    sum_l = fmaf(split[kHead + 1], w, sum_l);
+  }
+  T* dst = out + int64_t(row) * out_stride + qhead * kHead + ch;
+  if constexpr (PRIOR) {
+    float* row_lse = lse + qhead * lse_stride + row;
+    const float prior = *row_lse * kLog2e, top = fmaxf(mm, prior);
+    const float w_prior = ex2(prior - top);
+    const bool none = mm == -INFINITY;  // no split saw a token (no context): the sums are NaN
+    const float w = none ? 0.f : ex2(mm - top);
+    const float total = none ? w_prior : sum_l * w + w_prior;
+    const float v = ((none ? 0.f : sum_out * w) + to_float(*dst) * w_prior) / total;
+    __syncthreads();  // every thread has read the prior's log-sum-exp
+    if (ch == 0) *row_lse = (top + __log2f(total)) / kLog2e;
+    *dst = from_float(v, static_cast<T*>(nullptr));
+  } else {
+    *dst = from_float(sum_out / sum_l, static_cast<T*>(nullptr));
+  }
+}
+
+}  // namespace kvc

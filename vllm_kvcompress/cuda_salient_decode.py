@@ -1,0 +1,102 @@
+"""ZipCache's decode rows with the history read by a CUDA kernel (``csrc/salient_decode_kernel.cu``): one
+query head a KV head (MHA), head size 128, pages of 64 or 128 tokens; the kernel registry
+(``kernels.registry``) says which layers it serves. Same contract as
+``triton_kernels.salient_decode.decode_rows``: the row's own new token first (the Triton own-token
+kernel), then the pages, the kernel continuing from it and leaving the merged log-sum-exp for the
+decode write. Prebuilt or built just in time with nvcc (``cuda_jit``) and called through ctypes.
+
+Why a CUDA kernel: it joins a token's two planes into 4-bit codes and reads them in the tensor-core
+products of quant-k4v4's CUDA decode (16 tokens or channels of codes by the query or the
+probabilities), where the Triton kernel pads its products to 16 query rows of which one is real
+(``docs/formats.md``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from vllm_kvcompress.formats.salient import SalientTokensFormat
+
+from . import cuda_jit
+from .cuda_decode import PROGRAMS_PER_SM, choose_num_splits
+from .launch_plans import LaunchPlans
+
+_LOG2E = 1.4426950408889634
+_REGIONS = ("k_scale", "k_zero", "v_scale", "v_zero", "k_high", "v_high", "k_low", "v_low", "slot_of")
+
+
+class _SalientDecodeArgs(ctypes.Structure):
+    """``csrc/salient_decode_kernel.cu``'s SalientDecodeArgs, field for field."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("query", "cache", "block_table", "seq_lens", "row_order", "out",
+                                                     "part", "lse")] \
+        + [("q_scale", ctypes.c_float)] \
+        + [(name, ctypes.c_int64) for name in ("q_stride", "out_stride", "bt_stride", "page_bytes", "lse_stride")] \
+        + [(name, ctypes.c_int) for name in ("blocks_per_split", "num_splits", "table_blocks", "num_rows", "num_heads",
+                                             *_REGIONS, "slots", "block_size", "bf16")] \
+        + [("stream", ctypes.c_void_p)]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    lib = cuda_jit.load("kvcompress_salient_decode", "salient_decode_kernel.cu", "KVCOMPRESS_DECODE")
+    lib.kvc_salient_decode.argtypes = [ctypes.POINTER(_SalientDecodeArgs)]
+    lib.kvc_salient_decode.restype = ctypes.c_int
+    return lib
+
+
+def build() -> None:
+    """Build (or load the cached build of) the kernel: at startup, not in the middle of serving."""
+    _library()
+
+
+_plans = LaunchPlans()  # by step: rows, lengths, format (the arguments but query, cache, output, lse)
+
+
+def _plan(fmt: SalientTokensFormat, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
+          seq_lens: torch.Tensor, row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int,
+          num_splits: int | None, stream: int) -> _SalientDecodeArgs:
+    triton_decode = cuda_jit.triton_kernels("decode")
+    if num_splits is None:
+        num_splits = choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, query.device)
+    run = triton_decode.split_launch(query, out, fmt, max_seq_len, num_splits, PROGRAMS_PER_SM)
+    at = fmt.regions.start
+    return _SalientDecodeArgs(
+        block_table=block_table.data_ptr(), seq_lens=seq_lens.data_ptr(),
+        row_order=None if row_order is None else row_order.data_ptr(),
+        part=None if run.num_splits == 1 else run.part.data_ptr(), q_scale=sm_scale * _LOG2E,
+        bt_stride=block_table.stride(0), page_bytes=fmt.page_bytes, blocks_per_split=run.blocks_per_split,
+        num_splits=run.num_splits, table_blocks=run.max_blocks, num_rows=query.shape[0], num_heads=fmt.k.num_heads,
+        **{name: at(name) for name in _REGIONS}, slots=fmt.slots, block_size=fmt.block_size,
+        bf16=int(query.dtype == torch.bfloat16), stream=stream)
+
+
+def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+                fmt: SalientTokensFormat, block_table: torch.Tensor, history: torch.Tensor, scale: float,
+                longest: int, out: torch.Tensor, row_order: torch.Tensor | None = None,
+                num_splits: int | None = None) -> torch.Tensor:
+    """``triton_kernels.salient_decode.decode_rows``'s contract: decode rows (``q`` [N, H, D],
+    ``key``/``value`` [N, H, D]) over the ``history`` tokens before each new one (at most ``longest``)
+    and the new token, into ``out``; returns each row's natural log-sum-exp [H, N]."""
+    own_token = cuda_jit.triton_kernels("own_token").own_token
+    lse = own_token(q, key, value, scale, out)
+    n = q.shape[0]
+    if n == 0:
+        return lse
+    query, q_stride, out = cuda_jit.triton_kernels("decode").query_and_output(q, out)
+    stream = cuda_jit.triton_kernels("launch").stream_handle(query.device)
+    plan_key = (fmt, n, query.dtype, block_table.data_ptr(), block_table.stride(0), history.data_ptr(),
+                None if row_order is None else row_order.data_ptr(), scale, longest, num_splits, stream)
+    args = _plans.get(plan_key, lambda: _plan(fmt, query, out, block_table, history, row_order, scale, longest,
+                                              num_splits, stream))
+    args.query, args.q_stride, args.cache = query.data_ptr(), q_stride, pages.data_ptr()
+    args.out, args.out_stride = out.data_ptr(), out.stride(0)
+    args.lse, args.lse_stride = lse.data_ptr(), lse.stride(0)
+    if args.num_splits == 1:
+        args.part = args.out
+    err = _library().kvc_salient_decode(ctypes.byref(args))
+    if err:
+        raise RuntimeError(f"CUDA ZipCache decode kernel launch failed: cudaError {err}")
+    return lse
