@@ -97,10 +97,9 @@ struct WarpSlices {
 
 // The output of a split launch from its partials ([rows, query heads, splits, head size + 2]: the
 // split's unnormalized output, its maximum in base-2 units, its sum), as triton_kernels/decode.py's
-// _merge_splits_kernel: a thread block a (row, query head), a thread a channel. PRIOR: `out` holds
-// each row's attention over other keys, with its natural log-sum-exp in `lse` ([query head, row],
-// heads `lse_stride` apart), and the result is the attention over both, its log-sum-exp in `lse`.
-template <typename T, bool PRIOR = false>
+// _merge_splits_kernel: a thread block a (row, query head), a thread a channel. LSE_OUT: and the
+// natural log-sum-exp into `lse` ([query head, row], heads `lse_stride` apart).
+template <typename T, bool LSE_OUT = false>
 __global__ void __launch_bounds__(kHead) merge_splits(const float* __restrict__ part, T* __restrict__ out,
                                                       int64_t out_stride, int num_splits, float* __restrict__ lse,
                                                       int64_t lse_stride) {
@@ -116,20 +115,9 @@ __global__ void __launch_bounds__(kHead) merge_splits(const float* __restrict__ 
     sum_out = fmaf(split[ch], w, sum_out);
     sum_l = fmaf(split[kHead + 1], w, sum_l);
   }
-  T* dst = out + int64_t(row) * out_stride + qhead * kHead + ch;
-  if constexpr (PRIOR) {
-    float* row_lse = lse + qhead * lse_stride + row;
-    const float prior = *row_lse * kLog2e, top = fmaxf(mm, prior);
-    const float w_prior = ex2(prior - top);
-    const bool none = mm == -INFINITY;  // no split saw a token (no context): the sums are NaN
-    const float w = none ? 0.f : ex2(mm - top);
-    const float total = none ? w_prior : sum_l * w + w_prior;
-    const float v = ((none ? 0.f : sum_out * w) + to_float(*dst) * w_prior) / total;
-    __syncthreads();  // every thread has read the prior's log-sum-exp
-    if (ch == 0) *row_lse = (top + __log2f(total)) / kLog2e;
-    *dst = from_float(v, static_cast<T*>(nullptr));
-  } else {
-    *dst = from_float(sum_out / sum_l, static_cast<T*>(nullptr));
+  out[int64_t(row) * out_stride + qhead * kHead + ch] = from_float(sum_out / sum_l, static_cast<T*>(nullptr));
+  if constexpr (LSE_OUT) {
+    if (ch == 0) lse[qhead * lse_stride + row] = (mm + __log2f(sum_l)) / kLog2e;
   }
 }
 

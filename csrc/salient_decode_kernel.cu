@@ -1,10 +1,10 @@
 // Decode attention of one query token per (request, KV head) over ZipCache's pages (formats/salient.py),
 // one query head a KV head (MHA), head size 128, pages of 64 or 128 tokens. Same contract as
-// triton_kernels/salient_decode.py's decode rows after their own token: `out` holds each row's
-// attention over its new token and `lse` its natural log-sum-exp ([head, row]); the kernel continues
-// from them over the row's history and leaves the merged output and log-sum-exp (from which the
-// decode write turns the row's logits into its probe's probabilities). The torch reference is
-// salient_torch's attention over the decoded pages.
+// triton_kernels/salient_decode.py's decode rows: each row attends to its history in the pages and to
+// its own new token, which the pages take only after attention (the write chooses with the
+// probabilities it receives); the kernel leaves the output and the natural log-sum-exp ([head, row]),
+// from which the decode write turns the row's logits into its probe's probabilities. The torch
+// reference is salient_torch's attention over the decoded pages and the new token.
 //
 // A token's high plane (2-bit codes, 4 channels a byte, token-major rows [H, BLOCK, 32]) and, for a
 // refined token, its slot's row of low bits ([H, SLOTS, 32], slot_of [H, BLOCK]) are joined into
@@ -19,7 +19,8 @@
 //
 // A thread block of 2 warps takes one (row, head, split), the context in slices of 64 tokens as in
 // decode_kernel.cu; each warp keeps its own running maximum, sum and output, merged at the end, and
-// the next page's slot bytes are loaded a whole slice before its low rows are.
+// the next page's slot bytes are loaded a whole slice before its low rows are. The new token joins
+// at the end, in split 0 (its logit from the lane's four query channels, its V read as it is).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -85,17 +86,19 @@ __device__ __forceinline__ void load_k(PageLoads& in, const uint2& slot_bytes, c
   const int g = lane >> 2, c = lane & 3;
   const uint8_t* high = page + o.k_high + (size_t(h) * BLOCK + slice0 + 8 * g) * kRow + 8 * c;
   const uint8_t* low = page + o.k_low + size_t(h) * o.slots * kRow + 8 * c;
+  // what does not wait for the slot bytes first
 #pragma unroll
-  for (int t = 0; t < 8; ++t) {
-    in.k_hi[t] = __ldg(reinterpret_cast<const uint2*>(high + t * kRow));
-    const uint32_t s = byte_at(slot_bytes, t);
-    in.k_lo[t] = refined(s, o.slots) ? __ldg(reinterpret_cast<const uint2*>(low + s * kRow)) : make_uint2(0, 0);
-  }
+  for (int t = 0; t < 8; ++t) in.k_hi[t] = __ldg(reinterpret_cast<const uint2*>(high + t * kRow));
   const uint8_t* stats = page + (h * kHead + 16 * g) * 2;
   in.ks[0] = load16(stats + o.k_scale);
   in.ks[1] = load16(stats + o.k_scale + 16);
   in.kz[0] = load16(stats + o.k_zero);
   in.kz[1] = load16(stats + o.k_zero + 16);
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const uint32_t s = byte_at(slot_bytes, t);
+    in.k_lo[t] = refined(s, o.slots) ? __ldg(reinterpret_cast<const uint2*>(low + s * kRow)) : make_uint2(0, 0);
+  }
 }
 
 template <int BLOCK>
@@ -105,16 +108,17 @@ __device__ __forceinline__ void load_v(PageLoads& in, const uint4& slot_bytes, c
   const uint8_t* high = page + o.v_high + (size_t(h) * BLOCK + slice0 + 16 * c) * kRow + 4 * g;
   const uint8_t* low = page + o.v_low + size_t(h) * o.slots * kRow + 4 * g;
 #pragma unroll
-  for (int t = 0; t < 16; ++t) {
-    in.v_hi[t] = __ldg(reinterpret_cast<const uint32_t*>(high + t * kRow));
-    const uint32_t s = byte_at(slot_bytes, t);
-    in.v_lo[t] = refined(s, o.slots) ? __ldg(reinterpret_cast<const uint32_t*>(low + s * kRow)) : 0u;
-  }
+  for (int t = 0; t < 16; ++t) in.v_hi[t] = __ldg(reinterpret_cast<const uint32_t*>(high + t * kRow));
   const uint8_t* stats = page + (h * BLOCK + slice0 + 16 * c) * 2;
   in.vs[0] = load16(stats + o.v_scale);
   in.vs[1] = load16(stats + o.v_scale + 16);
   in.vz[0] = load16(stats + o.v_zero);
   in.vz[1] = load16(stats + o.v_zero + 16);
+#pragma unroll
+  for (int t = 0; t < 16; ++t) {
+    const uint32_t s = byte_at(slot_bytes, t);
+    in.v_lo[t] = refined(s, o.slots) ? __ldg(reinterpret_cast<const uint32_t*>(low + s * kRow)) : 0u;
+  }
 }
 
 // Float16 number t of 16 consecutive ones
@@ -179,10 +183,10 @@ __device__ __forceinline__ int channel(int g, int tile, int plane, int r) {
 template <int BLOCK, typename T>
 __global__ void __launch_bounds__(kWarps * 32) salient_decode(
     const T* __restrict__ query, const uint8_t* __restrict__ cache, const int32_t* __restrict__ block_table,
-    const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ row_order, T* __restrict__ out,
-    float* __restrict__ part, float* __restrict__ lse, float q_scale, int64_t q_stride, int64_t out_stride,
-    int64_t bt_stride, int64_t page_bytes, int64_t lse_stride, int blocks_per_split, int num_splits,
-    int table_blocks, int num_heads, Regions o) {
+    const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ row_order, const T* __restrict__ key,
+    const T* __restrict__ value, T* __restrict__ out, float* __restrict__ part, float* __restrict__ lse,
+    float q_scale, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t out_stride, int64_t bt_stride, int64_t page_bytes,
+    int64_t lse_stride, int blocks_per_split, int num_splits, int table_blocks, int num_heads, Regions o) {
   __shared__ float4 probs[kWarps][kSlice / 4];  // a warp's probabilities, from the logits' lanes to the products'
   __shared__ float other_out[kHead];            // warp 1's output, merged by warp 0
   __shared__ float other_ml[2];
@@ -199,7 +203,7 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
   const int first_entry = first_table_entry(table, b_first, table_blocks);  // beside L, not after it
   const int L = seq_lens[row];
   const int b_end = min(b_start + blocks_per_split, (L + BLOCK - 1) / BLOCK);
-  kvc::wait_for_prior_grid();  // the own-token kernel before: the query, `out` and `lse` after this
+  kvc::wait_for_prior_grid();  // the kernels before: the query and new K, V after this
 
   // This lane scales the query pair of k-step (j, plane P) of lane c' where lane = 8c' + 2j + P: x
   // of channels base + (0, 8), y of base + (4, 12), base = 16g + o, o = 2P + c / 2 (logits' order)
@@ -210,6 +214,14 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
     const int at[4] = {0, 8, 4, 12};
 #pragma unroll
     for (int i = 0; i < 4; ++i) qf[i] = to_float(qrow[at[i]]) * q_scale;
+  }
+  float own = 0.f;  // the new token's logit (base 2), summed over the warp from the lane's channels
+  if (split == 0) {
+    const T* krow = key + row * k_stride + h * kHead + 16 * g + o_ch;
+    own = qf[0] * to_float(krow[0]) + qf[1] * to_float(krow[8]) + qf[2] * to_float(krow[4]) +
+          qf[3] * to_float(krow[12]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) own += __shfl_xor_sync(kAll, own, off);
   }
   const float plane_div = plane ? 1.f / 16.f : 1.f;  // plane 1's codes come times 16
   const uint32_t stat_sel = (o_ch & 1) ? 0x7632 : 0x5410;  // half o % 2 of a word, from two vectors
@@ -371,18 +383,16 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
   const float w0 = m == -INFINITY ? 0.f : ex2(m - mm);
   const float w1 = m1 == -INFINITY ? 0.f : ex2(m1 - mm);
   const float lt = l * w0 + l1 * w1;
-  T* dst = out + row * out_stride + h * kHead;
-  // one split: merged here with the attention `out` holds (the row's own token); else by merge_splits
-  float w_kept = 1.f, w_prior = 0.f, total = 1.f;
-  float* row_lse = lse + h * lse_stride + row;
-  if (num_splits == 1) {
-    const float prior = *row_lse * kLog2e, top = fmaxf(mm, prior);
-    w_prior = ex2(prior - top);
-    w_kept = mm == -INFINITY ? 0.f : ex2(mm - top);
-    total = lt * w_kept + w_prior;
-    __syncwarp(0x11111111u);  // the warp's lanes left (c = 0) have read the prior's log-sum-exp
-    if (g == 0) *row_lse = (top + __log2f(total)) / kLog2e;
+  // split 0 adds the new token (one split: the result; else a partial, merged by merge_splits)
+  float top = mm, w_kept = 1.f, w_own = 0.f, total = lt;
+  if (split == 0) {
+    top = fmaxf(mm, own);
+    w_kept = mm == -INFINITY ? 0.f : ex2(mm - top);  // no history (a padding row): the new token alone
+    w_own = ex2(own - top);
+    total = lt * w_kept + w_own;
   }
+  const T* new_v = value + row * v_stride + h * kHead;
+  T* dst = out + row * out_stride + h * kHead;
   float* partial = part + ((int64_t(row) * num_heads + h) * num_splits + split) * (kHead + 2);
 #pragma unroll
   for (int tile = 0; tile < 4; ++tile)
@@ -392,15 +402,19 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
       for (int r = 0; r < 4; r += 2) {
         const int ch = channel(g, tile, pl, r);
         const float kept = (acc[tile][pl][r] * (pl ? 1.f / 16.f : 1.f) + pz) * w0 + other_out[ch] * w1;
+        const float v = (mm == -INFINITY ? 0.f : kept * w_kept) + (split == 0 ? to_float(new_v[ch]) * w_own : 0.f);
         if (num_splits == 1)
-          dst[ch] = from_float(((mm == -INFINITY ? 0.f : kept * w_kept) + to_float(dst[ch]) * w_prior) / total,
-                               static_cast<T*>(nullptr));
+          dst[ch] = from_float(v / total, static_cast<T*>(nullptr));
         else
-          partial[ch] = kept;  // unnormalized output of this split
+          partial[ch] = v;  // unnormalized output of this split
       }
-  if (num_splits > 1 && g == 0) {
-    partial[kHead] = mm;
-    partial[kHead + 1] = lt;
+  if (g == 0) {
+    if (num_splits == 1) {
+      lse[h * lse_stride + row] = (top + __log2f(total)) / kLog2e;
+    } else {
+      partial[kHead] = top;
+      partial[kHead + 1] = total;
+    }
   }
 }
 
@@ -414,11 +428,13 @@ struct SalientDecodeArgs {
   const void* block_table;  // [num_rows, ...] int32, rows bt_stride apart
   const void* seq_lens;     // [num_rows] int32: each row's history (its context before the new token)
   const void* row_order;    // [num_rows] int32 or null: the order in which rows take blocks
-  void* out;                // rows out_stride elements apart: the own token's attention, then the result
+  const void* key;          // [num_rows, heads, 128] the rows' new K, rows k_stride elements apart
+  const void* value;        // their new V, rows v_stride elements apart
+  void* out;                // rows out_stride elements apart
   void* part;               // [num_rows, heads, num_splits, 130] float32 where num_splits > 1
-  void* lse;                // [heads, num_rows] float32, heads lse_stride apart: natural log-sum-exp, in and out
+  void* lse;                // [heads, num_rows] float32, heads lse_stride apart: natural log-sum-exp
   float q_scale;
-  int64_t q_stride, out_stride, bt_stride, page_bytes, lse_stride;
+  int64_t q_stride, k_stride, v_stride, out_stride, bt_stride, page_bytes, lse_stride;
   int blocks_per_split, num_splits;
   int table_blocks;  // the block-table entries a row may be read at (the pages of max_seq_len)
   int num_rows, num_heads;
@@ -438,9 +454,10 @@ static cudaError_t launch(const SalientDecodeArgs& a) {
   cudaError_t err = kvc::launch_dependent(
       salient_decode<BLOCK, T>, grid, dim3(kWarps * 32), stream, static_cast<const T*>(a.query),
       static_cast<const uint8_t*>(a.cache), static_cast<const int32_t*>(a.block_table),
-      static_cast<const int32_t*>(a.seq_lens), static_cast<const int32_t*>(a.row_order), static_cast<T*>(a.out),
-      static_cast<float*>(a.part), lse, a.q_scale, a.q_stride, a.out_stride, a.bt_stride, a.page_bytes, a.lse_stride,
-      a.blocks_per_split, a.num_splits, a.table_blocks, a.num_heads, o);
+      static_cast<const int32_t*>(a.seq_lens), static_cast<const int32_t*>(a.row_order),
+      static_cast<const T*>(a.key), static_cast<const T*>(a.value), static_cast<T*>(a.out),
+      static_cast<float*>(a.part), lse, a.q_scale, a.q_stride, a.k_stride, a.v_stride, a.out_stride, a.bt_stride, a.page_bytes,
+      a.lse_stride, a.blocks_per_split, a.num_splits, a.table_blocks, a.num_heads, o);
   if (err == cudaSuccess && a.num_splits > 1)
     err = kvc::launch_dependent(merge_splits<T, true>, dim3(a.num_rows, a.num_heads), dim3(kHead), stream,
                                 static_cast<const float*>(a.part), static_cast<T*>(a.out), a.out_stride,
@@ -448,8 +465,7 @@ static cudaError_t launch(const SalientDecodeArgs& a) {
   return err;
 }
 
-// Launches on `stream` the decode and, where num_splits > 1, the merge of the splits' partials with
-// the attention `out` holds. Returns the launch's cudaError_t (cudaErrorInvalidValue for other page
+// Launches on `stream` the decode and, where num_splits > 1, the merge of the splits' partials. Returns the launch's cudaError_t (cudaErrorInvalidValue for other page
 // sizes).
 extern "C" int kvc_salient_decode(const SalientDecodeArgs* a) {
   using Launcher = cudaError_t (*)(const SalientDecodeArgs&);

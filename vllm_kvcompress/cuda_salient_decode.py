@@ -1,9 +1,9 @@
 """ZipCache's decode rows with the history read by a CUDA kernel (``csrc/salient_decode_kernel.cu``): one
 query head a KV head (MHA), head size 128, pages of 64 or 128 tokens; the kernel registry
 (``kernels.registry``) says which layers it serves. Same contract as
-``triton_kernels.salient_decode.decode_rows``: the row's own new token first (the Triton own-token
-kernel), then the pages, the kernel continuing from it and leaving the merged log-sum-exp for the
-decode write. Prebuilt or built just in time with nvcc (``cuda_jit``) and called through ctypes.
+``triton_kernels.salient_decode.decode_rows``: each row over its history in the pages and its own new
+token, in one kernel (and a merge of its splits), leaving the log-sum-exp for the decode write.
+Prebuilt or built just in time with nvcc (``cuda_jit``) and called through ctypes.
 
 Why a CUDA kernel: it joins a token's two planes into 4-bit codes and reads them in the tensor-core
 products of quant-k4v4's CUDA decode (16 tokens or channels of codes by the query or the
@@ -30,10 +30,11 @@ _REGIONS = ("k_scale", "k_zero", "v_scale", "v_zero", "k_high", "v_high", "k_low
 
 class _SalientDecodeArgs(ctypes.Structure):
     """``csrc/salient_decode_kernel.cu``'s SalientDecodeArgs, field for field."""
-    _fields_ = [(name, ctypes.c_void_p) for name in ("query", "cache", "block_table", "seq_lens", "row_order", "out",
-                                                     "part", "lse")] \
+    _fields_ = [(name, ctypes.c_void_p) for name in ("query", "cache", "block_table", "seq_lens", "row_order", "key",
+                                                     "value", "out", "part", "lse")] \
         + [("q_scale", ctypes.c_float)] \
-        + [(name, ctypes.c_int64) for name in ("q_stride", "out_stride", "bt_stride", "page_bytes", "lse_stride")] \
+        + [(name, ctypes.c_int64) for name in ("q_stride", "k_stride", "v_stride", "out_stride", "bt_stride",
+                                               "page_bytes", "lse_stride")] \
         + [(name, ctypes.c_int) for name in ("blocks_per_split", "num_splits", "table_blocks", "num_rows", "num_heads",
                                              *_REGIONS, "slots", "block_size", "bf16")] \
         + [("stream", ctypes.c_void_p)]
@@ -52,7 +53,7 @@ def build() -> None:
     _library()
 
 
-_plans = LaunchPlans()  # by step: rows, lengths, format (the arguments but query, cache, output, lse)
+_plans = LaunchPlans()  # by step: rows, lengths, format (the arguments but the tensors each layer has)
 
 
 def _plan(fmt: SalientTokensFormat, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
@@ -80,9 +81,12 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: 
     """``triton_kernels.salient_decode.decode_rows``'s contract: decode rows (``q`` [N, H, D],
     ``key``/``value`` [N, H, D]) over the ``history`` tokens before each new one (at most ``longest``)
     and the new token, into ``out``; returns each row's natural log-sum-exp [H, N]."""
-    own_token = cuda_jit.triton_kernels("own_token").own_token
-    lse = own_token(q, key, value, scale, out)
-    n = q.shape[0]
+    n, hq, d = q.shape
+    for name, x in (("key", key), ("value", value)):
+        if x.shape != q.shape or x.stride(1) != d or x.stride(2) != 1:
+            raise ValueError(f"CUDA ZipCache decode: {name} {tuple(x.shape)} with strides {x.stride()}; "
+                             f"allowed: {tuple(q.shape)}, heads and channels contiguous within a row")
+    lse = torch.empty(hq, n, dtype=torch.float32, device=q.device)
     if n == 0:
         return lse
     query, q_stride, out = cuda_jit.triton_kernels("decode").query_and_output(q, out)
@@ -92,6 +96,7 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: 
     args = _plans.get(plan_key, lambda: _plan(fmt, query, out, block_table, history, row_order, scale, longest,
                                               num_splits, stream))
     args.query, args.q_stride, args.cache = query.data_ptr(), q_stride, pages.data_ptr()
+    args.key, args.k_stride, args.value, args.v_stride = key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0)
     args.out, args.out_stride = out.data_ptr(), out.stride(0)
     args.lse, args.lse_stride = lse.data_ptr(), lse.stride(0)
     if args.num_splits == 1:
