@@ -135,13 +135,6 @@ __device__ __forceinline__ void stat_pairs(const uint4 (&v)[Geometry<BITS>::kSta
   }
 }
 
-// Float16 number t of 8 N consecutive ones (N uint4), as float
-template <int N>
-__device__ __forceinline__ float half_at(const uint4 (&v)[N], int t) {
-  const uint32_t w = word(v[t >> 3], (t >> 1) & 3);
-  return __half2float(__ushort_as_half(static_cast<unsigned short>((t & 1) ? (w >> 16) : (w & 0xFFFF))));
-}
-
 // q.K of the warp's slice: s[i][0..1] for token 8g + i (product row g), s[i][2..3] for token 8g + 4 + i
 // (row g + 8), columns 2c, 2c + 1 of the right operand (qa, qb: the scaled query of k-step (w, plane))
 template <int BITS, int STATS>
@@ -298,40 +291,17 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
 
     // softmax over the slice: tokens at or past L (on the last page) get no weight
     const int pos = b * BLOCK + slice0;  // position of the slice's token 0
-    float mx = -INFINITY;
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int r = 0; r < 4; r += 2) {
         s[i][r] += bias;
         if (pos + 8 * g + 2 * r + i >= L) s[i][r] = -INFINITY;
-        mx = fmaxf(mx, s[i][r]);
       }
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, off));
-    const float m_new = fmaxf(m, mx);
-    const float m_ref = m_new == -INFINITY ? 0.f : m_new;  // a slice with no token yet
-    const float alpha = ex2(m - m_ref);
-    m = m_new;
-
-    // probabilities to the products' layout: lane c takes tokens 16c..16c+15; lane (g, c) here
-    // writes tokens 8g + 2c, 8g + 2c + 1 (registers s[2c % 4 + e][c / 2 * 2])
-    {
-      const float s0 = c == 0 ? s[0][0] : c == 1 ? s[2][0] : c == 2 ? s[0][2] : s[2][2];
-      const float s1 = c == 0 ? s[1][0] : c == 1 ? s[3][0] : c == 2 ? s[1][2] : s[3][2];
-      reinterpret_cast<float2*>(probs[warp])[4 * g + c] = make_float2(ex2(s0 - m_ref), ex2(s1 - m_ref));
-    }
-    __syncwarp();
-    float pr[16];
-#pragma unroll
-    for (int q4 = 0; q4 < 4; ++q4) {
-      const float4 v4 = probs[warp][4 * c + q4];
-      pr[4 * q4] = v4.x;
-      pr[4 * q4 + 1] = v4.y;
-      pr[4 * q4 + 2] = v4.z;
-      pr[4 * q4 + 3] = v4.w;
-    }
-    __syncwarp();
+    float alpha;
+    const float m_ref = slice_max(s, m, alpha);
+    float pr[16];  // probabilities of tokens 16c..16c+15
+    slice_probabilities(probs[warp], s, m_ref, g, c, pr);
 
     // p * V's token scale as the right operand: k-step s takes tokens 16c + 4s + (0, 2), (1, 3)
     uint32_t pa[4], pb[4];

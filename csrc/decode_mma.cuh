@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "dependent_launch.cuh"
+#include "vector_words.cuh"
 
 namespace kvc {
 
@@ -68,6 +69,53 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ __half from_float(float x, __half*) { return __float2half_rn(x); }
 __device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
+
+// Float16 number t of 8 N consecutive ones (N uint4), as float
+template <int N>
+__device__ __forceinline__ float half_at(const uint4 (&v)[N], int t) {
+  const uint32_t w = word(v[t >> 3], (t >> 1) & 3);
+  return __half2float(__ushort_as_half(static_cast<unsigned short>((t & 1) ? (w >> 16) : (w & 0xFFFF))));
+}
+
+// One query row's (MHA) running maximum m (base 2) over a slice whose logits are final: s[i][0] of
+// token 8g + i, s[i][2] of token 8g + 4 + i (-inf past the context). Returns the reference the slice's
+// probabilities are taken from (0 while no token was seen) and sets alpha, the earlier sums' rescale.
+__device__ __forceinline__ float slice_max(const float (&s)[4][4], float& m, float& alpha) {
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; r += 2) mx = fmaxf(mx, s[i][r]);
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(kAll, mx, off));
+  const float m_new = fmaxf(m, mx);
+  const float m_ref = m_new == -INFINITY ? 0.f : m_new;  // a slice with no token yet
+  alpha = ex2(m - m_ref);
+  m = m_new;
+  return m_ref;
+}
+
+// The slice's probabilities to the p.V products' layout through the warp's row of shared memory
+// `probs` (64 floats): lane c takes tokens 16c..16c+15 (pr); lane (g, c) writes tokens 8g + 2c,
+// 8g + 2c + 1 (registers s[2c % 4 + e][c / 2 * 2])
+__device__ __forceinline__ void slice_probabilities(float4* probs, const float (&s)[4][4], float m_ref, int g, int c,
+                                                    float (&pr)[16]) {
+  {
+    const float s0 = c == 0 ? s[0][0] : c == 1 ? s[2][0] : c == 2 ? s[0][2] : s[2][2];
+    const float s1 = c == 0 ? s[1][0] : c == 1 ? s[3][0] : c == 2 ? s[1][2] : s[3][2];
+    reinterpret_cast<float2*>(probs)[4 * g + c] = make_float2(ex2(s0 - m_ref), ex2(s1 - m_ref));
+  }
+  __syncwarp();
+#pragma unroll
+  for (int q4 = 0; q4 < 4; ++q4) {
+    const float4 v4 = probs[4 * c + q4];
+    pr[4 * q4] = v4.x;
+    pr[4 * q4 + 1] = v4.y;
+    pr[4 * q4 + 2] = v4.z;
+    pr[4 * q4 + 3] = v4.w;
+  }
+  __syncwarp();
+}
 
 // The page of block-table entry `entry`
 __device__ __forceinline__ const uint8_t* page_of(const uint8_t* cache, int entry, int64_t page_bytes) {

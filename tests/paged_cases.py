@@ -92,3 +92,24 @@ def free_before(cache, table, first_keys, block_size):
     for i, first in enumerate(first_keys):
         table[i, :max(0, first) // block_size] = cache.shape[0] - 1
     return cache, table
+
+
+def assert_replays_equal_eager(step, inputs, steps, out, cache):
+    """``step(pages)`` (a decode step's launches over the tensors ``inputs``, into ``out``) captured once
+    in a CUDA graph over a copy of ``cache`` and replayed for each of ``steps`` (values for
+    ``inputs``), and run eagerly on another copy: ``out`` and the pages equal bit for bit after each."""
+    for x, y in zip(inputs, steps[0]):
+        x.copy_(y)
+    step(cache.to("cuda", copy=True))  # compiles and plans outside capture
+    pages, eager = cache.to("cuda", copy=True), cache.to("cuda", copy=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(pages)
+    for s, values in enumerate(steps):
+        for x, y in zip(inputs, values):
+            x.copy_(y)
+        graph.replay()
+        replayed = out.clone()
+        step(eager)
+        assert torch.equal(replayed, out), s
+        assert torch.equal(pages, eager), s

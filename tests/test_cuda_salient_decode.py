@@ -10,7 +10,7 @@ from vllm_kvcompress import cuda_salient_decode
 from vllm_kvcompress.formats.salient import SalientTokensFormat
 from vllm_kvcompress.kernels import registry
 from c_structs import c_struct_fields
-from paged_cases import salient_pages
+from paged_cases import assert_replays_equal_eager, salient_pages
 
 
 def test_launch_arguments_mirror_the_kernels_struct():
@@ -122,18 +122,4 @@ def test_decode_and_write_replayed_in_a_cuda_graph():
                                               out)
         cuda_salient_write.write_decoded(q, k, v, pages, fmt, spec, table, lens, lse.t(), D ** -0.5)
 
-    for x, y in zip(inputs, steps[0]):
-        x.copy_(y)
-    step(cache.cuda())  # builds and plans outside capture
-    pages, eager = cache.cuda(), cache.cuda()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(pages)
-    for s in range(3):
-        for x, y in zip(inputs, steps[s]):
-            x.copy_(y)
-        graph.replay()
-        replayed = out.clone()
-        step(eager)
-        assert torch.equal(replayed, out), s
-        assert torch.equal(pages, eager), s
+    assert_replays_equal_eager(step, inputs, steps, out, cache)

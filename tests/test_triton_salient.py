@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from paged_cases import salient_pages  # noqa: E402
+from paged_cases import assert_replays_equal_eager, salient_pages  # noqa: E402
 from vllm_kvcompress.formats.salient import SalientTokensFormat  # noqa: E402
 from vllm_kvcompress.triton_kernels.salient_decode import decode_rows  # noqa: E402
 
@@ -175,21 +175,7 @@ def test_decode_steps_replayed_in_a_cuda_graph():
         lse = decode_rows(q, k, v, pages, fmt, table, (lens - 1).clamp(min=0), D ** -0.5, 2048, out)
         salient_write.write_decoded(q, k, v, pages, fmt, spec, table, lens, lse.t(), D ** -0.5)
 
-    for x, y in zip(inputs, steps[0]):
-        x.copy_(y)
-    step(cache.to(DEVICE))  # compiles and plans outside capture
-    pages, eager = cache.to(DEVICE, copy=True), cache.to(DEVICE, copy=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(pages)
-    for s in range(3):
-        for x, y in zip(inputs, steps[s]):
-            x.copy_(y)
-        graph.replay()
-        replayed = out.clone()
-        step(eager)
-        assert torch.equal(replayed, out), s
-        assert torch.equal(pages, eager), s
+    assert_replays_equal_eager(step, inputs, steps, out, cache)
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="registers are counted by the GPU's compiler")
