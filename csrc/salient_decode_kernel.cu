@@ -185,6 +185,7 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
   __shared__ float other_out[kHead];            // warp 1's output, merged by warp 0
   __shared__ float other_ml[2];
   kvc::allow_next_grid();  // the merge of the splits may be scheduled
+  // (the set-up of decode_kernel.cu's kernels, each computing it itself: see decode_gqa)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int h = blockIdx.x % num_heads;
