@@ -28,25 +28,14 @@
 
 #include "decode_mma.cuh"
 #include "dependent_launch.cuh"
+#include "salient_codes.cuh"
 #include "vector_words.cuh"
-
-#ifndef KVC_SALIENT_MIDDLE
-#error "build through vllm_kvcompress.cuda_jit, which passes the formats' constants"
-#endif
 
 namespace {
 
 using namespace kvc;
 
-constexpr int kRow = kHead / 4;               // bytes of a token's 2-bit row (high plane or low bits)
-constexpr float kMiddle = KVC_SALIENT_MIDDLE;  // where an unrefined token reads among its four sub-levels
-constexpr uint32_t kLowPairs = 0x33333333u;   // bits 0-1 and 4-5 of every byte
-constexpr uint32_t kHighPairs = 0xCCCCCCCCu;  // bits 2-3 and 6-7
-
-// 4-bit codes of channels 4b (low nibble) and 4b + 2 of byte b, from words of high and low bits
-__device__ __forceinline__ uint32_t join_even(uint32_t hi, uint32_t lo) { return ((hi << 2) & kHighPairs) | (lo & kLowPairs); }
-// of channels 4b + 1 and 4b + 3
-__device__ __forceinline__ uint32_t join_odd(uint32_t hi, uint32_t lo) { return (hi & kHighPairs) | ((lo >> 2) & kLowPairs); }
+constexpr int kRow = kHead / 4;  // bytes of a token's 2-bit row (high plane or low bits)
 
 struct Regions {  // byte offsets of a page's regions, and its refinement rows a head
   int k_scale, k_zero, v_scale, v_zero, k_high, v_high, k_low, v_low, slot_of, slots;
@@ -254,7 +243,7 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
       const uint32_t y = pack_half2(qf[2] * plane_div * ksy.x, qf[3] * plane_div * ksy.y);
       const float2 xr = unpack_half2(x), yr = unpack_half2(y);
       bias = qf[0] * kzx.x + qf[1] * kzx.y + qf[2] * kzy.x + qf[3] * kzy.y - 1024.f * ((xr.x + xr.y) + (yr.x + yr.y));
-      middle = kMiddle * (qf[0] * ksx.x + qf[1] * ksx.y + qf[2] * ksy.x + qf[3] * ksy.y);
+      middle = kSalientMiddle * (qf[0] * ksx.x + qf[1] * ksx.y + qf[2] * ksy.x + qf[3] * ksy.y);
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) {
         bias += __shfl_xor_sync(kAll, bias, off);
@@ -298,7 +287,7 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
 #pragma unroll
       for (int t = 0; t < 16; ++t) {
         float vs = half_at(in.vs, t), vz = half_at(in.vz, t);
-        if (!refined(byte_at(slots.v, t), o.slots)) vz += kMiddle * vs;
+        if (!refined(byte_at(slots.v, t), o.slots)) vz += kSalientMiddle * vs;
         if (tail && pos + 16 * c + t >= L) vs = vz = 0.f;  // an unwritten slot's statistics may be anything
         lsum += pr[t];
         zsum += pr[t] * vz;
@@ -375,7 +364,7 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
       for (int r = 0; r < 4; r += 2) {
         const int ch = channel(g, tile, pl, r);
         const float kept = (acc[tile][pl][r] * (pl ? 1.f / 16.f : 1.f) + pz) * w0 + other_out[ch] * w1;
-        const float v = (mm == -INFINITY ? 0.f : kept * w_kept) + (split == 0 ? to_float(new_v[ch]) * w_own : 0.f);
+        const float v = kept * w_kept + (split == 0 ? to_float(new_v[ch]) * w_own : 0.f);  // kept: 0 if no history
         if (num_splits == 1)
           dst[ch] = from_float(v / total, static_cast<T*>(nullptr));
         else

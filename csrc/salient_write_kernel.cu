@@ -25,9 +25,10 @@
 
 #include "dependent_launch.cuh"
 #include "min_max_grid.cuh"
+#include "salient_codes.cuh"
 #include "vector_words.cuh"
 
-#if !defined(KVC_NO_SLOT) || !defined(KVC_SALIENT_MIDDLE)
+#ifndef KVC_NO_SLOT
 #error "build through vllm_kvcompress.cuda_jit, which passes the formats' constants"
 #endif
 
@@ -39,7 +40,6 @@ constexpr int kWarps = 4;                     // warps a thread block (each on i
 constexpr int kMaxBlock = 128;                // tokens a block (4 a lane)
 constexpr int kMaxTokensALane = kMaxBlock / 32;
 constexpr unsigned kNoSlot = KVC_NO_SLOT;     // slot_of of a 2-bit token
-constexpr float kMiddle = KVC_SALIENT_MIDDLE;  // where a 2-bit token reads among its four sub-levels
 constexpr float kTop = 15.f;                  // the shared grid's highest code (4 bits)
 // a warp's probe floats (probe_floats), at most: a block's dynamic shared memory within the 48 KB a
 // launch may take without asking for more
@@ -78,7 +78,7 @@ template <int D>
 struct alignas(16) Scratch {
   float score[kMaxBlock];                    // a candidate's score (NaN: not a candidate), read 4 at once
   unsigned long long refined_table[D];       // a widened channel's new code by old 4-bit code, 4 bits each
-  unsigned short middle_table[D];            // by a 2-bit token's high code h (level 4 h + kMiddle)
+  unsigned short middle_table[D];            // by a 2-bit token's high code h (level 4 h + kSalientMiddle)
   uint8_t widened[D / 4];                    // a byte's widened channels, bit k: channel 4 b + k
 };
 
@@ -119,10 +119,7 @@ __device__ __forceinline__ float stored_logit(const uint4 (&hv)[D / 64], const u
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const uint32_t hw = word(hv[v], w), lw = word(lv[v], w);
-      // 4-bit codes 4 high + low, a nibble each: channels 4 b, 4 b + 2 of byte b in `even`, 4 b + 1,
-      // 4 b + 3 in `odd`
-      const uint32_t even = ((hw & 0x33333333u) << 2) | (lw & 0x33333333u);
-      const uint32_t odd = (hw & 0xCCCCCCCCu) | ((lw & 0xCCCCCCCCu) >> 2);
+      const uint32_t even = join_even(hw, lw), odd = join_odd(hw, lw);
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
         const float4 q = reinterpret_cast<const float4*>(q_step)[16 * v + 4 * w + b];  // channels 4 (16 v + 4 w + b)..
@@ -220,7 +217,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
         }
         bias = warp_sum(bias), own = warp_sum(own), q_sum = warp_sum(q_sum);
         if (lane == 0)
-          terms[g] = make_float4(bias, kMiddle * q_sum,
+          terms[g] = make_float4(bias, kSalientMiddle * q_sum,
                                  static_cast<const float*>(a.lse)[i * a.lse_row_stride + head * a.lse_head_stride], own);
       }
       __syncwarp();
@@ -344,7 +341,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
                            << (4 * level);
         unsigned middle_table = 0;
         for (int high = 0; high < 4; ++high)
-          middle_table |= clamped_code(__fadd_rn(__fmul_rn(float(4 * high) + kMiddle, os), oz), z, st, kTop)
+          middle_table |= clamped_code(__fadd_rn(__fmul_rn(float(4 * high) + kSalientMiddle, os), oz), z, st, kTop)
                           << (4 * high);
         s.refined_table[4 * b + k] = refined_table;
         s.middle_table[4 * b + k] = (unsigned short)middle_table;
