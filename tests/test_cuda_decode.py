@@ -71,20 +71,14 @@ def test_split_count_gives_each_sm_four_programs(monkeypatch):
                 assert rows * heads * splits >= 4 * sms or splits >= pieces or splits == decode.MAX_SPLITS
 
 
-def _gpu_ready() -> str | None:
-    why = registry.why_no_cuda_kernels_here()
-    if why is None and torch.cuda.get_device_capability() < (8, 0):
-        return "compute capability below 8.0"
-    return why
-
-
 def _why_not(fmt, num_query_heads, dtype) -> str | None:
     """The registry's reason the CUDA decode does not serve ``fmt`` (None: it does)."""
     ctx = registry.LayerContext(registry.Device("cuda", (9, 0), nvcc=True), dtype, num_query_heads)
     return registry.implementations("decode", "cuda")[0].why_not(fmt, ctx)
 
 
-gpu = pytest.mark.skipif(_gpu_ready() is not None, reason=str(_gpu_ready()))
+gpu = pytest.mark.skipif(registry.why_no_cuda_decode_here() is not None,
+                         reason=str(registry.why_no_cuda_decode_here()))
 
 
 def _reference(q, cache, fmt, table, seq_lens, scale):

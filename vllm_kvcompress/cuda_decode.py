@@ -67,7 +67,45 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device
                                                                device, PROGRAMS_PER_SM)
 
 
-_plans = LaunchPlans()  # by step: rows, lengths, format (the arguments but query, cache, output)
+def step_key(fmt, query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+             row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int, num_splits: int | None,
+             stream: int) -> tuple:
+    """What a step's decode launches share across its layers (a ``LaunchPlans`` key, both CUDA decode
+    kernels'): pointers and sizes, no tensors."""
+    return (fmt, *query.shape, query.dtype, block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+            None if row_order is None else row_order.data_ptr(), sm_scale, max_seq_len, num_splits, stream)
+
+
+def step_fields(fmt, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int, num_splits: int | None,
+                stream: int) -> dict:
+    """The launch arguments both CUDA decode kernels (this one, ``cuda_salient_decode``'s) take the same
+    way, worked out once a step: rows, lengths, order and block table, the split count and its
+    partials, the query scale, the page size, the stream. Each layer's call sets its own pointers
+    (``set_layer_pointers``)."""
+    if num_splits is None:
+        num_splits = choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, query.device)
+    run = cuda_jit.triton_kernels("decode").split_launch(query, out, fmt, max_seq_len, num_splits, PROGRAMS_PER_SM)
+    return dict(
+        block_table=block_table.data_ptr(), seq_lens=seq_lens.data_ptr(),
+        row_order=None if row_order is None else row_order.data_ptr(),
+        part=None if run.num_splits == 1 else run.part.data_ptr(), q_scale=sm_scale * _LOG2E,
+        bt_stride=block_table.stride(0), page_bytes=fmt.page_bytes, blocks_per_split=run.blocks_per_split,
+        num_splits=run.num_splits, table_blocks=run.max_blocks, num_rows=query.shape[0], num_heads=fmt.k.num_heads,
+        bf16=int(query.dtype == torch.bfloat16), stream=stream)
+
+
+def set_layer_pointers(args: ctypes.Structure, query: torch.Tensor, q_stride: int, cache: torch.Tensor,
+                       out: torch.Tensor) -> None:
+    """A layer's own query, cache and output into a planned launch (with one split its partials are
+    its output)."""
+    args.query, args.q_stride, args.cache = query.data_ptr(), q_stride, cache.data_ptr()
+    args.out, args.out_stride = out.data_ptr(), out.stride(0)
+    if args.num_splits == 1:
+        args.part = args.out
+
+
+_plans = LaunchPlans()  # by step (``step_key``): the arguments but query, cache, output
 
 
 def _plan(fmt: KVPageFormat, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
@@ -75,21 +113,11 @@ def _plan(fmt: KVPageFormat, query: torch.Tensor, out: torch.Tensor, block_table
           num_splits: int | None, stream: int) -> _DecodeArgs:
     """The launch's arguments but for its query, cache and output (as ``query_and_output`` gives
     them), which each call sets."""
-    triton_decode = cuda_jit.triton_kernels("decode")
-    if num_splits is None:
-        num_splits = choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, query.device)
-    run = triton_decode.split_launch(query, out, fmt, max_seq_len, num_splits, PROGRAMS_PER_SM)
-    n, hq, _ = run.query.shape
     lay = page_layout(fmt)
     return _DecodeArgs(
-        block_table=block_table.data_ptr(), seq_lens=seq_lens.data_ptr(),
-        row_order=None if row_order is None else row_order.data_ptr(),
-        part=None if run.num_splits == 1 else run.part.data_ptr(), q_scale=sm_scale * _LOG2E,
-        bt_stride=block_table.stride(0), page_bytes=fmt.page_bytes, blocks_per_split=run.blocks_per_split,
-        num_splits=run.num_splits, table_blocks=run.max_blocks, num_rows=n, num_heads=fmt.k.num_heads,
+        **step_fields(fmt, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len, num_splits, stream),
         k_codes=lay.k.codes, k_scale=lay.k.scale, k_zero=lay.k.zero, v_codes=lay.v.codes, v_scale=lay.v.scale,
-        v_zero=lay.v.zero, block_size=fmt.block_size, bits=lay.k.bits, group=hq // fmt.k.num_heads,
-        bf16=int(query.dtype == torch.bfloat16), stream=stream)
+        v_zero=lay.v.zero, block_size=fmt.block_size, bits=lay.k.bits, group=query.shape[1] // fmt.k.num_heads)
 
 
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor,
@@ -97,20 +125,14 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
                  out: torch.Tensor | None = None, row_order: torch.Tensor | None = None) -> torch.Tensor:
     """``triton_kernels.decode.paged_decode``'s contract for decode rows, for the formats the registry
     gives this kernel."""
-    triton_decode = cuda_jit.triton_kernels("decode")
-    query, q_stride, out = triton_decode.query_and_output(query, out)
-    n, hq, _ = query.shape
-    if n == 0:
+    query, q_stride, out = cuda_jit.triton_kernels("decode").query_and_output(query, out)
+    if query.shape[0] == 0:
         return out
     stream = cuda_jit.triton_kernels("launch").stream_handle(query.device)
-    key = (fmt, n, hq, query.dtype, block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
-           None if row_order is None else row_order.data_ptr(), sm_scale, max_seq_len, num_splits, stream)
+    key = step_key(fmt, query, block_table, seq_lens, row_order, sm_scale, max_seq_len, num_splits, stream)
     args = _plans.get(key, lambda: _plan(fmt, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len,
                                          num_splits, stream))
-    args.query, args.q_stride, args.cache = query.data_ptr(), q_stride, cache.data_ptr()
-    args.out, args.out_stride = out.data_ptr(), out.stride(0)
-    if args.num_splits == 1:
-        args.part = args.out
+    set_layer_pointers(args, query, q_stride, cache, out)
     err = _library().kvc_decode(ctypes.byref(args))
     if err:
         raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")

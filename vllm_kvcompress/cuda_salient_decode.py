@@ -21,10 +21,9 @@ import torch
 from vllm_kvcompress.formats.salient import SalientTokensFormat
 
 from . import cuda_jit
-from .cuda_decode import PROGRAMS_PER_SM, choose_num_splits
+from .cuda_decode import set_layer_pointers, step_fields, step_key
 from .launch_plans import LaunchPlans
 
-_LOG2E = 1.4426950408889634
 _REGIONS = ("k_scale", "k_zero", "v_scale", "v_zero", "k_high", "v_high", "k_low", "v_low", "slot_of")
 
 
@@ -53,25 +52,16 @@ def build() -> None:
     _library()
 
 
-_plans = LaunchPlans()  # by step: rows, lengths, format (the arguments but the tensors each layer has)
+_plans = LaunchPlans()  # by step (``cuda_decode.step_key``): the arguments but the tensors each layer has
 
 
 def _plan(fmt: SalientTokensFormat, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
           seq_lens: torch.Tensor, row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int,
           num_splits: int | None, stream: int) -> _SalientDecodeArgs:
-    triton_decode = cuda_jit.triton_kernels("decode")
-    if num_splits is None:
-        num_splits = choose_num_splits(query.shape[0], fmt.k.num_heads, max_seq_len, query.device)
-    run = triton_decode.split_launch(query, out, fmt, max_seq_len, num_splits, PROGRAMS_PER_SM)
     at = fmt.regions.start
     return _SalientDecodeArgs(
-        block_table=block_table.data_ptr(), seq_lens=seq_lens.data_ptr(),
-        row_order=None if row_order is None else row_order.data_ptr(),
-        part=None if run.num_splits == 1 else run.part.data_ptr(), q_scale=sm_scale * _LOG2E,
-        bt_stride=block_table.stride(0), page_bytes=fmt.page_bytes, blocks_per_split=run.blocks_per_split,
-        num_splits=run.num_splits, table_blocks=run.max_blocks, num_rows=query.shape[0], num_heads=fmt.k.num_heads,
-        **{name: at(name) for name in _REGIONS}, slots=fmt.slots, block_size=fmt.block_size,
-        bf16=int(query.dtype == torch.bfloat16), stream=stream)
+        **step_fields(fmt, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len, num_splits, stream),
+        **{name: at(name) for name in _REGIONS}, slots=fmt.slots, block_size=fmt.block_size)
 
 
 def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
@@ -91,16 +81,12 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: 
         return lse
     query, q_stride, out = cuda_jit.triton_kernels("decode").query_and_output(q, out)
     stream = cuda_jit.triton_kernels("launch").stream_handle(query.device)
-    plan_key = (fmt, n, query.dtype, block_table.data_ptr(), block_table.stride(0), history.data_ptr(),
-                None if row_order is None else row_order.data_ptr(), scale, longest, num_splits, stream)
+    plan_key = step_key(fmt, query, block_table, history, row_order, scale, longest, num_splits, stream)
     args = _plans.get(plan_key, lambda: _plan(fmt, query, out, block_table, history, row_order, scale, longest,
                                               num_splits, stream))
-    args.query, args.q_stride, args.cache = query.data_ptr(), q_stride, pages.data_ptr()
+    set_layer_pointers(args, query, q_stride, pages, out)
     args.key, args.k_stride, args.value, args.v_stride = key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0)
-    args.out, args.out_stride = out.data_ptr(), out.stride(0)
     args.lse, args.lse_stride = lse.data_ptr(), lse.stride(0)
-    if args.num_splits == 1:
-        args.part = args.out
     err = _library().kvc_salient_decode(ctypes.byref(args))
     if err:
         raise RuntimeError(f"CUDA ZipCache decode kernel launch failed: cudaError {err}")

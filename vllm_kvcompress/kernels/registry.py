@@ -24,9 +24,11 @@ from ..policy import KernelPolicy, PolicyError
 
 OPERATIONS = ("decode", "prompt", "write")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-# csrc/decode_kernel.cu: head size 128, pages of 64 or 128 tokens (its WarpSlices), query heads a KV head
+# csrc/decode_mma.cuh (both CUDA decode kernels): head size 128, pages of 64 or 128 tokens (its WarpSlices),
+# mma.sync m16n8k16 (compute capability 8.0 or later); csrc/decode_kernel.cu: query heads a KV head
 CUDA_DECODE_HEAD = 128
 CUDA_DECODE_PAGES = (64, 128)
+CUDA_DECODE_CAPABILITY = (8, 0)
 CUDA_DECODE_GROUPS = {4: (1, 2, 4), 2: (1, 4)}
 CUDA_WRITE_HEADS = (64, 128, 256)
 CUDA_SALIENT_BLOCK = 128  # csrc/salient_write_kernel.cu: tokens a page, at most
@@ -76,6 +78,11 @@ def why_no_cuda_kernels_here() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     return Device.of("cuda", torch.cuda.get_device_capability()).why_no_cuda_kernels()
+
+
+def why_no_cuda_decode_here() -> str | None:
+    """``why_no_cuda_kernels_here``, and the CUDA decode kernels' compute capability: what their tests ask."""
+    return why_no_cuda_kernels_here() or _mma_capability(Device("cuda", torch.cuda.get_device_capability()))
 
 
 @dataclass(frozen=True)
@@ -270,18 +277,30 @@ def _cuda_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     if rest or group not in groups:
         return (f"{ctx.num_query_heads} query heads for {fmt.k.num_heads} KV heads "
                 f"({', '.join(map(str, groups))} query heads a KV head at {fmt.k.bits} bits)")
-    if fmt.k.head_size != CUDA_DECODE_HEAD:
-        return f"head size {fmt.k.head_size} ({CUDA_DECODE_HEAD} only)"
-    if fmt.block_size not in CUDA_DECODE_PAGES:
-        return f"pages of {fmt.block_size} tokens ({' or '.join(map(str, CUDA_DECODE_PAGES))} only)"
+    why = _mma_decode_pages(fmt)
+    if why is not None:
+        return why
     lay = page_layout(fmt)
     if lay.v.token_group != TOKEN_GROUP:
         return f"V codes in groups of {lay.v.token_group} tokens ({TOKEN_GROUP} only)"
     offsets = (fmt.page_bytes, lay.k.codes, lay.k.scale, lay.k.zero, lay.v.codes, lay.v.scale, lay.v.zero)
     if any(x % 16 for x in offsets):
         return "page regions not on 16-byte boundaries"
-    cap = ctx.device.capability
-    if cap is not None and cap < (8, 0):
+    return _mma_capability(ctx.device)
+
+
+def _mma_decode_pages(fmt: KVPageFormat | SalientTokensFormat) -> str | None:
+    """Why the CUDA decode kernels' slices (csrc/decode_mma.cuh) cannot walk these pages, or None."""
+    if fmt.k.head_size != CUDA_DECODE_HEAD:
+        return f"head size {fmt.k.head_size} ({CUDA_DECODE_HEAD} only)"
+    if fmt.block_size not in CUDA_DECODE_PAGES:
+        return f"pages of {fmt.block_size} tokens ({' or '.join(map(str, CUDA_DECODE_PAGES))} only)"
+    return None
+
+
+def _mma_capability(device: Device) -> str | None:
+    cap = device.capability
+    if cap is not None and cap < CUDA_DECODE_CAPABILITY:
         return f"compute capability {cap[0]}.{cap[1]} (8.0 or later: mma.sync m16n8k16)"
     return None
 
@@ -360,21 +379,17 @@ def _cuda_salient_write(fmt: SalientTokensFormat, ctx: LayerContext) -> str | No
 def _cuda_salient_decode(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
     """csrc/salient_decode_kernel.cu: MHA rows (GQA rows take the Triton kernel), head size and pages as
     the 4-bit CUDA decode's."""
-    why = _salient_decode(fmt, ctx) or _whole_contexts(ctx) or _sixteen_bit_queries(ctx)
+    why = _whole_contexts(ctx) or _sixteen_bit_queries(ctx)
     if why is not None:
         return why
     if ctx.num_query_heads != fmt.k.num_heads:
         return f"{ctx.num_query_heads} query heads for {fmt.k.num_heads} KV heads (one a KV head only)"
-    if fmt.k.head_size != CUDA_DECODE_HEAD:
-        return f"head size {fmt.k.head_size} ({CUDA_DECODE_HEAD} only)"
-    if fmt.block_size not in CUDA_DECODE_PAGES:
-        return f"pages of {fmt.block_size} tokens ({' or '.join(map(str, CUDA_DECODE_PAGES))} only)"
+    why = _mma_decode_pages(fmt)
+    if why is not None:
+        return why
     if fmt.page_bytes % 16:  # regions start on 16-byte boundaries (formats.layout.REGION_ALIGN); pages too
         return f"pages of {fmt.page_bytes} bytes (a multiple of 16 only)"
-    cap = ctx.device.capability
-    if cap is not None and cap < (8, 0):
-        return f"compute capability {cap[0]}.{cap[1]} (8.0 or later: mma.sync m16n8k16)"
-    return None
+    return _mma_capability(ctx.device)
 
 
 def _salient_decode(fmt: SalientTokensFormat, ctx: LayerContext) -> str | None:
