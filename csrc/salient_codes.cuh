@@ -14,14 +14,17 @@ namespace kvc {
 
 constexpr float kSalientMiddle = KVC_SALIENT_MIDDLE;  // where a 2-bit token reads among its four sub-levels
 
-// channels 4b (low nibble) and 4b + 2 of byte b
-__device__ __forceinline__ uint32_t join_even(uint32_t high, uint32_t low) {
-  return ((high & 0x33333333u) << 2) | (low & 0x33333333u);
+// bits of `b` where 0x33333333 has them, else of `a`: one LOP3 (the compiler's own took two)
+__device__ __forceinline__ uint32_t select_low_pairs(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(r) : "r"(a), "r"(b), "r"(0x33333333u));
+  return r;
 }
 
+// channels 4b (low nibble) and 4b + 2 of byte b
+__device__ __forceinline__ uint32_t join_even(uint32_t high, uint32_t low) { return select_low_pairs(high << 2, low); }
+
 // channels 4b + 1 (low nibble) and 4b + 3 of byte b
-__device__ __forceinline__ uint32_t join_odd(uint32_t high, uint32_t low) {
-  return (high & 0xCCCCCCCCu) | ((low & 0xCCCCCCCCu) >> 2);
-}
+__device__ __forceinline__ uint32_t join_odd(uint32_t high, uint32_t low) { return select_low_pairs(high, low >> 2); }
 
 }  // namespace kvc

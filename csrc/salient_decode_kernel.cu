@@ -41,9 +41,17 @@ struct Regions {  // byte offsets of a page's regions, and its refinement rows a
   int k_scale, k_zero, v_scale, v_zero, k_high, v_high, k_low, v_low, slot_of, slots;
 };
 
-// Byte t of 8 N consecutive ones
-__device__ __forceinline__ uint32_t byte_at(const uint2& v, int t) { return ((t < 4 ? v.x : v.y) >> (8 * (t & 3))) & 0xFF; }
-__device__ __forceinline__ uint32_t byte_at(const uint4& v, int t) { return (word(v, t >> 2) >> (8 * (t & 3))) & 0xFF; }
+// Byte t of 8 N consecutive ones (one byte permute)
+__device__ __forceinline__ uint32_t byte_at(uint32_t w, int t) { return __byte_perm(w, 0, 0x4440 | (t & 3)); }
+__device__ __forceinline__ uint32_t byte_at(const uint2& v, int t) { return byte_at(t < 4 ? v.x : v.y, t); }
+__device__ __forceinline__ uint32_t byte_at(const uint4& v, int t) { return byte_at(word(v, t >> 2), t); }
+
+// A 64-bit pointer the compiler keeps whole, so that a token's refinement row is one shift-add from
+// it rather than the page's sum with the region's offsets redone for each token
+__device__ __forceinline__ const uint8_t* whole(const uint8_t* p) {
+  asm("" : "+l"(p));
+  return p;
+}
 
 // The slot bytes of a lane's tokens of a slice: K's 8g..8g+7, V's 16c..16c+15
 struct Slots {
@@ -74,7 +82,7 @@ __device__ __forceinline__ void load_k(PageLoads& in, const uint2& slot_bytes, c
                                        int h, int lane, int slice0) {
   const int g = lane >> 2, c = lane & 3;
   const uint8_t* high = page + o.k_high + (size_t(h) * BLOCK + slice0 + 8 * g) * kRow + 8 * c;
-  const uint8_t* low = page + o.k_low + size_t(h) * o.slots * kRow + 8 * c;
+  const uint8_t* low = whole(page + o.k_low + size_t(h) * o.slots * kRow + 8 * c);
   // what does not wait for the slot bytes first
 #pragma unroll
   for (int t = 0; t < 8; ++t) in.k_hi[t] = __ldg(reinterpret_cast<const uint2*>(high + t * kRow));
@@ -95,7 +103,7 @@ __device__ __forceinline__ void load_v(PageLoads& in, const uint4& slot_bytes, c
                                        int h, int lane, int slice0) {
   const int g = lane >> 2, c = lane & 3;
   const uint8_t* high = page + o.v_high + (size_t(h) * BLOCK + slice0 + 16 * c) * kRow + 4 * g;
-  const uint8_t* low = page + o.v_low + size_t(h) * o.slots * kRow + 4 * g;
+  const uint8_t* low = whole(page + o.v_low + size_t(h) * o.slots * kRow + 4 * g);
 #pragma unroll
   for (int t = 0; t < 16; ++t) in.v_hi[t] = __ldg(reinterpret_cast<const uint32_t*>(high + t * kRow));
   const uint8_t* stats = page + (h * BLOCK + slice0 + 16 * c) * 2;
@@ -265,14 +273,21 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
 
     // softmax over the slice: tokens at or past L (on the last page) get no weight
     const int pos = b * BLOCK + slice0;  // position of the slice's token 0
+    const bool tail = pos + kSlice > L;    // the same for the whole warp: its masks are a branch
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int r = 0; r < 4; r += 2) {
         const int t = 2 * r + i;  // the token's place among the lane's 8g..8g+7
         s[i][r] += bias + (refined(byte_at(slots.k, t), o.slots) ? 0.f : middle);
-        if (pos + 8 * g + t >= L) s[i][r] = -INFINITY;
       }
+    if (tail) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int r = 0; r < 4; r += 2)
+          if (pos + 8 * g + 2 * r + i >= L) s[i][r] = -INFINITY;
+    }
     float alpha;
     const float m_ref = slice_max(s, m, alpha);
     float pr[16];  // probabilities of tokens 16c..16c+15
@@ -283,15 +298,23 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
     uint32_t pa[4], pb[4];
     float lsum = 0.f, zsum = 0.f, psum = 0.f;
     {
-      const bool tail = pos + kSlice > L;  // the same for the whole warp
+      float vs[16], vz[16];
 #pragma unroll
       for (int t = 0; t < 16; ++t) {
-        float vs = half_at(in.vs, t), vz = half_at(in.vz, t);
-        if (!refined(byte_at(slots.v, t), o.slots)) vz += kSalientMiddle * vs;
-        if (tail && pos + 16 * c + t >= L) vs = vz = 0.f;  // an unwritten slot's statistics may be anything
+        vs[t] = half_at(in.vs, t);
+        vz[t] = half_at(in.vz, t);
+      }
+      if (tail) {  // an unwritten slot's statistics may be anything
+#pragma unroll
+        for (int t = 0; t < 16; ++t)
+          if (pos + 16 * c + t >= L) vs[t] = vz[t] = 0.f;
+      }
+#pragma unroll
+      for (int t = 0; t < 16; ++t) {
+        if (!refined(byte_at(slots.v, t), o.slots)) vz[t] += kSalientMiddle * vs[t];
         lsum += pr[t];
-        zsum += pr[t] * vz;
-        pr[t] *= vs;
+        zsum += pr[t] * vz[t];
+        pr[t] *= vs[t];
       }
 #pragma unroll
       for (int st = 0; st < 4; ++st) {
@@ -353,6 +376,7 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
     w_own = ex2(own - top);
     total = lt * w_kept + w_own;
   }
+  const float inv_total = 1.f / total;  // one division: 32 a lane (IEEE, each with its slow path) took 6%
   const T* new_v = value + row * v_stride + h * kHead;
   T* dst = out + row * out_stride + h * kHead;
   float* partial = part + ((int64_t(row) * num_heads + h) * num_splits + split) * (kHead + 2);
@@ -366,7 +390,7 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
         const float kept = (acc[tile][pl][r] * (pl ? 1.f / 16.f : 1.f) + pz) * w0 + other_out[ch] * w1;
         const float v = kept * w_kept + (split == 0 ? to_float(new_v[ch]) * w_own : 0.f);  // kept: 0 if no history
         if (num_splits == 1)
-          dst[ch] = from_float(v / total, static_cast<T*>(nullptr));
+          dst[ch] = from_float(v * inv_total, static_cast<T*>(nullptr));
         else
           partial[ch] = v;  // unnormalized output of this split
       }
