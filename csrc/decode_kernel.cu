@@ -348,11 +348,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
   }
   __syncthreads();
   if (warp != 0 || c != 0) return;
-  const float m1 = other_ml[0], l1 = other_ml[1];
-  const float mm = fmaxf(m, m1);
-  const float w0 = m == -INFINITY ? 0.f : ex2(m - mm);
-  const float w1 = m1 == -INFINITY ? 0.f : ex2(m1 - mm);
-  const float lt = l * w0 + l1 * w1;
+  const auto [mm, w0, w1, lt] = merge_partials(m, l, other_ml[0], other_ml[1]);
   const float scale = num_splits == 1 ? 1.f / lt : 1.f;
   float* partial = part + ((int64_t(row) * num_heads + h) * num_splits + split) * (kHead + 2);
   T* dst = out + row * out_stride + h * kHead;
@@ -579,11 +575,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
   for (int e = 0; e < 2; ++e) {
     const int col = 2 * c + e;
     if (col >= GROUP) continue;
-    const float m1 = other_ml[col][0], l1 = other_ml[col][1];
-    const float mm = fmaxf(m[e], m1);
-    const float w0 = m[e] == -INFINITY ? 0.f : ex2(m[e] - mm);
-    const float w1 = m1 == -INFINITY ? 0.f : ex2(m1 - mm);
-    const float lt = lc[e] * w0 + l1 * w1;
+    const auto [mm, w0, w1, lt] = merge_partials(m[e], lc[e], other_ml[col][0], other_ml[col][1]);
     const float scale = num_splits == 1 ? 1.f / lt : 1.f;
     const int qhead = h * GROUP + col;
     float* partial = part + ((int64_t(row) * num_heads * GROUP + qhead) * num_splits + split) * (kHead + 2);

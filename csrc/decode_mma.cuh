@@ -117,6 +117,19 @@ __device__ __forceinline__ void slice_probabilities(float4* probs, const float (
   __syncwarp();
 }
 
+// Two softmax partials over disjoint tokens, each a running maximum (base 2) and sum, as one: the
+// merged maximum and sum, and each partial's rescale (0 for a partial that saw no token, maximum -inf;
+// both -inf: weights and sum 0). How the two warps' slices are merged, and a split with its row's new token.
+struct Merged {
+  float m, w0, w1, l;
+};
+__device__ __forceinline__ Merged merge_partials(float m0, float l0, float m1, float l1) {
+  const float m = fmaxf(m0, m1);
+  const float w0 = m0 == -INFINITY ? 0.f : ex2(m0 - m);
+  const float w1 = m1 == -INFINITY ? 0.f : ex2(m1 - m);
+  return {m, w0, w1, l0 * w0 + l1 * w1};
+}
+
 // The page of block-table entry `entry`
 __device__ __forceinline__ const uint8_t* page_of(const uint8_t* cache, int entry, int64_t page_bytes) {
   return cache + int64_t(entry) * page_bytes;

@@ -363,19 +363,11 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
   }
   __syncthreads();
   if (warp != 0 || c != 0) return;
-  const float m1 = other_ml[0], l1 = other_ml[1];
-  const float mm = fmaxf(m, m1);
-  const float w0 = m == -INFINITY ? 0.f : ex2(m - mm);
-  const float w1 = m1 == -INFINITY ? 0.f : ex2(m1 - mm);
-  const float lt = l * w0 + l1 * w1;
-  // split 0 adds the new token (one split: the result; else a partial, merged by merge_splits)
-  float top = mm, w_kept = 1.f, w_own = 0.f, total = lt;
-  if (split == 0) {
-    top = fmaxf(mm, own);
-    w_kept = mm == -INFINITY ? 0.f : ex2(mm - top);  // no history (a padding row): the new token alone
-    w_own = ex2(own - top);
-    total = lt * w_kept + w_own;
-  }
+  const auto [mm, w0, w1, lt] = merge_partials(m, l, other_ml[0], other_ml[1]);
+  // split 0 adds the new token, a partial of its own (one split: the result; else a partial, merged
+  // by merge_splits); with no history (a padding row), the new token alone
+  const Merged with_own = split == 0 ? merge_partials(mm, lt, own, 1.f) : Merged{mm, 1.f, 0.f, lt};
+  const float top = with_own.m, w_kept = with_own.w0, w_own = with_own.w1, total = with_own.l;
   const float inv_total = 1.f / total;  // one division: 32 a lane (IEEE, each with its slow path) took 6%
   const T* new_v = value + row * v_stride + h * kHead;
   T* dst = out + row * out_stride + h * kHead;
