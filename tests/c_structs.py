@@ -25,14 +25,14 @@ def c_struct_fields(source: str, name: str, nested: dict[str, type] | None = Non
     return fields
 
 
-def stub_launches(monkeypatch, module, entry: str, record) -> list:
-    """``module``'s (cuda_decode's, cuda_write's) library replaced by one whose ``entry`` passes each
-    launch's argument struct to ``record``, the current stream by 7, and its plans by a fresh cache;
-    returns the list that each new plan's arguments are appended to."""
+def stub_launches(monkeypatch, module, record) -> list:
+    """``module``'s (cuda_decode's, cuda_write's) kernel replaced by one that passes each launch's
+    argument struct to ``record``, the current stream by 7, and its plans by a fresh cache; returns
+    the list that each new plan's arguments are appended to."""
     from vllm_kvcompress.launch_plans import LaunchPlans
     from vllm_kvcompress.triton_kernels import launch
     plans, planned = [], module._plan
-    monkeypatch.setattr(module, "_library", type("Library", (), {entry: lambda self, args: record(args._obj) or 0}))
+    monkeypatch.setattr(module, "_kernel", record)
     monkeypatch.setattr(launch, "stream_handle", lambda device: 7)
     monkeypatch.setattr(module, "_plans", LaunchPlans())
     monkeypatch.setattr(module, "_plan", lambda *args: plans.append(args) or planned(*args))

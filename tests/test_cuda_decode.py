@@ -30,7 +30,7 @@ def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch):
     """The rows, lengths and order are planned once a step; each layer's call passes its own query,
     cache and output. A step with other lengths gets its own plan."""
     calls = []
-    plans = stub_launches(monkeypatch, cuda_decode, "kvc_decode",
+    plans = stub_launches(monkeypatch, cuda_decode,
                           lambda args: calls.append({name: getattr(args, name) for name, _ in args._fields_}))
     fmt, n = _fmt(heads=2), 3
     table = torch.zeros(n, 8, dtype=torch.int32)

@@ -34,7 +34,7 @@ def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch, 
     """The slots are planned once a step; each layer's call passes its own K, V and cache (K and V of
     different widths in a launch each)."""
     calls = []
-    plans = stub_launches(monkeypatch, cuda_write, "kvc_write", lambda args: calls.append(
+    plans = stub_launches(monkeypatch, cuda_write, lambda args: calls.append(
         (args.a.src, args.a.src_stride, args.a.codes, args.b.src, args.b.src_stride, args.b.codes, args.cache,
          args.slots, args.num_tokens, args.bits)))
     fmt = _format(layer_format)

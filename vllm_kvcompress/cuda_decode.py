@@ -14,7 +14,6 @@ same call.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -48,17 +47,9 @@ class _DecodeArgs(ctypes.Structure):
         + [("stream", ctypes.c_void_p)]
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    lib = cuda_jit.load("kvcompress_decode", "decode_kernel.cu", "KVCOMPRESS_DECODE")
-    lib.kvc_decode.argtypes = [ctypes.POINTER(_DecodeArgs)]
-    lib.kvc_decode.restype = ctypes.c_int
-    return lib
-
-
-def build() -> None:
-    """Build (or load the cached build of) the kernel: at startup, not in the middle of serving."""
-    _library()
+_kernel = cuda_jit.Kernel("kvcompress_decode", "kvc_decode", _DecodeArgs, "KVCOMPRESS_DECODE",
+                           "CUDA decode kernel")
+build = _kernel.build  # at startup, not in the middle of serving
 
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -133,7 +124,5 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat, bl
     args = _plans.get(key, lambda: _plan(fmt, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len,
                                          num_splits, stream))
     set_layer_pointers(args, query, q_stride, cache, out)
-    err = _library().kvc_decode(ctypes.byref(args))
-    if err:
-        raise RuntimeError(f"CUDA decode kernel launch failed: cudaError {err}")
+    _kernel(args)
     return out

@@ -89,6 +89,31 @@ def load(name: str, source: str, variable: str) -> ctypes.CDLL:
     return ctypes.CDLL(path)
 
 
+class Kernel:
+    """A CUDA library's launch function, ``int symbol(const Args*)`` returning a cudaError_t: loaded at
+    startup (``build``) or at its first launch, each launch given its arguments' struct; a failed
+    launch raises, naming ``what``."""
+
+    def __init__(self, library: str, symbol: str, args_type: type[ctypes.Structure], variable: str, what: str):
+        self.library, self.symbol, self.args_type, self.variable, self.what = library, symbol, args_type, variable, what
+
+    @functools.cached_property
+    def _function(self):
+        function = getattr(load(self.library, LIBRARIES[self.library], self.variable), self.symbol)
+        function.argtypes = [ctypes.POINTER(self.args_type)]
+        function.restype = ctypes.c_int
+        return function
+
+    def build(self) -> None:
+        """Build (or load the cached build of) the library: at startup, not in the middle of serving."""
+        self._function
+
+    def __call__(self, args: ctypes.Structure) -> None:
+        err = self._function(ctypes.byref(args))
+        if err:
+            raise RuntimeError(f"{self.what} launch failed: cudaError {err}")
+
+
 def _clear_stale_lock(name: str) -> None:
     """Remove the build directory's lock file where it is older than STALE_LOCK_S; say so where a
     younger one makes this process wait for another's build."""

@@ -14,7 +14,6 @@ probabilities), where the Triton kernel pads its products to 16 query rows of wh
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -39,17 +38,9 @@ class _SalientDecodeArgs(ctypes.Structure):
         + [("stream", ctypes.c_void_p)]
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    lib = cuda_jit.load("kvcompress_salient_decode", "salient_decode_kernel.cu", "KVCOMPRESS_DECODE")
-    lib.kvc_salient_decode.argtypes = [ctypes.POINTER(_SalientDecodeArgs)]
-    lib.kvc_salient_decode.restype = ctypes.c_int
-    return lib
-
-
-def build() -> None:
-    """Build (or load the cached build of) the kernel: at startup, not in the middle of serving."""
-    _library()
+_kernel = cuda_jit.Kernel("kvcompress_salient_decode", "kvc_salient_decode", _SalientDecodeArgs,
+                           "KVCOMPRESS_DECODE", "CUDA ZipCache decode kernel")
+build = _kernel.build  # at startup, not in the middle of serving
 
 
 _plans = LaunchPlans()  # by step (``cuda_decode.step_key``): the arguments but the tensors each layer has
@@ -87,7 +78,5 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: 
     set_layer_pointers(args, query, q_stride, pages, out)
     args.key, args.k_stride, args.value, args.v_stride = key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0)
     args.lse, args.lse_stride = lse.data_ptr(), lse.stride(0)
-    err = _library().kvc_salient_decode(ctypes.byref(args))
-    if err:
-        raise RuntimeError(f"CUDA ZipCache decode kernel launch failed: cudaError {err}")
+    _kernel(args)
     return lse

@@ -11,7 +11,6 @@ registry (``kernels.registry``) gives it the decode rows where it can be had, un
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -37,17 +36,9 @@ class _SalientWriteArgs(ctypes.Structure):
                    ("group", ctypes.c_int)])
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    lib = cuda_jit.load("kvcompress_salient_write", "salient_write_kernel.cu", "KVCOMPRESS_WRITE")
-    lib.kvc_salient_write.argtypes = [ctypes.POINTER(_SalientWriteArgs)]
-    lib.kvc_salient_write.restype = ctypes.c_int
-    return lib
-
-
-def build() -> None:
-    """Build (or load the cached build of) the kernel: at startup, not in the middle of serving."""
-    _library()
+_kernel = cuda_jit.Kernel("kvcompress_salient_write", "kvc_salient_write", _SalientWriteArgs,
+                           "KVCOMPRESS_WRITE", "CUDA ZipCache write kernel")
+build = _kernel.build  # at startup, not in the middle of serving
 
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
@@ -101,6 +92,4 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     args.lse, args.lse_row_stride, args.lse_head_stride = lse.data_ptr(), lse.stride(0), lse.stride(1)
     args.given = None if given is None else given.data_ptr()
     args.cache = cache.data_ptr()
-    err = _library().kvc_salient_write(ctypes.byref(args))
-    if err:
-        raise RuntimeError(f"CUDA ZipCache write kernel launch failed: cudaError {err}")
+    _kernel(args)

@@ -36,17 +36,9 @@ class _WriteArgs(ctypes.Structure):
                 ("bits", ctypes.c_int), ("dtype", ctypes.c_int), ("stream", ctypes.c_void_p)]
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    lib = cuda_jit.load("kvcompress_write", "write_kernel.cu", "KVCOMPRESS_WRITE")
-    lib.kvc_write.argtypes = [ctypes.POINTER(_WriteArgs)]
-    lib.kvc_write.restype = ctypes.c_int
-    return lib
-
-
-def build() -> None:
-    """Build (or load the cached build of) the kernel: at startup, not in the middle of serving."""
-    _library()
+_kernel = cuda_jit.Kernel("kvcompress_write", "kvc_write", _WriteArgs, "KVCOMPRESS_WRITE",
+                           "CUDA write kernel")
+build = _kernel.build  # at startup, not in the middle of serving
 
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -103,6 +95,4 @@ def write_tokens(cache: torch.Tensor, fmt: KVPageFormat, key: torch.Tensor, valu
         args.a.src, args.a.src_stride = sources[a]
         args.b.src, args.b.src_stride = sources[b]
         args.cache = cache_ptr
-        err = _library().kvc_write(ctypes.byref(args))
-        if err:
-            raise RuntimeError(f"CUDA write kernel launch failed: cudaError {err}")
+        _kernel(args)
