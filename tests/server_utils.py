@@ -29,19 +29,23 @@ def server_env() -> dict:
 
 def start_server(model, args: list[str], log: Path, timeout: float = 240) -> tuple[subprocess.Popen, str]:
     """``kvcompress serve MODEL ARGS`` on 127.0.0.1 with its output in ``log``; returns the process
-    and its base URL once /health answers. Fails with the log's tail if it exits or never answers."""
-    port = free_port()
-    cmd = [*kvcompress(), "serve", str(model), *args, "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env())
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
-    while True:
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise AssertionError("server did not come up:\n" + log.read_text()[-3000:])
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=2)
-            return proc, base
-        except OSError:
-            time.sleep(1)
+    and its base URL once /health answers. Fails with the log's tail if it exits or never answers.
+    A port that another test took between choosing and binding it is chosen again."""
+    for _ in range(3):
+        port = free_port()
+        cmd = [*kvcompress(), "serve", str(model), *args, "--host", "127.0.0.1", "--port", str(port)]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env())
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + timeout
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                return proc, base
+            except OSError:
+                time.sleep(1)
+        proc.kill()
+        proc.wait()
+        if "Address already in use" not in log.read_text():
+            break
+    raise AssertionError("server did not come up:\n" + log.read_text()[-3000:])

@@ -1,11 +1,12 @@
 """The OpenAI-compatible server with compression on, started the way the README says."""
 
 import concurrent.futures
+import socket
 import subprocess
 
 import pytest
 from engine_utils import engine, greedy
-from server_utils import free_port, kvcompress, server_env, start_server
+from server_utils import kvcompress, server_env, start_server
 from tiny_models import build_llama
 
 pytestmark = pytest.mark.engine
@@ -64,15 +65,21 @@ def test_completions_and_chat_concurrently(server, model):
     assert [c for c, _ in completions] == [tok.decode(ids) for ids in offline]
 
 
-def test_bad_config_stops_server_at_startup(model, tmp_path):
+def test_bad_config_stops_server_before_it_takes_the_port(model, tmp_path):
+    """The config is checked while the flags are parsed: the port is still taken by someone
+    else here, and the answer is the config's one line, not the port's."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("default: {k_bits: 5, v_bits: 4}\n")
-    cmd = [*kvcompress(), "serve", str(model), "--kv-compression", str(bad), "--port", str(free_port()),
-           "--host", "127.0.0.1"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=server_env())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cmd = [*kvcompress(), "serve", str(model), "--kv-compression", str(bad),
+               "--port", str(taken.getsockname()[1]), "--host", "127.0.0.1"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=server_env())
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
-    assert last == f"error: kv-compression config {bad}: field 'default.k_bits' = 5 is not allowed; allowed: 2, 3, 4, 8, 16"
+    assert last.endswith(f"error: argument --kv-compression: kv-compression config {bad}: "
+                         "field 'default.k_bits' = 5 is not allowed; allowed: 2, 3, 4, 8, 16"), last
 
 
 def test_flag_and_additional_config_are_the_same(model):

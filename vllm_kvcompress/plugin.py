@@ -55,7 +55,7 @@ def _add_cli_flag() -> None:
         parser = original_add(parser, *args, **kwargs)
         if not any("--kv-compression" in a.option_strings for a in parser._actions):
             parser.add_argument(
-                "--kv-compression", default=None, metavar="CONFIG",
+                "--kv-compression", default=None, metavar="CONFIG", type=_loadable_setting,
                 help="vllm-kvcompress: store the KV cache in compressed pages. CONFIG is a YAML/JSON "
                      "file or a preset name (quant-k8v8, quant-k4v4, quant-k2v2, ...). Same as "
                      f"--additional-config '{{\"{ADDITIONAL_CONFIG_KEY}\": CONFIG}}'.")
@@ -71,6 +71,20 @@ def _add_cli_flag() -> None:
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
     EngineArgs.from_cli_args = classmethod(from_cli_args)
     _unwrap_config_errors(EngineArgs)
+
+
+def _loadable_setting(setting: str) -> str:
+    """The flag's value, once it loads: a bad file stops the command while its arguments are
+    parsed, before ``vllm serve`` binds its port or loads a model."""
+    import argparse
+
+    from .config import KVCompressionConfigError, load_config
+
+    try:
+        load_config(setting)
+    except KVCompressionConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return setting
 
 
 def _unwrap_config_errors(engine_args_cls) -> None:
