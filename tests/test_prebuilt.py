@@ -40,6 +40,13 @@ def test_prebuilt_library_loads_without_a_build_and_only_for_its_sources(csrc_co
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_build)
     lib = cuda_jit.load("kvcompress_write", "write_kernel.cu", "KVCOMPRESS_WRITE")
     assert isinstance(lib, ctypes.CDLL) and hasattr(lib, "kvc_write")
+    # launched through cuda_jit.Kernel, as cuda_write launches it: a launch the library refuses (an
+    # all-zero argument struct: no dtype it covers) raises with CUDA's error, with or without a GPU
+    from vllm_kvcompress import cuda_write
+    k = cuda_write._kernel  # its fields, on a fresh Kernel that loads the copy's library
+    kernel = cuda_jit.Kernel(k.library, k.symbol, k.args_type, k.variable, k.what)
+    with pytest.raises(RuntimeError, match=r"^CUDA write kernel launch failed: cudaError 1$"):  # cudaErrorInvalidValue
+        kernel(cuda_write._WriteArgs())
     # an edited header (or source, or page constant) names another library: the old one is not loaded
     header = next(csrc_copy.glob("*.cuh"))
     header.write_bytes(header.read_bytes() + b"\n// edited\n")
