@@ -61,7 +61,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("logs", nargs="+", type=Path)
     for path in ap.parse_args().logs:
-        print(f"{path.name}: {summary(path.read_text(errors='replace'))}")
+        try:
+            print(f"{path.name}: {summary(path.read_text(errors='replace'))}")
+        except ValueError as err:  # a run that failed before its first request completed
+            print(f"{path.name}: {err}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@
 # profiler and print where the GPU time went (benchmarks/trace_summary.py); tokens/s then suffer.
 # Each run also prints its tokens/s as its requests complete (benchmarks/completion.py): the last
 # 1% (the longest outputs, in a small batch) take about as long in every setting.
+# A setting named twice runs twice (its second run's files end in -run2); the call ends with each
+# setting's tokens/s and its ratio to the first setting's (benchmarks/e2e_ratios.py): SETTINGS="A B A"
+# puts B between two runs of A.
 # STEPS=1: also log every engine step (benchmarks/step_log) and print the run's time by kind of
 # step (benchmarks/step_times.py).
 # EXTRA_ARGS: more vLLM flags for every run, e.g. "--max-cudagraph-capture-size 2048".
@@ -32,9 +35,14 @@ if [ -n "${RANDOM_LENS:-}" ]; then
   read -r input_len output_len <<< "$RANDOM_LENS"
   dataset=(--dataset-name random --random-input-len "$input_len" --random-output-len "$output_len" --random-range-ratio 0)
 fi
+declare -A runs_of
+results=()
 for setting in $SETTINGS; do
   stop_stray_gpu_processes
   kv_flags "$setting"
+  runs_of[$name]=$(( ${runs_of[$name]:-0} + 1 ))
+  setting_name=$name
+  [ "${runs_of[$name]}" = 1 ] || name="$name-run${runs_of[$name]}"
   prof=()
   if [ -n "${PROFILE:-}" ]; then
     rm -rf "$OUT/trace-$SHAPE-$name"
@@ -45,6 +53,7 @@ for setting in $SETTINGS; do
     rm -f "$OUT/steps-$SHAPE-$name".*
     steps=(env KVCOMPRESS_STEP_LOG="$OUT/steps-$SHAPE-$name" PYTHONPATH="$REPO/benchmarks/step_log${PYTHONPATH:+:$PYTHONPATH}")
   fi
+  rm -f "$OUT/$SHAPE-$name.json"  # a failed run leaves none, not an earlier call's
   start=$(date +%s)
   env "${run_env[@]}" "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
     --load-format dummy --dtype bfloat16 --max-model-len "${MAX_MODEL_LEN:-2048}" --kv-cache-memory-bytes "${KV_BYTES:-8589934592}" \
@@ -55,4 +64,6 @@ for setting in $SETTINGS; do
   python "$REPO/benchmarks/completion.py" "$OUT/$SHAPE-$name.log"  # tokens/s at 50/90/99/100% of requests done
   [ -z "${STEPS:-}" ] || python "$REPO/benchmarks/step_times.py" "$OUT/steps-$SHAPE-$name".*
   [ -z "${PROFILE:-}" ] || python "$REPO/benchmarks/trace_summary.py" "$OUT/trace-$SHAPE-$name" --top 15
+  results+=("$setting_name=$OUT/$SHAPE-$name.json")
 done
+python "$REPO/benchmarks/e2e_ratios.py" "${results[@]}"

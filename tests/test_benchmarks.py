@@ -780,3 +780,60 @@ def test_gpu_serve_leaves_three_files_a_setting(tmp_path):
     log = (out / "serve-llama2-7b-auto.log").read_text()
     assert log.index("== warm-up") < log.index("== rate 4") < log.index("== rate 16")
     assert "== llama2-7b auto rate 16 rc=0" in run.stdout and "Median TTFT (ms): 20.0" in run.stdout
+
+
+def test_e2e_ratios_put_a_setting_against_the_first_ones_runs(tmp_path):
+    """``benchmarks/e2e_ratios.py``: each setting's runs and their geometric mean, and every other
+    setting against the first one's geometric mean with the spread of its runs; a run that wrote no
+    result is shown as failed and left out."""
+    from benchmarks import e2e_ratios
+
+    def result(name, rate):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"tokens_per_second": rate, "elapsed_time": 60.0}))
+        return path
+
+    runs = [("A", e2e_ratios.tokens_per_s(result("a1", 1000.0))), ("B", e2e_ratios.tokens_per_s(result("b", 1100.0))),
+            ("A", e2e_ratios.tokens_per_s(result("a2", 1210.0))), ("C", e2e_ratios.tokens_per_s(tmp_path / "none.json"))]
+    assert e2e_ratios.summary(runs) == [
+        "A: 1,000 / 1,210 tokens/s (geometric mean 1,100)",
+        "B: 1,100 tokens/s",
+        "C: failed tokens/s",
+        "B / A: 1.000x; A's runs 21.0% apart",
+    ]
+
+
+def test_gpu_e2e_runs_a_repeated_setting_again_and_ends_on_the_ratios(tmp_path):
+    """``gpu_e2e.sh`` with SETTINGS="A B A" (vLLM's benchmark replaced by a stub that writes the
+    rate it is given for each run): the second run of A gets files of its own, and the call ends on
+    B against both runs of A."""
+    model = tmp_path / "models" / "tiny"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    rates = tmp_path / "rates"
+    rates.write_text("900\n1210\n1000\n")
+    stub = tmp_path / "bin" / "python"
+    stub.parent.mkdir()
+    stub.write_text(f"""#!/usr/bin/env bash
+if [ "$1 $2" = "-m vllm.entrypoints.cli.main" ]; then  # bench throughput ... --output-json FILE
+  rate=$(head -1 {rates}); sed -i 1d {rates}
+  while [ $# -gt 0 ]; do [ "$1" = --output-json ] && out=$2; shift; done
+  echo "{{\\"tokens_per_second\\": $rate}}" > "$out"
+  echo "Throughput: 1.00 requests/s, $rate total tokens/s"
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", "SHAPE": "tiny",
+           "MODELS_DIR": str(model.parent), "OUT": str(tmp_path / "out"), "SETTINGS": "quant-k4v4 zipcache-r60 quant-k4v4"}
+    run = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_e2e.sh")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.json")) == [
+        "tiny-quant-k4v4-run2.json", "tiny-quant-k4v4.json", "tiny-zipcache-r60.json"]
+    assert run.stdout.splitlines()[-3:] == [
+        "quant-k4v4: 900 / 1,000 tokens/s (geometric mean 949)",
+        "zipcache-r60: 1,210 tokens/s",
+        "zipcache-r60 / quant-k4v4: 1.275x; quant-k4v4's runs 11.1% apart",
+    ]
