@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from benchmarks import kvmix, metrics, needle, quality, sharegpt
+from server_utils import free_port
 from vllm_kvcompress.config import load_config
 from vllm_kvcompress.tools.datasets import dataset_texts
 
@@ -766,7 +767,7 @@ def test_gpu_serve_leaves_three_files_a_setting(tmp_path):
     (model / "config.json").write_text("{}")
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "fake"), "OUT": str(out), "MODELS_DIR": str(tmp_path / "models"),
-           "SHAPE": "llama2-7b", "DATA": str(tmp_path / "data.json"), "TOKENIZER": "unused", "PORT": "8791",
+           "SHAPE": "llama2-7b", "DATA": str(tmp_path / "data.json"), "TOKENIZER": "unused", "PORT": str(free_port()),
            "SETTINGS": "auto quant-k4v4", "RATES": "4 16", "WARMUP": "2", "NUM_PROMPTS": "3",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     run = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_serve.sh")], env=env, capture_output=True,
