@@ -3,10 +3,12 @@
 import concurrent.futures
 import socket
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from engine_utils import engine, greedy
-from server_utils import kvcompress, server_env, start_server
+from server_utils import free_port, kvcompress, server_env, start_server
 from tiny_models import build_llama
 
 pytestmark = pytest.mark.engine
@@ -80,6 +82,21 @@ def test_bad_config_stops_server_before_it_takes_the_port(model, tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.endswith(f"error: argument --kv-compression: kv-compression config {bad}: "
                          "field 'default.k_bits' = 5 is not allowed; allowed: 2, 3, 4, 8, 16"), last
+
+
+def test_vllm_serve_ends_on_the_refusals_one_line(model):
+    """``vllm serve`` itself (not ``kvcompress serve``, which catches the error): a setting the model
+    cannot take is refused while the engine's config is made, and the process ends on that one
+    line, not on a traceback through vLLM's startup."""
+    cli = Path(__file__).resolve().parent.parent / "benchmarks" / "vllm_cli.py"
+    cmd = [sys.executable, str(cli), "serve", str(model), "--kv-compression", "slim-k16", "--max-model-len", "512",
+           "--host", "127.0.0.1", "--port", str(free_port())]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=server_env())
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: kv-compression config preset 'slim-k16': k_only (slim attention) needs multi-head attention, "
+        f"but {model} has 4 query heads and 2 KV heads (grouped-query): W_K is not square")
 
 
 def test_flag_and_additional_config_are_the_same(model):

@@ -37,6 +37,7 @@ def register() -> None:
     if "KVCOMPRESS" not in AttentionBackendEnum.__members__:
         register_backend("KVCOMPRESS", BACKEND_PATH)
     _add_cli_flag()
+    _one_line_config_errors()
     _hook_platform()
     _hook_layer_spec()
     _hook_merged_pairs()
@@ -85,6 +86,25 @@ def _loadable_setting(setting: str) -> str:
     except KVCompressionConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return setting
+
+
+def _one_line_config_errors() -> None:
+    """A setting refused at startup and left uncaught (``vllm serve``, ``vllm bench``, a script) ends
+    the process with its one line, ``error: ...``, not a traceback through vLLM's startup; any
+    other exception keeps Python's report."""
+    import sys
+
+    from .config import KVCompressionConfigError
+
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        if issubclass(kind, KVCompressionConfigError):
+            print(f"error: {value}", file=sys.stderr)
+        else:
+            previous(kind, value, traceback)
+
+    sys.excepthook = excepthook
 
 
 def _unwrap_config_errors(engine_args_cls) -> None:
