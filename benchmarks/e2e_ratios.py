@@ -11,9 +11,9 @@ runs are averaged geometrically and the spread between them is printed beside th
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
+from statistics import geometric_mean
 
 
 def tokens_per_s(result: Path) -> float | None:
@@ -24,32 +24,24 @@ def tokens_per_s(result: Path) -> float | None:
         return None
 
 
-def geometric_mean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def summary(runs: list[tuple[str, float | None]]) -> list[str]:
     """Lines for the (setting, tokens/s) runs in order: each setting's runs and their geometric mean,
     then every other setting against the first one's."""
     by_setting: dict[str, list[float | None]] = {}
     for name, rate in runs:
         by_setting.setdefault(name, []).append(rate)
+    done = {name: [r for r in rates if r is not None] for name, rates in by_setting.items()}
     lines = []
     for name, rates in by_setting.items():
         shown = " / ".join("failed" if r is None else f"{r:,.0f}" for r in rates)
-        done = [r for r in rates if r is not None]
-        mean = f" (geometric mean {geometric_mean(done):,.0f})" if len(done) > 1 else ""
+        mean = f" (geometric mean {geometric_mean(done[name]):,.0f})" if len(done[name]) > 1 else ""
         lines.append(f"{name}: {shown} tokens/s{mean}")
-    (base, base_rates), *others = by_setting.items()
-    base_done = [r for r in base_rates if r is not None]
-    if not base_done:
+    base, *others = done
+    if not done[base]:
         return lines
-    reference = geometric_mean(base_done)
-    spread = f"; {base}'s runs {max(base_done) / min(base_done) - 1:.1%} apart" if len(base_done) > 1 else ""
-    for name, rates in others:
-        done = [r for r in rates if r is not None]
-        if done:
-            lines.append(f"{name} / {base}: {geometric_mean(done) / reference:.3f}x{spread}")
+    reference = geometric_mean(done[base])
+    spread = f"; {base}'s runs {max(done[base]) / min(done[base]) - 1:.1%} apart" if len(done[base]) > 1 else ""
+    lines += [f"{name} / {base}: {geometric_mean(done[name]) / reference:.3f}x{spread}" for name in others if done[name]]
     return lines
 
 
