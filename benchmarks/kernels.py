@@ -8,7 +8,7 @@ now that a token which fits its grids writes one row).
 
     python benchmarks/kernels.py --out results/kernels.json [--sweep] [--scaling] [--write-chunks 8 32]
     python benchmarks/kernels.py --host   # host time of a mixed step's attention calls, a layer
-    python benchmarks/kernels.py --prompts   # prompt chunks after history: FlashAttention bf16 against ours
+    python benchmarks/kernels.py --prompts   # prompt chunks after history: FlashAttention bf16 against ours (both routes)
     python benchmarks/kernels.py --zipcache  # ZipCache's attention of a layer in parts, beside the 4-bit preset's
     python benchmarks/kernels.py --minicache  # MiniCache's merged pair in parts, beside two 4-bit layers
     python benchmarks/kernels.py --presets quant-k3v2-o1 quant-k4v4  # presets' decode rows and write
@@ -174,14 +174,17 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
 
 
 def bench_prompt_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, history: int,
-                        block: int = 128, prompt_rows: int | None = None, **tuning) -> dict:
+                        block: int = 128, prompt_rows: int | None = None, route: str = "history", **tuning) -> dict:
     """``num_prompts`` prefill chunks of ``prompt`` tokens, each after ``history`` tokens in its pages,
-    as the backend runs them (``triton_kernels.prompt``): FlashAttention over the chunk's own K/V,
-    then the decode kernel's rows over the history, continuing from FlashAttention's state.
-    ``prompt_rows`` (a program's rows) and ``tuning`` (``tile``, ``num_warps``, ``num_stages``):
-    the history kernel's, where not its defaults."""
+    as the backend runs them: ``route`` "history" (``triton_kernels.history``, the plain min-max
+    pages'): the history decoded once into 16-bit rows, then FlashAttention over it and the chunk;
+    "decode-kernel" (``triton_kernels.prompt``, pages with outlier tokens and MiniCache's):
+    FlashAttention over the chunk's own K/V, then the decode kernel's rows over the history,
+    continuing from FlashAttention's state. ``prompt_rows`` (a program's rows) and ``tuning``
+    (``tile``, ``num_warps``, ``num_stages``): the decode kernel's, where not its defaults."""
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels.decode import PROMPT_ROWS, rows_per_program
+    from vllm_kvcompress.triton_kernels.history import dense_prompt
     from vllm_kvcompress.triton_kernels.prompt import paged_prompt
 
     fmt, cache, table, _, _, _ = _decode_case(bits, num_prompts, hq, hkv, d, history + prompt, block)
@@ -189,12 +192,15 @@ def bench_prompt_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, 
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     seq_lens = torch.full((num_prompts,), history + prompt, dtype=torch.int32, device="cuda")
-    rows = token_rows(list(range(0, n + 1, prompt)), seq_lens, table, history,
+    rows = token_rows(list(range(0, n + 1, prompt)), seq_lens, table, [history] * num_prompts,
                       rows_per_program(hq // hkv, prompt_rows or PROMPT_ROWS))
     out = torch.empty_like(q)
-    ms = _time_ms(lambda: paged_prompt(q, k, v, cache, fmt, rows, d ** -0.5, out, **tuning))
+    if route == "history":
+        ms = _time_ms(lambda: dense_prompt(q, k, v, cache, fmt, rows, d ** -0.5, out))
+    else:
+        ms = _time_ms(lambda: paged_prompt(q, k, v, cache, fmt, rows, d ** -0.5, out, **tuning))
     nbytes = num_prompts * -(-history // block) * fmt.page_bytes + (2 * q.numel() + 2 * k.numel()) * 2
-    return {"kernel": f"ours k{bits}v{bits} prompt chunks", "block": block, "ms": ms, "bytes": nbytes,
+    return {"kernel": f"ours k{bits}v{bits} prompt chunks, {route}", "block": block, "ms": ms, "bytes": nbytes,
             "GB/s": nbytes / ms / 1e6}
 
 
@@ -491,7 +497,7 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     outp = torch.empty_like(qp)
     starts, contexts = list(range(0, total + 1, length)), [history + length] * chunks
     seq_dev = torch.tensor(contexts, dtype=torch.int32, device="cuda")
-    token = token_rows(starts, seq_dev, table, history, rows_per_program(hq // hkv))
+    token = token_rows(starts, seq_dev, table, [history] * chunks, rows_per_program(hq // hkv))
     writes = plan_chunk_writes(fmt, spec, starts, contexts, table)
     rows.append({"kernel": f"zipcache-r60 {label}: attention + write",
                  "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
@@ -609,7 +615,7 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
     slots = torch.cat([table[:nd, 0].long() * 128 + 5,
                        table[nd, :4].long().repeat_interleave(128) * 128 + torch.arange(prompt, device="cuda") % 128])
     def build_rows():
-        return token_rows([x - nd for x in starts[nd:]], seq_lens[nd:], table[nd:], prompt, rows_per_program(hq // hkv))
+        return token_rows([x - nd for x in starts[nd:]], seq_lens[nd:], table[nd:], [0], rows_per_program(hq // hkv))
     rows = build_rows()
     k_cache = torch.randn(t * 64, 16, hkv, d, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
@@ -786,15 +792,16 @@ def main() -> None:
     if args.prompts:
         for name, hq, hkv, d in SHAPES:
             for num_prompts, prompt, history in ((8, 512, 1536), (4, 1024, 3072), (32, 128, 0), (1, 2048, 5952),
-                                                 (2, 2048, 3904)):
+                                                 (2, 2048, 3904), (16, 32, 2016), (1, 8192, 16384)):
                 base = bench_flash_prefill_bf16(num_prompts, hq, hkv, d, prompt, history)
                 shape = f"{name} {num_prompts}x{prompt} after {history}"
                 print(f"{shape:34s} {base['kernel']:42s} {base['ms'] * 1e3:7.1f} us", flush=True)
-                variants = [(bits, {}) for bits in (4, 2)] + [
-                    (4, dict(zip(("prompt_rows", "num_warps", "num_stages", "tile"), map(int, t.split(",")))))
+                variants = [(bits, {"route": route}) for bits in (4, 2) for route in ("history", "decode-kernel")] + [
+                    (4, dict(route="decode-kernel", **dict(zip(("prompt_rows", "num_warps", "num_stages", "tile"),
+                                                               map(int, t.split(","))))))
                     for t in args.prompt_tunings]
                 for bits, tuning in variants:
-                    if tuning and not history:
+                    if len(tuning) > 1 and not history:
                         continue
                     label = f"ours k{bits}v{bits}" + "".join(f" {k}={v}" for k, v in tuning.items())
                     try:

@@ -50,16 +50,16 @@ def test_every_preset_runs_the_torch_reference_on_the_cpu(preset):
 
 
 @pytest.mark.parametrize("layer_format,device,pol,expected", [
-    (FOUR, H100, AUTO, ("cuda", "flash-attention+triton", "cuda")),
-    (LayerFormat(k_bits=2, v_bits=2), H100, AUTO, ("cuda", "flash-attention+triton", "cuda")),
-    (FOUR, H100_NO_NVCC, AUTO, ("triton", "flash-attention+triton", "triton")),
-    (FOUR, H100, KernelPolicy(decode="triton"), ("triton", "flash-attention+triton", "cuda")),
-    (FOUR, H100, KernelPolicy(write="triton"), ("cuda", "flash-attention+triton", "triton")),
+    (FOUR, H100, AUTO, ("cuda", "flash-attention+history", "cuda")),
+    (LayerFormat(k_bits=2, v_bits=2), H100, AUTO, ("cuda", "flash-attention+history", "cuda")),
+    (FOUR, H100_NO_NVCC, AUTO, ("triton", "flash-attention+history", "triton")),
+    (FOUR, H100, KernelPolicy(decode="triton"), ("triton", "flash-attention+history", "cuda")),
+    (FOUR, H100, KernelPolicy(write="triton"), ("cuda", "flash-attention+history", "triton")),
     (FOUR, H100, KernelPolicy(reference_only=True), ("torch", "torch", "torch")),
-    (LayerFormat(k_bits=8, v_bits=8), H100, AUTO, ("triton", "flash-attention+triton", "cuda")),
-    (LayerFormat(k_bits=3, v_bits=3), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
+    (LayerFormat(k_bits=8, v_bits=8), H100, AUTO, ("triton", "flash-attention+history", "cuda")),
+    (LayerFormat(k_bits=3, v_bits=3), H100, AUTO, ("triton", "flash-attention+history", "triton")),
     (LayerFormat(k_bits=4, v_bits=4, outlier_tokens=1), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
-    (LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True), H100, AUTO, ("triton", "flash-attention+triton", "triton")),
+    (LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True), H100, AUTO, ("triton", "flash-attention+history", "triton")),
     (LayerFormat(k_bits=4, v_bits=4, rpc_fraction=0.1, rpc_tokens=16), H100, AUTO, ("torch", "torch", "torch")),
     (LayerFormat(k_bits=4, v_bits=4, k_axis="token"), H100, AUTO, ("torch", "torch", "cuda")),
     (LayerFormat(k_only=True), H100, AUTO, ("triton-slim", "flash-attention+slim", "triton")),
@@ -78,7 +78,9 @@ def test_passed_over_implementations_say_why():
     assert "not cuda: no nvcc" in _plan(device=H100_NO_NVCC).write.describe()
     assert _plan(pol=KernelPolicy(decode="triton")).decode.describe() == "triton (not cuda: KVCOMPRESS_DECODE=triton)"
     sliding = _plan(sliding_window=64)  # the Triton kernels read windows, the CUDA decode whole contexts
-    assert _names(sliding)[:2] == ("triton", "flash-attention+triton")
+    assert _names(sliding)[:2] == ("triton", "flash-attention+history")
+    outliers = _plan(LayerFormat(k_bits=4, v_bits=4, outlier_tokens=1)).prompt.describe()
+    assert outliers == "flash-attention+triton (not flash-attention+history: outlier tokens (read by the decode kernel))"
     assert sliding.decode.describe() == "triton (not cuda: sliding-window layer (the kernel reads whole contexts))"
 
 
@@ -142,8 +144,8 @@ def test_zipcache_pages_go_through_their_own_kernels_only():
     assert "cuda-salient: pages of 256 tokens (at most 128)" in registry.plan(
         wide, shape.layer_context(0, H100), AUTO).write.describe()
     assert "not cuda, triton, triton-slim: salient tokens at mixed precision (ZipCache)" in plan.decode.describe()
-    assert "not flash-attention+triton: salient tokens" in plan.prompt.describe()
-    assert _names(_plan(FOUR))[:2] == ("cuda", "flash-attention+triton")
+    assert "not flash-attention+history, flash-attention+triton: salient tokens" in plan.prompt.describe()
+    assert _names(_plan(FOUR))[:2] == ("cuda", "flash-attention+history")
     assert "triton-salient" not in _plan(FOUR, device=H100_NO_NVCC).decode.describe()
     assert "triton-salient" not in _plan(FOUR).prompt.describe()
     sliding = registry.plan(fmt, registry.LayerContext(H100, torch.bfloat16, 4, 512), AUTO)
@@ -267,7 +269,7 @@ def test_startup_block_groups_layers_and_refuses_what_no_kernel_serves(monkeypat
                          num_query_heads=4)
     lines = kernel_report(cfg, shape, H100)
     assert lines[0] == "kv-compression kernels on cuda:"
-    assert lines[1] == "  layers 0-1: K4/channel V4/token: decode cuda, prompt flash-attention+triton, write cuda"
+    assert lines[1] == "  layers 0-1: K4/channel V4/token: decode cuda, prompt flash-attention+history, write cuda"
     assert lines[2].startswith("  layer 2: K4/channel V4/token +10% recent (<= 16) at 16-bit: decode torch (not cuda, "
                                "triton: recent 16-bit window (KVmix RPC)")
     assert lines[3].startswith("  layer 3: K4/token V4/token: decode torch") and lines[3].endswith("write cuda")
@@ -309,4 +311,4 @@ def test_plan_on_this_gpu():
     modern = device.capability >= (8, 0)
     write = "cuda" if nvcc_available() or (prebuilt_available() and modern) else "triton"
     plan = registry.plan(_fmt(heads=32), registry.LayerContext(device, torch.bfloat16, 32), AUTO)
-    assert _names(plan) == ("cuda" if write == "cuda" and modern else "triton", "flash-attention+triton", write)
+    assert _names(plan) == ("cuda" if write == "cuda" and modern else "triton", "flash-attention+history", write)

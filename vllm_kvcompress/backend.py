@@ -177,9 +177,10 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             order = longest_first(seq_lens_host[:ordered], out=self._row_order[:ordered])[:num_decodes]
         if self.device.type == "cuda" and has_prompts:  # the prefill chunks' tokens, after the decodes
             d, first = num_decodes, query_start_loc[num_decodes]
-            longest_history = max(seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i]) for i in range(d, n))
+            # the host's context lengths are exact for prompt chunks (vLLM: upper bounds only for decodes)
+            histories = [seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i]) for i in range(d, n)]
             rows = token_rows([x - first for x in query_start_loc[d: n + 1]], cam.seq_lens[d:n],
-                              cam.block_table_tensor[d:n], longest_history, self._rows_per_group)
+                              cam.block_table_tensor[d:n], histories, self._rows_per_group)
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,

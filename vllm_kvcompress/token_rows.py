@@ -38,9 +38,11 @@ class TokenGroups:
 class TokenRows:
     seq_lens: torch.Tensor     # [T] int32: the history each token reads from the pages (its chunk's)
     block_table: torch.Tensor  # [T, max_blocks] int32: its request's row of the block table
-    max_seq_len: int           # at least the longest history (0: no chunk has one)
+    histories: list[int]       # [R]: each chunk's history, on the host
+    max_seq_len: int           # the longest history (0: no chunk has one)
     groups: TokenGroups | None  # None: one token per program
     query_start: torch.Tensor  # [R+1] int32: the chunks' token offsets, from 0 (FlashAttention's cu_seqlens)
+    query_start_host: list[int]  # the same, on the host
     max_query_len: int         # the longest chunk
     offsets: torch.Tensor      # [T] int32: each token's place in its chunk
     _first_keys: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -54,11 +56,11 @@ class TokenRows:
 
 
 def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table: torch.Tensor,
-               max_seq_len: int, rows_per_group: int = 1) -> TokenRows:
+               histories: list[int], rows_per_group: int = 1) -> TokenRows:
     """``query_start_host``: the R chunks' token offsets on the host, from 0 ([R+1]); ``seq_lens``
-    [R] and ``block_table`` [R, max_blocks] on the device; ``max_seq_len``: at least the longest
-    history. A request's tokens are grouped ``rows_per_group`` at a time from its first (1: not
-    grouped)."""
+    [R] and ``block_table`` [R, max_blocks] on the device; ``histories`` [R]: each chunk's history
+    (its request's tokens before it) as the host has it (exact for prompt chunks). A request's
+    tokens are grouped ``rows_per_group`` at a time from its first (1: not grouped)."""
     starts = np.asarray(query_start_host, dtype=np.int32)
     q_lens = np.diff(starts)
     num_tokens = int(starts[-1])
@@ -76,8 +78,8 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
     query_start, request_dev, shift, offset_dev, *grouping = aligned_to_device(parts, seq_lens.device)
     history = seq_lens[request_dev] + shift
     groups = TokenGroups(grouping[0], grouping[1], rows_per_group) if grouping else None
-    return TokenRows(history.to(torch.int32), block_table[request_dev], max_seq_len, groups, query_start,
-                     int(q_lens.max(initial=0)), offset_dev)
+    return TokenRows(history.to(torch.int32), block_table[request_dev], list(histories), max(histories, default=0), groups, query_start,
+                     list(query_start_host), int(q_lens.max(initial=0)), offset_dev)
 
 
 def aligned_to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

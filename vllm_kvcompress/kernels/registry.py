@@ -317,6 +317,13 @@ def _flash_prompt(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     return _triton_decode(fmt, ctx) or _own_tokens_through_flash_attention(ctx)
 
 
+def _flash_dense_prompt(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
+    """A chunk's history decoded once into 16-bit rows, then FlashAttention over it and the chunk."""
+    if fmt.outliers:
+        return "outlier tokens (read by the decode kernel)"
+    return _flash_prompt(fmt, ctx)
+
+
 def _slim_decode(fmt: KVPageFormat, ctx: LayerContext) -> str | None:
     if fmt.v is not None:
         return "pages hold V (K-only pages only)"
@@ -452,9 +459,12 @@ for _impl in (
                    warm_up=f"{_TRITON}.merged_decode:warm_up", reads=(MergedPairFormat,)),
     Implementation("decode", "cuda", "torch", _always),
     Implementation("decode", "cpu", "torch", _always),
-    # a chunk's own tokens through FlashAttention, its history as grouped rows of the Triton decode:
-    # served only where that decode is, so a layer whose decodes take the torch path sends its
-    # prompts there too (it attends a step together)
+    # a chunk's history decoded once into 16-bit rows, then FlashAttention over the history and the
+    # chunk together; else its own tokens through FlashAttention and its history as grouped rows of
+    # the Triton decode. Both served only where that decode is, so a layer whose decodes take the
+    # torch path sends its prompts there too (it attends a step together)
+    Implementation("prompt", "cuda", "flash-attention+history", _flash_dense_prompt,
+                   f"{_TRITON}.history:dense_prompt", warm_up=f"{_TRITON}.history:warm_up"),
     Implementation("prompt", "cuda", "flash-attention+triton", _flash_prompt, f"{_TRITON}.prompt:paged_prompt",
                    warm_up=f"{_TRITON}.decode:warm_up"),
     Implementation("prompt", "cuda", "flash-attention+triton-salient", _flash_salient_prompt,

@@ -1,0 +1,175 @@
+"""Prompt chunks whose history is decoded once into 16-bit rows, then attended with the chunk's own
+tokens in one FlashAttention call (``triton_kernels.history``).
+
+The decoded rows are checked against the format's torch reference (``KVPageFormat.decode``), the
+attention against ``paged_torch.attend`` with the chunks' new K/V. On the CPU the history kernel runs
+in Triton's interpreter and a torch attention stands in for FlashAttention; on a GPU both are real.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if __import__("torch").cuda.is_available() else "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+from vllm_kvcompress import paged_torch  # noqa: E402
+from vllm_kvcompress.config import LayerFormat  # noqa: E402
+from vllm_kvcompress.formats import KVPageFormat  # noqa: E402
+from vllm_kvcompress.token_rows import token_rows  # noqa: E402
+from vllm_kvcompress.triton_kernels import history  # noqa: E402
+from paged_cases import fill_pages, format_id, free_before  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+B, H, HQ, D = 16, 2, 4, 64
+
+
+def torch_chunks_attention(query, key, value, query_start, max_query_len, key_start, max_key_len, sm_scale, out,
+                           window=None):
+    """What FlashAttention gives ``chunks_attention``: each chunk's m queries over its n keys, query i
+    seeing keys j <= i + n - m (causal, aligned at the end) and, with a ``window``, j > i + n - m - window."""
+    group = query.shape[1] // key.shape[1]
+    for (qa, qb), (ka, kb) in zip(zip(query_start.tolist(), query_start.tolist()[1:]),
+                                  zip(key_start.tolist(), key_start.tolist()[1:])):
+        m, n = qb - qa, kb - ka
+        q = query[qa:qb].float().transpose(0, 1)
+        k, v = (t[ka:kb].float().repeat_interleave(group, 1).transpose(0, 1) for t in (key, value))
+        last_seen = torch.arange(m)[:, None] + n - m
+        j = torch.arange(n)[None, :]
+        hidden = j > last_seen
+        if window is not None:
+            hidden |= j <= last_seen - window
+        scores = (q @ k.transpose(1, 2) * sm_scale).masked_fill(hidden.to(q.device), float("-inf"))
+        out[qa:qb] = (scores.softmax(-1) @ v).transpose(0, 1).to(out.dtype)
+
+
+@pytest.fixture
+def flash_attention(monkeypatch):
+    if DEVICE == "cpu":
+        monkeypatch.setattr(history, "chunks_attention", torch_chunks_attention)
+        from test_triton_prompt import torch_own_chunk_attention
+        monkeypatch.setattr(history, "own_chunk_attention", torch_own_chunk_attention)
+
+
+def _chunks(layer_format, seq_lens, q_lens, seed, block=B):
+    fmt = KVPageFormat.from_layer_format(layer_format, DTYPE, block, H, D)
+    tokens = []
+    cache, table = fill_pages(fmt, seq_lens, 3, seed=seed, tokens=tokens)
+    key = torch.cat([k[L - m:] for (k, _), L, m in zip(tokens, seq_lens, q_lens)]).to(DTYPE)
+    value = torch.cat([v[L - m:] for (_, v), L, m in zip(tokens, seq_lens, q_lens)]).to(DTYPE)
+    qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
+    q = torch.randn(qsl[-1], HQ, D, generator=torch.Generator().manual_seed(seed + 1)).to(DTYPE)
+    return fmt, cache, table, qsl, q, key, value
+
+
+def test_plan_places_history_pages_then_own_tokens():
+    """Chunks of 3 and 2 tokens after 20 and 0 tokens, and 4 after 40 with a window of 10: pages of
+    16 tokens; the windowed chunk's first query sees keys from 31 on, so its rows start at page 1."""
+    plan = history.HistoryPlan([0, 3, 5], [20, 0], 16, None)
+    assert plan.items.tolist() == [[0, 0, 0, 16], [0, 1, 16, 4]]
+    assert plan.key_start.tolist() == [0, 23, 25] and plan.max_key_len == 23
+    assert plan.own_rows.tolist() == [20, 21, 22, 23, 24]
+    windowed = history.HistoryPlan([0, 4], [40], 16, 10)
+    assert windowed.items.tolist() == [[0, 1, 0, 16], [0, 2, 16, 8]]
+    assert windowed.own_rows.tolist() == [24, 25, 26, 27] and windowed.num_keys == 28
+
+
+def test_groups_keep_the_key_buffer_bound(monkeypatch):
+    monkeypatch.setattr(history, "KEY_BUFFER_BYTES", 100)
+    assert history.key_groups([0, 2, 4, 10, 11], [3, 2, 0, 200], row_bytes=10) == [(0, 2), (2, 3), (3, 4)]
+    assert history.key_groups([0, 2, 4], [3, 2], row_bytes=1) == [(0, 2)]
+
+
+@pytest.mark.parametrize("layer_format", [
+    LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2), LayerFormat(k_bits=3, v_bits=3),
+    LayerFormat(k_bits=8, v_bits=8), LayerFormat(k_bits=4, v_bits=2, v_channel_scaling=True),
+    LayerFormat(k_bits=16, v_bits=4),
+], ids=format_id)
+def test_history_rows_equal_the_format_decode(layer_format):
+    """Every history row equals ``KVPageFormat.decode``'s value of that token (one rounding to the
+    model's dtype), from scattered pages, a partial last page included."""
+    seq_lens = [37, 16, 5]
+    fmt, cache, table, *_ = _chunks(layer_format, seq_lens, [1, 1, 1], seed=7)
+    qsl, histories = [0, 1, 2, 3], [L - 1 for L in seq_lens]
+    plan = history.HistoryPlan(qsl, histories, B, None)
+    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), histories)
+    items = torch.tensor(plan.items.ravel(), dtype=torch.int32, device=DEVICE)
+    k, v = history.history_rows(cache.to(DEVICE), fmt, rows.block_table, plan, items, DTYPE)
+    for i, hist in enumerate(histories):
+        want_k, want_v = fmt.decode(cache[table[i, :-(-hist // B)].long()])
+        start = int(plan.key_start[i])
+        got_k, got_v = k[start:start + hist].float().cpu(), v[start:start + hist].float().cpu()
+        tol = dict(rtol=0, atol=1e-5) if DTYPE == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+        torch.testing.assert_close(got_k, want_k.flatten(0, 1)[:hist].to(DTYPE).float(), **tol)
+        torch.testing.assert_close(got_v, want_v.flatten(0, 1)[:hist].to(DTYPE).float(), **tol)
+
+
+@pytest.mark.parametrize("layer_format", [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2)],
+                         ids=format_id)
+def test_chunks_equal_reference(flash_attention, layer_format):
+    """A 25-token chunk after 15 tokens, a 9-token prompt (no history) and a 2-token chunk after 30:
+    every token equals the reference, which reads the history from the pages and the chunk's own
+    tokens exactly; reading the chunks back from the pages (the decode rows' answer) is told apart."""
+    seq_lens, q_lens = [40, 9, 32], [25, 9, 2]
+    fmt, cache, table, qsl, q, key, value = _chunks(layer_format, seq_lens, q_lens, seed=3)
+    ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, key=key, value=value)
+    positions = [p for L, m in zip(seq_lens, q_lens) for p in range(L - m + 1, L + 1)]
+    rows_of = torch.repeat_interleave(torch.arange(3), torch.tensor(q_lens))
+    read_back = paged_torch.attend(q.float(), cache, fmt, list(range(len(positions) + 1)), positions, table[rows_of],
+                                   D ** -0.5)
+    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [15, 0, 30])
+    out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=DTYPE, device=DEVICE)
+    got = history.dense_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5, out)
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    assert (got.float().cpu() - read_back).abs().max() > 0.1
+
+
+def test_groups_of_chunks_equal_one_call(flash_attention, monkeypatch):
+    """With a key buffer that holds one chunk at a time, each chunk goes through its own call: the
+    same answer as one call for all."""
+    seq_lens, q_lens = [40, 9, 32], [25, 9, 2]
+    fmt, cache, table, qsl, q, key, value = _chunks(LayerFormat(k_bits=4, v_bits=4), seq_lens, q_lens, seed=5)
+    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [15, 0, 30])
+    dev = [t.to(DEVICE) for t in (q, key, value, cache)]
+    whole = history.dense_prompt(*dev, fmt, rows, D ** -0.5, torch.empty_like(dev[0]))
+    calls = []
+    attention = history.chunks_attention
+    monkeypatch.setattr(history, "chunks_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
+    monkeypatch.setattr(history, "KEY_BUFFER_BYTES", 1)
+    grouped = history.dense_prompt(*dev, fmt, rows, D ** -0.5, torch.empty_like(dev[0]))
+    assert len(calls) == 3
+    torch.testing.assert_close(grouped, whole)
+
+
+def test_sliding_window_skips_freed_pages(flash_attention):
+    """A sliding-window layer's chunks (window 20), every page wholly before a chunk's first window
+    reading as NaN (vLLM has freed it): each token equals the reference's. Without the window they
+    differ."""
+    seq_lens, q_lens, window = [40, 9, 32, 70], [25, 9, 2, 33], 20
+    layer_format = LayerFormat(k_bits=4, v_bits=4)
+    fmt, cache, table, qsl, q, key, value = _chunks(layer_format, seq_lens, q_lens, seed=11)
+    histories = [L - m for L, m in zip(seq_lens, q_lens)]
+    cache, table = free_before(cache, table, [h - window + 1 for h in histories], B)
+    ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, window, key=key, value=value)
+    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), histories)
+    out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=DTYPE, device=DEVICE)
+    got = history.dense_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5, out,
+                               window=window)
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    _, whole_cache, whole_table, *_ = _chunks(layer_format, seq_lens, q_lens, seed=11)
+    whole = paged_torch.attend(q.float(), whole_cache, fmt, qsl, seq_lens, whole_table, D ** -0.5, key=key, value=value)
+    assert (whole - ref).abs().max() > 0.1
+
+
+def test_chunks_without_history_decode_no_page(flash_attention, monkeypatch):
+    """A step of first chunks only: FlashAttention over the chunks as they are, no page decoded."""
+    seq_lens = q_lens = [7, 12]
+    fmt, cache, table, qsl, q, key, value = _chunks(LayerFormat(k_bits=4, v_bits=4), seq_lens, q_lens, seed=3)
+    ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, key=key, value=value)
+    monkeypatch.setattr(history, "history_rows", lambda *a, **k: pytest.fail("a page was decoded"))
+    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [0, 0])
+    got = history.dense_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5,
+                               torch.empty(qsl[-1], HQ, D, dtype=DTYPE, device=DEVICE))
+    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
