@@ -163,13 +163,27 @@ def test_sliding_window_skips_freed_pages(flash_attention):
     assert (whole - ref).abs().max() > 0.1
 
 
-def test_chunks_without_history_decode_no_page(flash_attention, monkeypatch):
-    """A step of first chunks only: FlashAttention over the chunks as they are, no page decoded."""
-    seq_lens = q_lens = [7, 12]
+@pytest.mark.parametrize("seq_lens,q_lens,route", [
+    ([7, 12], [7, 12], "none"),             # first chunks only: no page read
+    ([40, 32], [3, 2], "decode-kernel"),    # 2.6 rows a history token
+    ([80, 9, 130], [60, 9, 70], "history"),  # 65 rows a history token
+], ids=["no-history", "few-rows", "many-rows"])
+def test_steps_take_the_route_their_rows_a_history_token_ask(flash_attention, monkeypatch, seq_lens, q_lens, route):
+    """``prompt_chunks`` decodes the history ahead only where a step's chunks have at least
+    ``MIN_ROWS_A_HISTORY_TOKEN`` query rows a history token; every route equals the reference."""
+    from test_triton_prompt import torch_own_chunk_attention
+    from vllm_kvcompress.triton_kernels import prompt
+    if DEVICE == "cpu":
+        monkeypatch.setattr(prompt, "own_chunk_attention", torch_own_chunk_attention)
     fmt, cache, table, qsl, q, key, value = _chunks(LayerFormat(k_bits=4, v_bits=4), seq_lens, q_lens, seed=3)
     ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, key=key, value=value)
-    monkeypatch.setattr(history, "history_rows", lambda *a, **k: pytest.fail("a page was decoded"))
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [0, 0])
-    got = history.dense_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5,
-                               torch.empty(qsl[-1], HQ, D, dtype=DTYPE, device=DEVICE))
+    taken = []
+    for name in ("paged_prompt", "dense_prompt"):
+        run = getattr(history, name)
+        monkeypatch.setattr(history, name, lambda *a, run=run, name=name, **k: taken.append(name) or run(*a, **k))
+    histories = [L - m for L, m in zip(seq_lens, q_lens)]
+    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), histories)
+    got = history.prompt_chunks(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5,
+                                torch.empty(qsl[-1], HQ, D, dtype=DTYPE, device=DEVICE))
+    assert taken == {"none": [], "decode-kernel": ["paged_prompt"], "history": ["dense_prompt"]}[route]
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)

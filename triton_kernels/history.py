@@ -29,10 +29,14 @@ from vllm_kvcompress.formats.layout import TensorLayout, page_layout
 from vllm_kvcompress.token_rows import TokenRows, aligned_to_device
 
 from .addressing import code_unit_ptr
+from .decode import warm_up as decode_warm_up
 from .launch import Variant, launch
-from .prompt import flash_attention_version, own_chunk_attention
+from .prompt import flash_attention_version, own_chunk_attention, paged_prompt
 
 KEY_BUFFER_BYTES = 256 << 20  # a group's K and V rows in the model's dtype, at most (longer chunks go alone)
+# Below this many query rows a history token, decoding the history ahead costs more than the decode
+# kernel's route saves (``kernels.py --prompts``, docs/architecture.md "Prompt chunks")
+MIN_ROWS_A_HISTORY_TOKEN = 48
 TOKEN_TILE = 32  # tokens of a page a program decodes at a time
 
 
@@ -86,8 +90,12 @@ def _history_kernel(cache_ptr, block_table_ptr, bt_stride, item_ptr, k_ptr, v_pt
         k = _values(page, t, d, h, H, D, BLOCK, K_BITS, K_CODES, K_ROW, K_GROUP, K_SCALE, K_ZERO, -1,
                     k_ptr.dtype.element_ty)
         tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=keep)
-        v = _values(page, t, d, h, H, D, BLOCK, V_BITS, V_CODES, V_ROW, V_GROUP, V_SCALE, V_ZERO, V_CS,
-                    v_ptr.dtype.element_ty)
+        if V_GROUP > 0:  # a byte's codes of a group's tokens lie together: loaded [D, TT], tokens contiguous
+            v = tl.trans(_values(page, tl.trans(t), tl.trans(d), h, H, D, BLOCK, V_BITS, V_CODES, V_ROW, V_GROUP,
+                                 V_SCALE, V_ZERO, V_CS, v_ptr.dtype.element_ty))
+        else:
+            v = _values(page, t, d, h, H, D, BLOCK, V_BITS, V_CODES, V_ROW, V_GROUP, V_SCALE, V_ZERO, V_CS,
+                        v_ptr.dtype.element_ty)
         tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty), mask=keep)
 
 
@@ -166,15 +174,33 @@ def history_rows(cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tens
     return k, v
 
 
-def dense_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                 fmt: KVPageFormat, rows: TokenRows, sm_scale: float, out: torch.Tensor,
-                 window: int | None = None) -> torch.Tensor:
+def prompt_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                  fmt: KVPageFormat, rows: TokenRows, sm_scale: float, out: torch.Tensor,
+                  window: int | None = None) -> torch.Tensor:
     """``query`` [T, Hq, D] and the chunks' new ``key``/``value`` [T, H, D], laid out by ``rows``
     (``token_rows``); the attention goes to ``out`` [T, Hq, D]. ``window``: the layer's sliding
-    window (token p sees keys p - window < j <= p)."""
+    window (token p sees keys p - window < j <= p). A step whose chunks have fewer than
+    ``MIN_ROWS_A_HISTORY_TOKEN`` query rows for each history token they read (weighted by history)
+    takes the decode kernel's route (``prompt.paged_prompt``), which decodes nothing ahead."""
     if not rows.max_seq_len:  # no chunk has history
         own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out, window)
         return out
+    if rows_a_history_token(rows) < MIN_ROWS_A_HISTORY_TOKEN:
+        return paged_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
+    return dense_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
+
+
+def rows_a_history_token(rows: TokenRows) -> float:
+    """The chunks' query rows, averaged over the history tokens they read."""
+    starts, histories = rows.query_start_host, rows.histories
+    rows_times_history = sum((b - a) * h for a, b, h in zip(starts, starts[1:], histories))
+    return rows_times_history / max(sum(histories), 1)
+
+
+def dense_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                 fmt: KVPageFormat, rows: TokenRows, sm_scale: float, out: torch.Tensor,
+                 window: int | None = None) -> torch.Tensor:
+    """``prompt_chunks``' history route, for a step where some chunk has history."""
     starts = rows.query_start_host
     row_bytes = 2 * key.shape[1] * key.shape[2] * key.element_size()
     for first, end in key_groups(starts, rows.histories, row_bytes):
@@ -207,8 +233,10 @@ def chunks_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype,
             window: int | None = None) -> None:
-    """Compile the history kernel for this page format: one page of block 0 into throwaway rows."""
+    """Compile the history kernel for this page format (one page of block 0 into throwaway rows) and
+    the decode kernel's prompt variants (``decode.warm_up``), both routes a step may take."""
     plan = HistoryPlan([0, 1], [1], fmt.block_size, None)
     table = torch.zeros(1, 1, dtype=torch.int32, device=cache.device)
     items = torch.tensor(plan.items.ravel(), dtype=torch.int32, device=cache.device)
     history_rows(cache, fmt, table, plan, items, query_dtype)
+    decode_warm_up(cache, fmt, num_query_heads, query_dtype, window)

@@ -464,7 +464,7 @@ for _impl in (
     # the Triton decode. Both served only where that decode is, so a layer whose decodes take the
     # torch path sends its prompts there too (it attends a step together)
     Implementation("prompt", "cuda", "flash-attention+history", _flash_dense_prompt,
-                   f"{_TRITON}.history:dense_prompt", warm_up=f"{_TRITON}.history:warm_up"),
+                   f"{_TRITON}.history:prompt_chunks", warm_up=f"{_TRITON}.history:warm_up"),
     Implementation("prompt", "cuda", "flash-attention+triton", _flash_prompt, f"{_TRITON}.prompt:paged_prompt",
                    warm_up=f"{_TRITON}.decode:warm_up"),
     Implementation("prompt", "cuda", "flash-attention+triton-salient", _flash_salient_prompt,
