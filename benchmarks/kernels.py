@@ -176,15 +176,16 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
 def bench_prompt_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, history: int,
                         block: int = 128, prompt_rows: int | None = None, route: str = "history", **tuning) -> dict:
     """``num_prompts`` prefill chunks of ``prompt`` tokens, each after ``history`` tokens in its pages,
-    as the backend runs them: ``route`` "history" (``triton_kernels.history``, the plain min-max
-    pages'): the history decoded once into 16-bit rows, then FlashAttention over it and the chunk;
+    as the backend runs them: ``route`` "serving" (``history.prompt_chunks``, the plain min-max
+    pages' route, which picks one of the two below), "history" (``history.dense_prompt``): the
+    history decoded once into 16-bit rows, then FlashAttention over it and the chunk;
     "decode-kernel" (``triton_kernels.prompt``, pages with outlier tokens and MiniCache's):
     FlashAttention over the chunk's own K/V, then the decode kernel's rows over the history,
     continuing from FlashAttention's state. ``prompt_rows`` (a program's rows) and ``tuning``
     (``tile``, ``num_warps``, ``num_stages``): the decode kernel's, where not its defaults."""
     from vllm_kvcompress.token_rows import token_rows
     from vllm_kvcompress.triton_kernels.decode import PROMPT_ROWS, rows_per_program
-    from vllm_kvcompress.triton_kernels.history import dense_prompt
+    from vllm_kvcompress.triton_kernels.history import dense_prompt, prompt_chunks
     from vllm_kvcompress.triton_kernels.prompt import paged_prompt
 
     fmt, cache, table, _, _, _ = _decode_case(bits, num_prompts, hq, hkv, d, history + prompt, block)
@@ -195,8 +196,9 @@ def bench_prompt_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, 
     rows = token_rows(list(range(0, n + 1, prompt)), seq_lens, table, [history] * num_prompts,
                       rows_per_program(hq // hkv, prompt_rows or PROMPT_ROWS))
     out = torch.empty_like(q)
-    if route == "history":
-        ms = _time_ms(lambda: dense_prompt(q, k, v, cache, fmt, rows, d ** -0.5, out))
+    if route in ("serving", "history"):
+        run = prompt_chunks if route == "serving" else dense_prompt
+        ms = _time_ms(lambda: run(q, k, v, cache, fmt, rows, d ** -0.5, out))
     else:
         ms = _time_ms(lambda: paged_prompt(q, k, v, cache, fmt, rows, d ** -0.5, out, **tuning))
     nbytes = num_prompts * -(-history // block) * fmt.page_bytes + (2 * q.numel() + 2 * k.numel()) * 2
@@ -797,13 +799,14 @@ def main() -> None:
                 base = bench_flash_prefill_bf16(num_prompts, hq, hkv, d, prompt, history)
                 shape = f"{name} {num_prompts}x{prompt} after {history}"
                 print(f"{shape:34s} {base['kernel']:42s} {base['ms'] * 1e3:7.1f} us", flush=True)
-                variants = [(bits, {"route": route}) for bits in (4, 2) for route in ("history", "decode-kernel")] + [
+                routes = ("serving", "history", "decode-kernel") if history else ("serving",)
+                variants = [(4, {"route": route}) for route in routes] + [(2, {"route": "serving"})] + [
                     (4, dict(route="decode-kernel", **dict(zip(("prompt_rows", "num_warps", "num_stages", "tile"),
                                                                map(int, t.split(","))))))
                     for t in args.prompt_tunings]
                 for bits, tuning in variants:
                     if len(tuning) > 1 and not history:
-                        continue
+                        continue  # tunings of the decode kernel's route
                     label = f"ours k{bits}v{bits}" + "".join(f" {k}={v}" for k, v in tuning.items())
                     try:
                         r = bench_prompt_chunks(bits, num_prompts, hq, hkv, d, prompt, history, **tuning)

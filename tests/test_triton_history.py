@@ -121,9 +121,14 @@ def test_chunks_equal_reference(flash_attention, layer_format):
                                    D ** -0.5)
     rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [15, 0, 30])
     out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=DTYPE, device=DEVICE)
-    got = history.dense_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5, out)
+    dev = [t.to(DEVICE) for t in (q, key, value, cache)]
+    got = history.dense_prompt(*dev, fmt, rows, D ** -0.5, out)
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
     assert (got.float().cpu() - read_back).abs().max() > 0.1
+    plans = dict(rows.step_plans)
+    again = history.dense_prompt(*dev, fmt, rows, D ** -0.5, torch.empty_like(out))  # the step's next layer
+    assert all(rows.step_plans[k] is plans[k] for k in plans) and len(plans) == 1  # planned once a step
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
 
 
 def test_groups_of_chunks_equal_one_call(flash_attention, monkeypatch):
@@ -138,6 +143,7 @@ def test_groups_of_chunks_equal_one_call(flash_attention, monkeypatch):
     attention = history.chunks_attention
     monkeypatch.setattr(history, "chunks_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
     monkeypatch.setattr(history, "KEY_BUFFER_BYTES", 1)
+    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [15, 0, 30])  # the next step's
     grouped = history.dense_prompt(*dev, fmt, rows, D ** -0.5, torch.empty_like(dev[0]))
     assert len(calls) == 3
     torch.testing.assert_close(grouped, whole)

@@ -18,6 +18,7 @@ its chunk's first visible key. The buffer lives for the call; chunks are taken i
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -197,25 +198,50 @@ def rows_a_history_token(rows: TokenRows) -> float:
     return rows_times_history / max(sum(histories), 1)
 
 
+@dataclass
+class StepGroup:
+    """A group of consecutive chunks (``key_groups``) as every layer of a step runs it."""
+    tokens: slice              # the group's query rows in the step's prompt tokens
+    plan: HistoryPlan
+    items: torch.Tensor        # plan.items on the device
+    own_rows: torch.Tensor     # plan.own_rows on the device (int64, index_copy's)
+    query_start: torch.Tensor  # the group's chunks' query offsets, from 0
+    key_start: torch.Tensor    # plan.key_start on the device
+    max_query_len: int
+
+
+def step_groups(rows: TokenRows, block_size: int, window: int | None, row_bytes: int,
+                device: torch.device) -> list[StepGroup]:
+    """The step's groups of chunks and their plans, made once a step (kept on ``rows``) for each
+    page size, window and row size: the host's planning and copy cost every layer otherwise."""
+    key = ("history", block_size, window, row_bytes)
+    if key not in rows.step_plans:
+        starts, groups = rows.query_start_host, []
+        for first, end in key_groups(starts, rows.histories, row_bytes):
+            qs, qe = starts[first], starts[end]
+            group_starts = [x - qs for x in starts[first:end + 1]]
+            plan = HistoryPlan(group_starts, rows.histories[first:end], block_size, window)
+            items, own_rows, query_start, key_start = aligned_to_device(
+                [plan.items.astype(np.int32).ravel(), plan.own_rows.astype(np.int32),
+                 np.asarray(group_starts, dtype=np.int32), plan.key_start.astype(np.int32)], device)
+            groups.append(StepGroup(slice(qs, qe), plan, items, own_rows.long(), query_start, key_start,
+                                    int(max(np.diff(group_starts)))))
+        rows.step_plans[key] = groups
+    return rows.step_plans[key]
+
+
 def dense_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                  fmt: KVPageFormat, rows: TokenRows, sm_scale: float, out: torch.Tensor,
                  window: int | None = None) -> torch.Tensor:
     """``prompt_chunks``' history route, for a step where some chunk has history."""
-    starts = rows.query_start_host
     row_bytes = 2 * key.shape[1] * key.shape[2] * key.element_size()
-    for first, end in key_groups(starts, rows.histories, row_bytes):
-        qs, qe = starts[first], starts[end]
-        group_starts = [x - qs for x in starts[first:end + 1]]
-        plan = HistoryPlan(group_starts, rows.histories[first:end], fmt.block_size, window)
-        items, own_rows, query_start, key_start = aligned_to_device(
-            [plan.items.astype(np.int32).ravel(), plan.own_rows.astype(np.int32),
-             np.asarray(group_starts, dtype=np.int32), plan.key_start.astype(np.int32)], cache.device)
-        k, v = history_rows(cache, fmt, rows.block_table[qs:qe], plan, items, key.dtype)
-        own = own_rows.long()
-        k.index_copy_(0, own, key[qs:qe])
-        v.index_copy_(0, own, value[qs:qe])
-        chunks_attention(query[qs:qe], k, v, query_start, int(max(np.diff(group_starts))), key_start, plan.max_key_len,
-                         sm_scale, out[qs:qe], window)
+    for group in step_groups(rows, fmt.block_size, window, row_bytes, cache.device):
+        rows_of = group.tokens
+        k, v = history_rows(cache, fmt, rows.block_table[rows_of], group.plan, group.items, key.dtype)
+        k.index_copy_(0, group.own_rows, key[rows_of])
+        v.index_copy_(0, group.own_rows, value[rows_of])
+        chunks_attention(query[rows_of], k, v, group.query_start, group.max_query_len, group.key_start,
+                         group.plan.max_key_len, sm_scale, out[rows_of], window)
     return out
 
 

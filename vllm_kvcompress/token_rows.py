@@ -46,6 +46,8 @@ class TokenRows:
     max_query_len: int         # the longest chunk
     offsets: torch.Tensor      # [T] int32: each token's place in its chunk
     _first_keys: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    # what the prompt kernels plan once a step and every layer reuses (``history.step_groups``)
+    step_plans: dict = field(default_factory=dict, repr=False)
 
     def first_keys(self, window: int) -> torch.Tensor:
         """[T] int32: the first key each token sees in a layer of this sliding ``window`` (token p sees
