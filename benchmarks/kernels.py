@@ -794,7 +794,7 @@ def main() -> None:
     if args.prompts:
         for name, hq, hkv, d in SHAPES:
             for num_prompts, prompt, history in ((8, 512, 1536), (4, 1024, 3072), (32, 128, 0), (1, 2048, 5952),
-                                                 (2, 2048, 3904), (16, 32, 2016), (8, 64, 1984), (8, 128, 1920),
+                                                 (2, 2048, 3904), (16, 32, 2016), (8, 64, 1984), (8, 128, 1920), (8, 256, 1792),
                                                  (1, 8192, 16384)):
                 base = bench_flash_prefill_bf16(num_prompts, hq, hkv, d, prompt, history)
                 shape = f"{name} {num_prompts}x{prompt} after {history}"

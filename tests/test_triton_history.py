@@ -171,12 +171,14 @@ def test_sliding_window_skips_freed_pages(flash_attention):
 
 @pytest.mark.parametrize("seq_lens,q_lens,route", [
     ([7, 12], [7, 12], "none"),             # first chunks only: no page read
-    ([40, 32], [3, 2], "decode-kernel"),    # 2.6 rows a history token
-    ([80, 9, 130], [60, 9, 70], "history"),  # 65 rows a history token
+    ([40, 32], [3, 2], "decode-kernel"),    # 2.6 rows a history token, 2 query heads a KV head: 5.2
+    ([80, 9, 130], [60, 9, 70], "history"),  # 65 rows a history token: 130
 ], ids=["no-history", "few-rows", "many-rows"])
 def test_steps_take_the_route_their_rows_a_history_token_ask(flash_attention, monkeypatch, seq_lens, q_lens, route):
     """``prompt_chunks`` decodes the history ahead only where a step's chunks have at least
-    ``MIN_ROWS_A_HISTORY_TOKEN`` query rows a history token; every route equals the reference."""
+    ``MIN_HEAD_ROWS_A_HISTORY_TOKEN`` query rows times query heads a KV head for each history token
+    (here set to 100); every route equals the reference."""
+    monkeypatch.setattr(history, "MIN_HEAD_ROWS_A_HISTORY_TOKEN", 100)
     from test_triton_prompt import torch_own_chunk_attention
     from vllm_kvcompress.triton_kernels import prompt
     if DEVICE == "cpu":

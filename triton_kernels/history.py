@@ -35,10 +35,11 @@ from .launch import Variant, launch
 from .prompt import flash_attention_version, own_chunk_attention, paged_prompt
 
 KEY_BUFFER_BYTES = 256 << 20  # a group's K and V rows in the model's dtype, at most (longer chunks go alone)
-# Below this many query rows a history token, decoding the history ahead costs more than the decode
-# kernel's route saves (``kernels.py --prompts``, docs/architecture.md "Prompt chunks")
-MIN_ROWS_A_HISTORY_TOKEN = 48
-TOKEN_TILE = 32  # tokens of a page a program decodes at a time
+# Below this many query heads' rows for each KV head's history token, decoding the history ahead costs
+# more than the decode kernel's route saves: the decode costs a history token's KV heads, the products
+# it saves its query heads' rows (``kernels.py --prompts``, docs/architecture.md "Prompt chunks")
+MIN_HEAD_ROWS_A_HISTORY_TOKEN = 192
+TOKEN_TILE = 32  # tokens of a page a program decodes
 
 
 @triton.jit
@@ -77,27 +78,30 @@ def _history_kernel(cache_ptr, block_table_ptr, bt_stride, item_ptr, k_ptr, v_pt
                     V_BITS: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_GROUP: tl.constexpr,
                     V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_CS: tl.constexpr):
     """Item program_id(0) (``HistoryPlan.items``: block-table row, column, first output row, tokens),
-    KV head program_id(1): the page's first tokens' K and V into rows of ``k``/``v`` [rows, H, D]."""
+    KV head program_id(1), tokens ``TT * program_id(2)`` on: those of the page's history tokens' K
+    and V into rows of ``k``/``v`` [rows, H, D]."""
     item = item_ptr + tl.program_id(0) * 4
     h = tl.program_id(1)
     row, col, dest, count = tl.load(item), tl.load(item + 1), tl.load(item + 2), tl.load(item + 3)
+    t0 = tl.program_id(2) * TT
+    if t0 >= count:
+        return
     block = tl.load(block_table_ptr + row.to(tl.int64) * bt_stride + col).to(tl.int64)
     page = cache_ptr + block * page_bytes
     d = tl.arange(0, D)[None, :]
-    for t0 in range(0, BLOCK, TT):
-        t = t0 + tl.arange(0, TT)[:, None]
-        keep = t < count
-        at = ((dest + t).to(tl.int64) * H + h) * D + d
-        k = _values(page, t, d, h, H, D, BLOCK, K_BITS, K_CODES, K_ROW, K_GROUP, K_SCALE, K_ZERO, -1,
-                    k_ptr.dtype.element_ty)
-        tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=keep)
-        if V_GROUP > 0:  # a byte's codes of a group's tokens lie together: loaded [D, TT], tokens contiguous
-            v = tl.trans(_values(page, tl.trans(t), tl.trans(d), h, H, D, BLOCK, V_BITS, V_CODES, V_ROW, V_GROUP,
-                                 V_SCALE, V_ZERO, V_CS, v_ptr.dtype.element_ty))
-        else:
-            v = _values(page, t, d, h, H, D, BLOCK, V_BITS, V_CODES, V_ROW, V_GROUP, V_SCALE, V_ZERO, V_CS,
-                        v_ptr.dtype.element_ty)
-        tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty), mask=keep)
+    t = t0 + tl.arange(0, TT)[:, None]
+    keep = t < count
+    at = ((dest + t).to(tl.int64) * H + h) * D + d
+    k = _values(page, t, d, h, H, D, BLOCK, K_BITS, K_CODES, K_ROW, K_GROUP, K_SCALE, K_ZERO, -1,
+                k_ptr.dtype.element_ty)
+    tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=keep)
+    if V_GROUP > 0:  # a byte's codes of a group's tokens lie together: loaded [D, TT], tokens contiguous
+        v = tl.trans(_values(page, tl.trans(t), tl.trans(d), h, H, D, BLOCK, V_BITS, V_CODES, V_ROW, V_GROUP,
+                             V_SCALE, V_ZERO, V_CS, v_ptr.dtype.element_ty))
+    else:
+        v = _values(page, t, d, h, H, D, BLOCK, V_BITS, V_CODES, V_ROW, V_GROUP, V_SCALE, V_ZERO, V_CS,
+                    v_ptr.dtype.element_ty)
+    tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty), mask=keep)
 
 
 def _tensor_constants(prefix: str, lay: TensorLayout) -> dict:
@@ -105,11 +109,15 @@ def _tensor_constants(prefix: str, lay: TensorLayout) -> dict:
             f"{prefix}_GROUP": lay.token_group, f"{prefix}_SCALE": lay.scale, f"{prefix}_ZERO": lay.zero}
 
 
+def _tile(block_size: int) -> int:
+    return min(TOKEN_TILE, block_size)  # both powers of two
+
+
 @functools.cache  # one Variant a format: launch keeps its compiled kernel by it
 def _variant(fmt: KVPageFormat) -> Variant:
     lay = page_layout(fmt)
     return Variant(_history_kernel, dict(H=lay.num_kv_heads, D=lay.head_size, BLOCK=lay.block_size,
-                                         TT=min(TOKEN_TILE, lay.block_size), **_tensor_constants("K", lay.k),
+                                         TT=_tile(lay.block_size), **_tensor_constants("K", lay.k),
                                          **_tensor_constants("V", lay.v), V_CS=lay.v.channel_scale),
                    {"num_warps": 4})
 
@@ -170,7 +178,7 @@ def history_rows(cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tens
     k = torch.empty(plan.num_keys, H, D, dtype=dtype, device=cache.device)
     v = torch.empty_like(k)
     if len(plan.items):
-        launch(_variant(fmt), (len(plan.items), H),
+        launch(_variant(fmt), (len(plan.items), H, fmt.block_size // _tile(fmt.block_size)),
                (cache, block_table, block_table.stride(0), items, k, v, fmt.page_bytes))
     return k, v
 
@@ -181,12 +189,14 @@ def prompt_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     """``query`` [T, Hq, D] and the chunks' new ``key``/``value`` [T, H, D], laid out by ``rows``
     (``token_rows``); the attention goes to ``out`` [T, Hq, D]. ``window``: the layer's sliding
     window (token p sees keys p - window < j <= p). A step whose chunks have fewer than
-    ``MIN_ROWS_A_HISTORY_TOKEN`` query rows for each history token they read (weighted by history)
-    takes the decode kernel's route (``prompt.paged_prompt``), which decodes nothing ahead."""
+    ``MIN_HEAD_ROWS_A_HISTORY_TOKEN`` query rows times query heads a KV head for each history token
+    they read (weighted by history) takes the decode kernel's route (``prompt.paged_prompt``), which
+    decodes nothing ahead."""
     if not rows.max_seq_len:  # no chunk has history
         own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out, window)
         return out
-    if rows_a_history_token(rows) < MIN_ROWS_A_HISTORY_TOKEN:
+    group = query.shape[1] // key.shape[1]
+    if rows_a_history_token(rows) * group < MIN_HEAD_ROWS_A_HISTORY_TOKEN:
         return paged_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
     return dense_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
 
