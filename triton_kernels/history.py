@@ -1,7 +1,7 @@
 """Prompt chunks whose history is read back once into 16-bit rows, then FlashAttention over it all.
 
 A chunk's history (its request's tokens before the chunk) is turned back into K and V in the model's
-dtype once per step and layer, one program a (page, KV head), straight into a contiguous buffer where
+dtype once per step and layer, a program per (page, KV head, 32 tokens), into a contiguous buffer where
 the chunk's own new K/V follow it; vLLM's FlashAttention then runs every chunk over its history and
 own tokens together (causal, aligned at the end, so a chunk's first token sees all of its history).
 The decode kernel's route (``prompt.paged_prompt``) decodes the history again for every group of a
