@@ -174,7 +174,7 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
 
 
 def bench_prompt_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, history: int,
-                        block: int = 128, prompt_rows: int | None = None, route: str = "serving", **tuning) -> dict:
+                        block: int = 128, prompt_rows: int | None = None, route: str = "history", **tuning) -> dict:
     """``num_prompts`` prefill chunks of ``prompt`` tokens, each after ``history`` tokens in its pages,
     as the backend runs them: ``route`` "serving" (``history.prompt_chunks``, the plain min-max
     pages' route, which picks one of the two below), "history" (``history.dense_prompt``): the
@@ -503,14 +503,6 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     writes = plan_chunk_writes(fmt, spec, starts, contexts, table)
     rows.append({"kernel": f"zipcache-r60 {label}: attention + write",
                  "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
-    from vllm_kvcompress.triton_kernels import history as history_route
-    serving_rule = history_route.MIN_HEAD_ROWS_A_HISTORY_TOKEN
-    history_route.MIN_HEAD_ROWS_A_HISTORY_TOKEN = 10 ** 9  # the decode kernel's route, for comparison
-    try:
-        rows.append({"kernel": f"zipcache-r60 {label}: attention + write, the decode kernel's route",
-                     "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
-    finally:
-        history_route.MIN_HEAD_ROWS_A_HISTORY_TOKEN = serving_rule
     lse_p = torch.zeros(total, hq, device="cuda")
     rows.append({"kernel": f"zipcache-r60 {label}: the write alone (probe scores in it)",
                  "ms": _time_on_pages_ms(cache, lambda: write_chunks(qp, kp, vp, cache, fmt, spec, writes, lse_p,
