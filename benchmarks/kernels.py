@@ -174,7 +174,7 @@ def bench_flash_bf16(num_seqs: int, hq: int, hkv: int, d: int, ctx: int, block: 
 
 
 def bench_prompt_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, prompt: int, history: int,
-                        block: int = 128, prompt_rows: int | None = None, route: str = "history", **tuning) -> dict:
+                        block: int = 128, prompt_rows: int | None = None, route: str = "serving", **tuning) -> dict:
     """``num_prompts`` prefill chunks of ``prompt`` tokens, each after ``history`` tokens in its pages,
     as the backend runs them: ``route`` "serving" (``history.prompt_chunks``, the plain min-max
     pages' route, which picks one of the two below), "history" (``history.dense_prompt``): the
