@@ -77,8 +77,9 @@ def test_plan_places_history_pages_then_own_tokens():
 
 
 def test_groups_keep_the_key_buffer_bound(monkeypatch):
+    """Chunks of 5, 4 and 6 keys (history and own tokens) at 10 bytes a key, 100 bytes at most a group."""
     monkeypatch.setattr(history, "KEY_BUFFER_BYTES", 100)
-    assert history.key_groups([0, 2, 4, 10, 11], [3, 2, 0, 200], row_bytes=10) == [(0, 2), (2, 3), (3, 4)]
+    assert history.key_groups([0, 2, 4, 10], [3, 2, 0], row_bytes=10) == [(0, 2), (2, 3)]
     assert history.key_groups([0, 2, 4], [3, 2], row_bytes=1) == [(0, 2)]
 
 
@@ -142,7 +143,7 @@ def test_groups_of_chunks_equal_one_call(flash_attention, monkeypatch):
     calls = []
     attention = history.chunks_attention
     monkeypatch.setattr(history, "chunks_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
-    monkeypatch.setattr(history, "KEY_BUFFER_BYTES", 1)
+    monkeypatch.setattr(history, "KEY_BUFFER_BYTES", 40 * 2 * H * D * DTYPE.itemsize)  # the longest chunk's keys
     rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [15, 0, 30])  # the next step's
     grouped = history.dense_prompt(*dev, fmt, rows, D ** -0.5, torch.empty_like(dev[0]))
     assert len(calls) == 3
@@ -169,16 +170,19 @@ def test_sliding_window_skips_freed_pages(flash_attention):
     assert (whole - ref).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("seq_lens,q_lens,route", [
-    ([7, 12], [7, 12], "none"),             # first chunks only: no page read
-    ([40, 32], [3, 2], "decode-kernel"),    # 2.6 rows a history token, 2 query heads a KV head: 5.2
-    ([80, 9, 130], [60, 9, 70], "history"),  # 65 rows a history token: 130
-], ids=["no-history", "few-rows", "many-rows"])
-def test_steps_take_the_route_their_rows_a_history_token_ask(flash_attention, monkeypatch, seq_lens, q_lens, route):
+@pytest.mark.parametrize("seq_lens,q_lens,buffer_keys,route", [
+    ([7, 12], [7, 12], 130, "none"),             # first chunks only: no page read
+    ([40, 32], [3, 2], 130, "decode-kernel"),    # 2.6 rows a history token, 2 query heads a KV head: 5.2
+    ([80, 9, 130], [60, 9, 70], 130, "history"),  # 65 rows a history token: 130
+    ([80, 9, 130], [60, 9, 70], 129, "decode-kernel"),  # the last chunk's 130 keys pass the buffer
+], ids=["no-history", "few-rows", "many-rows", "many-rows-past-the-buffer"])
+def test_steps_take_the_route_their_rows_a_history_token_ask(flash_attention, monkeypatch, seq_lens, q_lens,
+                                                             buffer_keys, route):
     """``prompt_chunks`` decodes the history ahead only where a step's chunks have at least
     ``MIN_HEAD_ROWS_A_HISTORY_TOKEN`` query rows times query heads a KV head for each history token
-    (here set to 100); every route equals the reference."""
+    (here set to 100) and each chunk's keys fit the buffer; every route equals the reference."""
     monkeypatch.setattr(history, "MIN_HEAD_ROWS_A_HISTORY_TOKEN", 100)
+    monkeypatch.setattr(history, "KEY_BUFFER_BYTES", buffer_keys * 2 * H * D * DTYPE.itemsize)
     from test_triton_prompt import torch_own_chunk_attention
     from vllm_kvcompress.triton_kernels import prompt
     if DEVICE == "cpu":

@@ -12,7 +12,8 @@ products run at FlashAttention's speed, for one write and one read of the 16-bit
 Serves pages of min-max codes (K per channel, V per token, ZipCache channel scales) or raw 16-bit
 values, without outlier tokens. A sliding-window layer decodes only the pages from the one holding
 its chunk's first visible key. The buffer lives for the call; chunks are taken in groups of at most
-``KEY_BUFFER_BYTES`` of rows (a chunk longer than that alone).
+``KEY_BUFFER_BYTES`` of rows, and a step with a chunk longer than that takes the decode kernel's
+route, which needs no buffer: the memory the route takes is bounded whatever the model's length.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .decode import warm_up as decode_warm_up
 from .launch import Variant, launch
 from .prompt import flash_attention_version, own_chunk_attention, paged_prompt
 
-KEY_BUFFER_BYTES = 256 << 20  # a group's K and V rows in the model's dtype, at most (longer chunks go alone)
+KEY_BUFFER_BYTES = 512 << 20  # a group's K and V rows in the model's dtype, at most
 # Below this many query heads' rows for each KV head's history token, decoding the history ahead costs
 # more than the decode kernel's route saves: the decode costs a history token's KV heads, the products
 # it saves its query heads' rows (``kernels.py --prompts``, docs/architecture.md "Prompt chunks")
@@ -157,7 +158,7 @@ class HistoryPlan:
 
 def key_groups(query_start: list[int], histories: list[int], row_bytes: int) -> list[tuple[int, int]]:
     """Consecutive chunks ``(first, end)`` whose keys (history and own tokens, ``row_bytes`` each in
-    K and V together) fit ``KEY_BUFFER_BYTES``; a chunk that alone passes it makes a group of its own."""
+    K and V together) fit ``KEY_BUFFER_BYTES`` (``fits_buffer``: each chunk alone does)."""
     groups, first, rows = [], 0, 0
     for i, history in enumerate(histories):
         n = history + query_start[i + 1] - query_start[i]
@@ -190,15 +191,23 @@ def prompt_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     (``token_rows``); the attention goes to ``out`` [T, Hq, D]. ``window``: the layer's sliding
     window (token p sees keys p - window < j <= p). A step whose chunks have fewer than
     ``MIN_HEAD_ROWS_A_HISTORY_TOKEN`` query rows times query heads a KV head for each history token
-    they read (weighted by history) takes the decode kernel's route (``prompt.paged_prompt``), which
-    decodes nothing ahead."""
+    they read (weighted by history), or one of whose chunks does not fit ``KEY_BUFFER_BYTES``, takes
+    the decode kernel's route (``prompt.paged_prompt``), which decodes nothing ahead."""
     if not rows.max_seq_len:  # no chunk has history
         own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out, window)
         return out
     group = query.shape[1] // key.shape[1]
-    if rows_a_history_token(rows) * group < MIN_HEAD_ROWS_A_HISTORY_TOKEN:
+    row_bytes = 2 * key.shape[1] * key.shape[2] * key.element_size()
+    if rows_a_history_token(rows) * group < MIN_HEAD_ROWS_A_HISTORY_TOKEN or not fits_buffer(rows, row_bytes):
         return paged_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
     return dense_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
+
+
+def fits_buffer(rows: TokenRows, row_bytes: int) -> bool:
+    """Whether every chunk's keys (its history and own tokens, ``row_bytes`` each) fit ``KEY_BUFFER_BYTES``."""
+    starts = rows.query_start_host
+    longest = max(h + b - a for a, b, h in zip(starts, starts[1:], rows.histories))
+    return longest * row_bytes <= KEY_BUFFER_BYTES
 
 
 def rows_a_history_token(rows: TokenRows) -> float:
