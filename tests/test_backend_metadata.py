@@ -54,8 +54,8 @@ def test_mixed_step_rows():
     rows = md.token_rows
     assert rows.seq_lens.tolist() == [7] * 5 + [0] * 2
     assert rows.block_table.tolist() == [[8, 9, 10, 11]] * 5 + [[12, 13, 14, 15]] * 2
-    assert rows.max_seq_len == 7
-    assert rows.query_start.tolist() == [0, 5, 7] and rows.max_query_len == 5
+    assert rows.max_seq_len == 7 and rows.histories == [7, 0]  # the host's, for the history route's plan
+    assert rows.query_start.tolist() == [0, 5, 7] and rows.query_start_host == [0, 5, 7] and rows.max_query_len == 5
     assert rows.groups.rows.tolist() == [4, 0, 0, 0, 1, 2, 0]
     assert rows.groups.starts.tolist() == [0, 4, 5]
     # the Triton kernel is compiled for 16-byte aligned pointers (warm-up included): another
