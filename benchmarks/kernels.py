@@ -192,8 +192,7 @@ def bench_prompt_chunks(bits: int, num_prompts: int, hq: int, hkv: int, d: int, 
     n = num_prompts * prompt
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    seq_lens = torch.full((num_prompts,), history + prompt, dtype=torch.int32, device="cuda")
-    rows = token_rows(list(range(0, n + 1, prompt)), seq_lens, table, [history] * num_prompts,
+    rows = token_rows(list(range(0, n + 1, prompt)), [history] * num_prompts, table,
                       rows_per_program(hq // hkv, prompt_rows or PROMPT_ROWS))
     out = torch.empty_like(q)
     if route in ("serving", "history"):
@@ -498,8 +497,7 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     kp, vp = (torch.randn(total, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     outp = torch.empty_like(qp)
     starts, contexts = list(range(0, total + 1, length)), [history + length] * chunks
-    seq_dev = torch.tensor(contexts, dtype=torch.int32, device="cuda")
-    token = token_rows(starts, seq_dev, table, [history] * chunks, rows_per_program(hq // hkv))
+    token = token_rows(starts, [history] * chunks, table, rows_per_program(hq // hkv))
     writes = plan_chunk_writes(fmt, spec, starts, contexts, table)
     rows.append({"kernel": f"zipcache-r60 {label}: attention + write",
                  "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
@@ -617,7 +615,7 @@ def bench_host(hq: int, hkv: int, d: int = 128, bits: int = 4) -> list[dict]:
     slots = torch.cat([table[:nd, 0].long() * 128 + 5,
                        table[nd, :4].long().repeat_interleave(128) * 128 + torch.arange(prompt, device="cuda") % 128])
     def build_rows():
-        return token_rows([x - nd for x in starts[nd:]], seq_lens[nd:], table[nd:], [0], rows_per_program(hq // hkv))
+        return token_rows([x - nd for x in starts[nd:]], [0], table[nd:], rows_per_program(hq // hkv))
     rows = build_rows()
     k_cache = torch.randn(t * 64, 16, hkv, d, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)

@@ -377,7 +377,7 @@ def test_a_mixed_step_never_waits_for_the_gpu(q_lens):
             if nd:  # the decodes are of equal length: any order of them
                 paged_decode(q[:nd], cache, fmt, table[:nd], lens[:nd], D ** -0.5, max(seq_lens[:nd]),
                              row_order=torch.arange(nd, dtype=torch.int32, device="cuda"))
-            rows = token_rows(qsl, lens[nd:], table[nd:], [20] * (len(q_lens) - nd), rows_per_program(HQ // H))
+            rows = token_rows(qsl, [20] * (len(q_lens) - nd), table[nd:], rows_per_program(HQ // H))
             paged_prompt(q[nd:], kv[nd:], kv[nd:], cache, fmt, rows, D ** -0.5, out=torch.empty_like(q[nd:]))
         finally:
             torch.cuda.set_sync_debug_mode("default")

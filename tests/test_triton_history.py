@@ -95,7 +95,7 @@ def test_history_rows_equal_the_format_decode(layer_format):
     fmt, cache, table, *_ = _chunks(layer_format, seq_lens, [1, 1, 1], seed=7)
     qsl, histories = [0, 1, 2, 3], [L - 1 for L in seq_lens]
     plan = history.HistoryPlan(qsl, histories, B, None)
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), histories)
+    rows = token_rows(qsl, histories, table.to(DEVICE))
     items = torch.tensor(plan.items.ravel(), dtype=torch.int32, device=DEVICE)
     k, v = history.history_rows(cache.to(DEVICE), fmt, rows.block_table, plan, items, DTYPE)
     for i, hist in enumerate(histories):
@@ -120,7 +120,7 @@ def test_chunks_equal_reference(flash_attention, layer_format):
     rows_of = torch.repeat_interleave(torch.arange(3), torch.tensor(q_lens))
     read_back = paged_torch.attend(q.float(), cache, fmt, list(range(len(positions) + 1)), positions, table[rows_of],
                                    D ** -0.5)
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [15, 0, 30])
+    rows = token_rows(qsl, [15, 0, 30], table.to(DEVICE))
     out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=DTYPE, device=DEVICE)
     dev = [t.to(DEVICE) for t in (q, key, value, cache)]
     got = history.dense_prompt(*dev, fmt, rows, D ** -0.5, out)
@@ -137,14 +137,14 @@ def test_groups_of_chunks_equal_one_call(flash_attention, monkeypatch):
     same answer as one call for all."""
     seq_lens, q_lens = [40, 9, 32], [25, 9, 2]
     fmt, cache, table, qsl, q, key, value = _chunks(LayerFormat(k_bits=4, v_bits=4), seq_lens, q_lens, seed=5)
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [15, 0, 30])
+    rows = token_rows(qsl, [15, 0, 30], table.to(DEVICE))
     dev = [t.to(DEVICE) for t in (q, key, value, cache)]
     whole = history.dense_prompt(*dev, fmt, rows, D ** -0.5, torch.empty_like(dev[0]))
     calls = []
     attention = history.chunks_attention
     monkeypatch.setattr(history, "chunks_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
     monkeypatch.setattr(history, "KEY_BUFFER_BYTES", 40 * 2 * H * D * DTYPE.itemsize)  # the longest chunk's keys
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [15, 0, 30])  # the next step's
+    rows = token_rows(qsl, [15, 0, 30], table.to(DEVICE))  # the next step's
     grouped = history.dense_prompt(*dev, fmt, rows, D ** -0.5, torch.empty_like(dev[0]))
     assert len(calls) == 3
     torch.testing.assert_close(grouped, whole)
@@ -160,7 +160,7 @@ def test_sliding_window_skips_freed_pages(flash_attention):
     histories = [L - m for L, m in zip(seq_lens, q_lens)]
     cache, table = free_before(cache, table, [h - window + 1 for h in histories], B)
     ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, window, key=key, value=value)
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), histories)
+    rows = token_rows(qsl, histories, table.to(DEVICE))
     out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=DTYPE, device=DEVICE)
     got = history.dense_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5, out,
                                window=window)
@@ -194,7 +194,7 @@ def test_steps_take_the_route_their_rows_a_history_token_ask(flash_attention, mo
         run = getattr(history, name)
         monkeypatch.setattr(history, name, lambda *a, run=run, name=name, **k: taken.append(name) or run(*a, **k))
     histories = [L - m for L, m in zip(seq_lens, q_lens)]
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), histories)
+    rows = token_rows(qsl, histories, table.to(DEVICE))
     got = history.prompt_chunks(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5,
                                 torch.empty(qsl[-1], HQ, D, dtype=DTYPE, device=DEVICE))
     assert taken == {"none": [], "decode-kernel": ["paged_prompt"], "history": ["dense_prompt"]}[route]

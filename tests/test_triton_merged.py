@@ -109,7 +109,7 @@ def test_steps_through_the_kernels_equal_attend_pair(codec, monkeypatch):
                 decode_rows(q, k, v, cache, fmt, layer, table.to(DEVICE), seq_lens - 1, D ** -0.5, max(lens), got)
             else:
                 histories = [L - m for L, m in zip(lens, q_lens)]
-                rows = token_rows(qsl, seq_lens, table.to(DEVICE), histories, rows_per_group=5)
+                rows = token_rows(qsl, histories, table.to(DEVICE), rows_per_group=5)
                 merged_prompt.merged_prompt(q, k, v, cache, fmt, layer, rows, D ** -0.5, got)
             tol = TOL if codec == "16-bit" else CODES_TOL
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

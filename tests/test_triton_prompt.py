@@ -80,7 +80,7 @@ def test_prompt_chunks_equal_reference(own_attention, bits, prompt_rows, num_spl
     read_back = paged_torch.attend(q.float(), cache, fmt, list(range(len(positions) + 1)), positions, table[rows_of],
                                    D ** -0.5)
     per_group = rows_per_program(HQ // H, prompt_rows) if prompt_rows else 1
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [15, 0, 30], per_group)
+    rows = token_rows(qsl, [15, 0, 30], table.to(DEVICE), per_group)
     assert rows.seq_lens.tolist() == [15] * 25 + [0] * 9 + [30] * 2
     assert rows.query_start.tolist() == qsl and rows.max_query_len == 25
     out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=q.dtype, device=DEVICE)
@@ -110,7 +110,7 @@ def test_sliding_window_chunks_equal_reference(own_attention, prompt_rows, num_s
     cache, table = free_before(cache, table, [h - window + 1 for h in history], B)
     ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, window, key=key, value=value)
     per_group = rows_per_program(HQ // H, prompt_rows) if prompt_rows else 1
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), history, per_group)
+    rows = token_rows(qsl, history, table.to(DEVICE), per_group)
     assert rows.first_keys(window).tolist() == [h + i - window + 1 for h, m in zip(history, q_lens) for i in range(m)]
     out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=q.dtype, device=DEVICE)
     got = prompt.paged_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5, out=out,
@@ -127,7 +127,7 @@ def test_chunks_without_history_launch_no_decode(own_attention, monkeypatch):
     fmt, cache, table, qsl, q, key, value = _chunks(seq_lens, q_lens, seed=3)
     ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, key=key, value=value)
     monkeypatch.setattr(prompt, "paged_decode", lambda *a, **k: pytest.fail("the decode kernel was launched"))
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [0, 0], rows_per_program(HQ // H))
+    rows = token_rows(qsl, [0, 0], table.to(DEVICE), rows_per_program(HQ // H))
     out = torch.empty(qsl[-1], HQ, D, dtype=q.dtype, device=DEVICE)
     got = prompt.paged_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5, out=out)
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
@@ -149,7 +149,7 @@ def test_planned_layers_equal_reference(num_splits, monkeypatch):
         fmt, cache, table, qsl, q, key, value = _chunks(seq_lens, q_lens, seed=30 + layer)
         ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, key=key, value=value)
         if layer == 0:
-            rows = token_rows(qsl, torch.tensor(seq_lens, device="cuda"), table.cuda(), [15, 0], rows_per_program(HQ // H))
+            rows = token_rows(qsl, [15, 0], table.cuda(), rows_per_program(HQ // H))
             plans = len(decode._plans._plans)
         else:  # the step's block table: this layer's pages moved to the first layer's blocks
             cache = _moved(cache, table, first_table, seq_lens)

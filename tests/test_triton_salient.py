@@ -223,7 +223,7 @@ def test_grouped_prompt_rows_continue_a_prior_attention(splits):
     g = torch.Generator().manual_seed(8)
     q = torch.randn(28, HQ, D, generator=g)
     prior, prior_lse = torch.randn(28, HQ, D, generator=g), torch.randn(HQ, 28, generator=g)
-    rows = token_rows(qsl, torch.tensor(seq_lens, device=DEVICE), table.to(DEVICE), [50, 0, 37], rows_per_group=9)
+    rows = token_rows(qsl, [50, 0, 37], table.to(DEVICE), rows_per_group=9)
     scale = D ** -0.5
     out, lse = prior.to(DEVICE, dtype).clone(), prior_lse.to(DEVICE).clone()
     paged_decode(q.to(DEVICE, dtype), cache.to(DEVICE), fmt, rows.block_table, rows.seq_lens, scale, 50,
@@ -286,7 +286,7 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, probes, wi
         want = attend_and_write(q.float(), k.float(), v.float(), cache, fmt, spec, qsl, lens, table, D ** -0.5,
                                 window)
         histories = [L - m for L, m in zip(lens, q_lens)]
-        rows = token_rows(qsl, torch.tensor(lens, device=DEVICE), table.to(DEVICE), histories, rows_per_group=9)
+        rows = token_rows(qsl, histories, table.to(DEVICE), rows_per_group=9)
         got = torch.full((qsl[-1], HQ, D), float("nan"), dtype=dtype, device=DEVICE)
         dev = [t.to(DEVICE) for t in (q, k, v)]
         writes = plan_chunk_writes(fmt, spec, qsl, lens, table.to(DEVICE))
@@ -347,7 +347,7 @@ def _steps_after_warm_up(fmt, cache, HQ, H, D, dtype):
                                          row_order=longest_first(lens - 1))
         salient_write.write_decoded(q, k, v, cache, fmt, spec, table, lens, lse.t(), D ** -0.5)
         qsl = [0, 9, 30]
-        rows = token_rows(qsl, lens, table, [31, 49], rows_per_program(HQ // H))
+        rows = token_rows(qsl, [31, 49], table, rows_per_program(HQ // H))
         qp = torch.randn(30, HQ, D, generator=g).to(DEVICE, dtype)
         kp, vp = (torch.randn(30, H, D, generator=g).to(DEVICE, dtype) for _ in range(2))
         writes = plan_chunk_writes(fmt, spec, qsl, lens.tolist(), table)

@@ -160,7 +160,7 @@ def prompt_case(histories, q_lens, heads, head_size, block, dtype, seed, k_bits=
         want.append((scores.masked_fill(causal, float("-inf")).softmax(-1) @ v.transpose(0, 1)).transpose(0, 1))
     slim_dev = SlimLayer(slim.w_heads.to(DEVICE), Rotary(slim.rotary.cos_sin.to(DEVICE), head_size, True))
     bt_dev = bt.to(DEVICE)
-    rows = token_rows(starts, torch.tensor(lens, dtype=torch.int32, device=DEVICE), bt_dev, histories)
+    rows = token_rows(starts, histories, bt_dev)
     args = (q.to(DEVICE), new_k.to(DEVICE), new_v.to(DEVICE), cache.to(DEVICE), fmt, rows, starts, lens, bt_dev,
             head_size ** -0.5, slim_dev)
     return args, torch.cat(want)

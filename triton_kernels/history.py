@@ -33,7 +33,7 @@ from vllm_kvcompress.token_rows import TokenRows, aligned_to_device
 from .addressing import code_unit_ptr
 from .decode import warm_up as decode_warm_up
 from .launch import Variant, launch
-from .prompt import flash_attention_version, own_chunk_attention, paged_prompt
+from .prompt import chunks_attention, own_chunk_attention, paged_prompt
 
 KEY_BUFFER_BYTES = 512 << 20  # a group's K and V rows in the model's dtype, at most
 # Below this many query heads' rows for each KV head's history token, decoding the history ahead costs
@@ -196,25 +196,29 @@ def prompt_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     if not rows.max_seq_len:  # no chunk has history
         own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out, window)
         return out
-    group = query.shape[1] // key.shape[1]
-    row_bytes = 2 * key.shape[1] * key.shape[2] * key.element_size()
-    if rows_a_history_token(rows) * group < MIN_HEAD_ROWS_A_HISTORY_TOKEN or not fits_buffer(rows, row_bytes):
+    if not decodes_ahead(rows, query.shape[1] // key.shape[1], _row_bytes(key)):
         return paged_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
     return dense_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
 
 
-def fits_buffer(rows: TokenRows, row_bytes: int) -> bool:
-    """Whether every chunk's keys (its history and own tokens, ``row_bytes`` each) fit ``KEY_BUFFER_BYTES``."""
-    starts = rows.query_start_host
-    longest = max(h + b - a for a, b, h in zip(starts, starts[1:], rows.histories))
-    return longest * row_bytes <= KEY_BUFFER_BYTES
+def _row_bytes(key: torch.Tensor) -> int:
+    """Bytes of a key's K and V rows in the buffer (all KV heads, the model's dtype)."""
+    return 2 * key.shape[1] * key.shape[2] * key.element_size()
 
 
-def rows_a_history_token(rows: TokenRows) -> float:
-    """The chunks' query rows, averaged over the history tokens they read."""
-    starts, histories = rows.query_start_host, rows.histories
-    rows_times_history = sum((b - a) * h for a, b, h in zip(starts, starts[1:], histories))
-    return rows_times_history / max(sum(histories), 1)
+def decodes_ahead(rows: TokenRows, group: int, row_bytes: int) -> bool:
+    """Whether a step with history takes the history route: its chunks have at least
+    ``MIN_HEAD_ROWS_A_HISTORY_TOKEN`` query rows times ``group`` (query heads a KV head) for each
+    history token, averaged over the history tokens, and each chunk's keys (``row_bytes`` each) fit
+    ``KEY_BUFFER_BYTES``. Decided once a step (kept on ``rows``)."""
+    key = ("decodes ahead", group, row_bytes)
+    if key not in rows.step_plans:
+        starts, histories = rows.query_start_host, rows.histories
+        rows_times_history = sum((b - a) * h for a, b, h in zip(starts, starts[1:], histories))
+        longest = max(h + b - a for a, b, h in zip(starts, starts[1:], histories))
+        rows.step_plans[key] = (rows_times_history * group >= MIN_HEAD_ROWS_A_HISTORY_TOKEN * sum(histories)
+                                and longest * row_bytes <= KEY_BUFFER_BYTES)
+    return rows.step_plans[key]
 
 
 @dataclass
@@ -253,8 +257,7 @@ def dense_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
                  fmt: KVPageFormat, rows: TokenRows, sm_scale: float, out: torch.Tensor,
                  window: int | None = None) -> torch.Tensor:
     """``prompt_chunks``' history route, for a step where some chunk has history."""
-    row_bytes = 2 * key.shape[1] * key.shape[2] * key.element_size()
-    for group in step_groups(rows, fmt.block_size, window, row_bytes, cache.device):
+    for group in step_groups(rows, fmt.block_size, window, _row_bytes(key), cache.device):
         rows_of = group.tokens
         k, v = history_rows(cache, fmt, rows.block_table[rows_of], group.plan, group.items, key.dtype)
         k.index_copy_(0, group.own_rows, key[rows_of])
@@ -262,18 +265,6 @@ def dense_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
         chunks_attention(query[rows_of], k, v, group.query_start, group.max_query_len, group.key_start,
                          group.plan.max_key_len, sm_scale, out[rows_of], window)
     return out
-
-
-def chunks_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_start: torch.Tensor,
-                     max_query_len: int, key_start: torch.Tensor, max_key_len: int, sm_scale: float,
-                     out: torch.Tensor, window: int | None = None) -> None:
-    """Each chunk's queries over its keys (history, then its own tokens: causal, aligned at the end;
-    within a sliding ``window``) into ``out``, through vLLM's FlashAttention."""
-    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-    flash_attn_varlen_func(q=query, k=key, v=value, out=out, cu_seqlens_q=query_start, max_seqlen_q=max_query_len,
-                           cu_seqlens_k=key_start, max_seqlen_k=max_key_len, softmax_scale=sm_scale, causal=True,
-                           window_size=(-1, -1) if window is None else (window - 1, 0),
-                           fa_version=flash_attention_version(query.shape[-1]))
 
 
 def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype,

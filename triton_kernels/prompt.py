@@ -43,10 +43,20 @@ def own_chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         window: int | None = None) -> torch.Tensor:
     """Each chunk's causal attention over its own tokens (with a sliding ``window``, token p over
     those after p - window) into ``out``; the rows' natural log-sum-exp [Hq, T]."""
+    return chunks_attention(query, key, value, query_start, max_query_len, query_start, max_query_len, sm_scale,
+                            out, window)
+
+
+def chunks_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_start: torch.Tensor,
+                     max_query_len: int, key_start: torch.Tensor, max_key_len: int, sm_scale: float,
+                     out: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Each chunk's queries (rows ``query_start``) over its keys (rows ``key_start``; the chunk's own
+    tokens last: causal, aligned at the end; within a sliding ``window``) into ``out``, through vLLM's
+    FlashAttention; the rows' natural log-sum-exp [Hq, T]."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
     _, lse = flash_attn_varlen_func(q=query, k=key, v=value, out=out, cu_seqlens_q=query_start,
-                                    max_seqlen_q=max_query_len, cu_seqlens_k=query_start,
-                                    max_seqlen_k=max_query_len, softmax_scale=sm_scale, causal=True,
+                                    max_seqlen_q=max_query_len, cu_seqlens_k=key_start, max_seqlen_k=max_key_len,
+                                    softmax_scale=sm_scale, causal=True,
                                     window_size=(-1, -1) if window is None else (window - 1, 0),
                                     return_softmax_lse=True, fa_version=flash_attention_version(query.shape[-1]))
     return lse

@@ -18,7 +18,7 @@ from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.paged_torch import chunks
 from vllm_kvcompress.token_rows import TokenRows
 
-from .prompt import flash_attention_version, own_chunk_attention
+from .prompt import chunks_attention, own_chunk_attention
 
 
 def slim_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -41,10 +41,8 @@ def slim_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cac
         values.append(value[qs:qe])
         key_lens.append(history + qe - qs)
     starts = torch.tensor([0] + key_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(query.device)
-    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
-    flash_attn_varlen_func(q=query, k=torch.cat(keys), v=torch.cat(values), out=out, cu_seqlens_q=rows.query_start,
-                           max_seqlen_q=rows.max_query_len, cu_seqlens_k=starts, max_seqlen_k=max(key_lens),
-                           softmax_scale=sm_scale, causal=True, fa_version=flash_attention_version(query.shape[-1]))
+    chunks_attention(query, torch.cat(keys), torch.cat(values), rows.query_start, rows.max_query_len, starts,
+                     max(key_lens), sm_scale, out)
     return out
 
 

@@ -179,8 +179,8 @@ class KVCompressMetadataBuilder(AttentionMetadataBuilder[KVCompressMetadata]):
             d, first = num_decodes, query_start_loc[num_decodes]
             # the host's context lengths are exact for prompt chunks (vLLM: upper bounds only for decodes)
             histories = [seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i]) for i in range(d, n)]
-            rows = token_rows([x - first for x in query_start_loc[d: n + 1]], cam.seq_lens[d:n],
-                              cam.block_table_tensor[d:n], histories, self._rows_per_group)
+            rows = token_rows([x - first for x in query_start_loc[d: n + 1]], histories, cam.block_table_tensor[d:n],
+                              self._rows_per_group)
         return KVCompressMetadata(
             num_actual_tokens=cam.num_actual_tokens,
             query_start_loc=query_start_loc,

@@ -11,11 +11,11 @@ launched only for them.
 
 Built once per step without synchronizing with the host. Which request each token
 belongs to, its place in its chunk and the groups depend only on the query offsets,
-which the host has exactly: they are computed there with numpy and sent in one
-asynchronous copy from pinned memory. Only what needs the device's context lengths
-(exact, where the host may hold upper bounds) is left to the device: two gathers
-and an add. The same indices built by about fifteen small torch ops on the device
-cost the host 450 to 600 us a step.
+which the host has exactly, and so are the chunks' histories (vLLM's host context
+lengths are exact for prompt chunks): they are computed there with numpy and sent in
+one asynchronous copy from pinned memory. Only each token's row of the block table is
+gathered on the device. The same indices built by about fifteen small torch ops on the
+device cost the host 450 to 600 us a step.
 """
 
 from __future__ import annotations
@@ -57,19 +57,19 @@ class TokenRows:
         return self._first_keys[window]
 
 
-def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table: torch.Tensor,
-               histories: list[int], rows_per_group: int = 1) -> TokenRows:
-    """``query_start_host``: the R chunks' token offsets on the host, from 0 ([R+1]); ``seq_lens``
-    [R] and ``block_table`` [R, max_blocks] on the device; ``histories`` [R]: each chunk's history
-    (its request's tokens before it) as the host has it (exact for prompt chunks). A request's
-    tokens are grouped ``rows_per_group`` at a time from its first (1: not grouped)."""
+def token_rows(query_start_host: list[int], histories: list[int], block_table: torch.Tensor,
+               rows_per_group: int = 1) -> TokenRows:
+    """``query_start_host``: the R chunks' token offsets on the host, from 0 ([R+1]); ``histories``
+    [R]: each chunk's history (its request's tokens before it), on the host; ``block_table`` [R,
+    max_blocks] on the device. A request's tokens are grouped ``rows_per_group`` at a time from its
+    first (1: not grouped)."""
     starts = np.asarray(query_start_host, dtype=np.int32)
     q_lens = np.diff(starts)
     num_tokens = int(starts[-1])
     request = np.repeat(np.arange(len(q_lens), dtype=np.int32), q_lens)
     offset = np.arange(num_tokens, dtype=np.int32) - starts[request]
     q_len = q_lens[request]  # of each token's chunk
-    parts = [starts, request, -q_len, offset]  # a token's history: its request's context, less its chunk
+    parts = [starts, request, np.asarray(histories, dtype=np.int32)[request], offset]
     if rows_per_group > 1:
         per_request = -(-q_lens // rows_per_group)
         first_group = np.repeat(np.cumsum(per_request) - per_request, per_request)
@@ -77,11 +77,10 @@ def token_rows(query_start_host: list[int], seq_lens: torch.Tensor, block_table:
                         + (np.arange(len(first_group), dtype=np.int32) - first_group) * rows_per_group)
         parts += [np.where(offset % rows_per_group == 0, np.minimum(q_len - offset, rows_per_group), 0),
                   group_starts]
-    query_start, request_dev, shift, offset_dev, *grouping = aligned_to_device(parts, seq_lens.device)
-    history = seq_lens[request_dev] + shift
+    query_start, request_dev, history, offset_dev, *grouping = aligned_to_device(parts, block_table.device)
     groups = TokenGroups(grouping[0], grouping[1], rows_per_group) if grouping else None
-    return TokenRows(history.to(torch.int32), block_table[request_dev], list(histories), max(histories, default=0), groups, query_start,
-                     list(query_start_host), int(q_lens.max(initial=0)), offset_dev)
+    return TokenRows(history, block_table[request_dev], list(histories), max(histories, default=0), groups,
+                     query_start, list(query_start_host), int(q_lens.max(initial=0)), offset_dev)
 
 
 def aligned_to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
