@@ -29,8 +29,10 @@ B, H, HQ, D = 16, 2, 4, 64
 def torch_chunks_attention(query, key, value, query_start, max_query_len, key_start, max_key_len, sm_scale, out,
                            window=None):
     """What FlashAttention gives ``chunks_attention``: each chunk's m queries over its n keys, query i
-    seeing keys j <= i + n - m (causal, aligned at the end) and, with a ``window``, j > i + n - m - window."""
+    seeing keys j <= i + n - m (causal, aligned at the end) and, with a ``window``, j > i + n - m - window;
+    the rows' natural log-sum-exp [Hq, T]."""
     group = query.shape[1] // key.shape[1]
+    lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
     for (qa, qb), (ka, kb) in zip(zip(query_start.tolist(), query_start.tolist()[1:]),
                                   zip(key_start.tolist(), key_start.tolist()[1:])):
         m, n = qb - qa, kb - ka
@@ -43,6 +45,8 @@ def torch_chunks_attention(query, key, value, query_start, max_query_len, key_st
             hidden |= j <= last_seen - window
         scores = (q @ k.transpose(1, 2) * sm_scale).masked_fill(hidden.to(q.device), float("-inf"))
         out[qa:qb] = (scores.softmax(-1) @ v).transpose(0, 1).to(out.dtype)
+        lse[:, qa:qb] = scores.logsumexp(-1)
+    return lse
 
 
 @pytest.fixture
@@ -62,6 +66,23 @@ def _chunks(layer_format, seq_lens, q_lens, seed, block=B):
     qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
     q = torch.randn(qsl[-1], HQ, D, generator=torch.Generator().manual_seed(seed + 1)).to(DTYPE)
     return fmt, cache, table, qsl, q, key, value
+
+
+def _reference_lse(q, cache, fmt, table, seq_lens, q_lens, key):
+    """Each chunk row's natural log-sum-exp over its decoded history and its chunk's exact K up to
+    itself [Hq, T]: from ``KVPageFormat.decode``'s keys."""
+    rows = []
+    group = HQ // H
+    start = 0
+    for i, (L, m) in enumerate(zip(seq_lens, q_lens)):
+        hist = L - m
+        k_hist = fmt.decode(cache[table[i, :-(-hist // B)].long()])[0].flatten(0, 1)[:hist] if hist else key[:0].float()
+        k = torch.cat([k_hist, key[start:start + m].float()]).repeat_interleave(group, 1)  # [L, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", q[start:start + m].float(), k) * D ** -0.5
+        hidden = torch.arange(L)[None, :] > (hist + torch.arange(m))[:, None]
+        rows.append(scores.masked_fill(hidden, float("-inf")).logsumexp(-1))
+        start += m
+    return torch.cat(rows, dim=1)
 
 
 def test_plan_places_history_pages_then_own_tokens():
@@ -107,6 +128,32 @@ def test_history_rows_equal_the_format_decode(layer_format):
         torch.testing.assert_close(got_v, want_v.flatten(0, 1)[:hist].to(DTYPE).float(), **tol)
 
 
+@pytest.mark.parametrize("ratio", [0.5, 0.25])
+def test_zipcache_history_rows_equal_the_format_decode(ratio):
+    """ZipCache's pages (a 2-bit high plane for every token, refinement rows for the salient ones):
+    every history row equals ``SalientTokensFormat.decode``'s, 4-bit tokens and 2-bit ones alike."""
+    from vllm_kvcompress.formats.salient import SalientTokensFormat
+    from paged_cases import salient_pages
+    fmt = SalientTokensFormat.create(ratio, DTYPE, B, H, D)
+    seq_lens = [37, 16, 5]
+    cache, table = salient_pages(fmt, seq_lens, 3, seed=9)
+    qsl = [0, 1, 2, 3]
+    plan = history.HistoryPlan(qsl, seq_lens, B, None)
+    rows = token_rows(qsl, seq_lens, table.to(DEVICE))
+    items = torch.tensor(plan.items.ravel(), dtype=torch.int32, device=DEVICE)
+    k, v = history.history_rows(cache.to(DEVICE), fmt, rows.block_table, plan, items, DTYPE)
+    tol = dict(rtol=0, atol=1e-5) if DTYPE == torch.float32 else dict(rtol=2 ** -7, atol=1e-3)
+    for i, hist in enumerate(seq_lens):
+        pages = cache[table[i, :-(-hist // B)].long()]
+        assert fmt.salient(pages).any() and not fmt.salient(pages).all()
+        want_k, want_v = fmt.decode(pages)
+        start = int(plan.key_start[i])
+        torch.testing.assert_close(k[start:start + hist].float().cpu(), want_k.flatten(0, 1)[:hist].to(DTYPE).float(),
+                                   **tol)
+        torch.testing.assert_close(v[start:start + hist].float().cpu(), want_v.flatten(0, 1)[:hist].to(DTYPE).float(),
+                                   **tol)
+
+
 @pytest.mark.parametrize("layer_format", [LayerFormat(k_bits=4, v_bits=4), LayerFormat(k_bits=2, v_bits=2)],
                          ids=format_id)
 def test_chunks_equal_reference(flash_attention, layer_format):
@@ -123,13 +170,16 @@ def test_chunks_equal_reference(flash_attention, layer_format):
     rows = token_rows(qsl, [15, 0, 30], table.to(DEVICE))
     out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=DTYPE, device=DEVICE)
     dev = [t.to(DEVICE) for t in (q, key, value, cache)]
-    got = history.dense_prompt(*dev, fmt, rows, D ** -0.5, out)
-    torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
-    assert (got.float().cpu() - read_back).abs().max() > 0.1
+    lse = history.dense_prompt(*dev, fmt, rows, D ** -0.5, out)
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+    assert (out.float().cpu() - read_back).abs().max() > 0.1
+    torch.testing.assert_close(lse.cpu(), _reference_lse(q, cache, fmt, table, seq_lens, q_lens, key), rtol=1e-3,
+                               atol=1e-3)
     plans = dict(rows.step_plans)
-    again = history.dense_prompt(*dev, fmt, rows, D ** -0.5, torch.empty_like(out))  # the step's next layer
+    again = torch.empty_like(out)
+    history.dense_prompt(*dev, fmt, rows, D ** -0.5, again)  # the step's next layer
     assert all(rows.step_plans[k] is plans[k] for k in plans) and len(plans) == 1  # planned once a step
-    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
 
 
 def test_groups_of_chunks_equal_one_call(flash_attention, monkeypatch):
@@ -139,15 +189,18 @@ def test_groups_of_chunks_equal_one_call(flash_attention, monkeypatch):
     fmt, cache, table, qsl, q, key, value = _chunks(LayerFormat(k_bits=4, v_bits=4), seq_lens, q_lens, seed=5)
     rows = token_rows(qsl, [15, 0, 30], table.to(DEVICE))
     dev = [t.to(DEVICE) for t in (q, key, value, cache)]
-    whole = history.dense_prompt(*dev, fmt, rows, D ** -0.5, torch.empty_like(dev[0]))
+    whole = torch.empty_like(dev[0])
+    whole_lse = history.dense_prompt(*dev, fmt, rows, D ** -0.5, whole)
     calls = []
     attention = history.chunks_attention
     monkeypatch.setattr(history, "chunks_attention", lambda *a, **k: calls.append(1) or attention(*a, **k))
     monkeypatch.setattr(history, "KEY_BUFFER_BYTES", 40 * 2 * H * D * DTYPE.itemsize)  # the longest chunk's keys
     rows = token_rows(qsl, [15, 0, 30], table.to(DEVICE))  # the next step's
-    grouped = history.dense_prompt(*dev, fmt, rows, D ** -0.5, torch.empty_like(dev[0]))
+    grouped = torch.empty_like(dev[0])
+    grouped_lse = history.dense_prompt(*dev, fmt, rows, D ** -0.5, grouped)
     assert len(calls) == 3
     torch.testing.assert_close(grouped, whole)
+    torch.testing.assert_close(grouped_lse, whole_lse)
 
 
 def test_sliding_window_skips_freed_pages(flash_attention):
@@ -162,8 +215,8 @@ def test_sliding_window_skips_freed_pages(flash_attention):
     ref = paged_torch.attend(q.float(), cache, fmt, qsl, seq_lens, table, D ** -0.5, window, key=key, value=value)
     rows = token_rows(qsl, histories, table.to(DEVICE))
     out = torch.full((qsl[-1], HQ, D), float("nan"), dtype=DTYPE, device=DEVICE)
-    got = history.dense_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5, out,
-                               window=window)
+    history.dense_prompt(*[t.to(DEVICE) for t in (q, key, value, cache)], fmt, rows, D ** -0.5, out, window=window)
+    got = out
     torch.testing.assert_close(got.float().cpu(), ref, rtol=2e-2, atol=2e-2)
     _, whole_cache, whole_table, *_ = _chunks(layer_format, seq_lens, q_lens, seed=11)
     whole = paged_torch.attend(q.float(), whole_cache, fmt, qsl, seq_lens, whole_table, D ** -0.5, key=key, value=value)

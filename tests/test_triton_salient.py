@@ -246,9 +246,11 @@ def test_grouped_prompt_rows_continue_a_prior_attention(splits):
 
 
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("score,probes", [("normalized", None), ("random", None), ("normalized", 2)],
-                         ids=["normalized", "random", "normalized-2-probes-a-product"])
-def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, probes, window, monkeypatch):
+@pytest.mark.parametrize("score,probes,route", [
+    ("normalized", None, "decode-kernel"), ("random", None, "decode-kernel"), ("normalized", 2, "decode-kernel"),
+    ("normalized", None, "history"), ("random", None, "history"),
+], ids=["normalized", "random", "normalized-2-probes-a-product", "normalized-history", "random-history"])
+def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, probes, route, window, monkeypatch):
     """Steps of prompt chunks from three requests, batched (``salient_prompt``: own attention, history
     rows in groups, merged; then ``write_chunks`` over all touched blocks at once, the probes' scores
     in the write kernel), against
@@ -257,15 +259,19 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, probes, wi
     one-token chunk (held at 4 bits) and a chunk that opens a fresh block; with a sliding window of
     20, each token and probe see their window alone. On the CPU a torch causal attention stands in
     for FlashAttention. With 2 probes a product, a chunk's probes take several products, whose
-    scores add up over the block's tokens."""
+    scores add up over the block's tokens. Both routes of a step's history: the decode kernel's rows,
+    or the history decoded once and one FlashAttention call (``history.dense_prompt``)."""
+    from test_triton_history import torch_chunks_attention
     from test_triton_prompt import torch_own_chunk_attention
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.salient_torch import attend_and_write, plan_chunk_writes
     from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels import salient_prompt, salient_write
+    from vllm_kvcompress.triton_kernels import history, salient_prompt, salient_write
 
     if DEVICE == "cpu":
         monkeypatch.setattr(salient_prompt, "own_chunk_attention", torch_own_chunk_attention)
+        monkeypatch.setattr(history, "chunks_attention", torch_chunks_attention)
+    monkeypatch.setattr(history, "MIN_HEAD_ROWS_A_HISTORY_TOKEN", 0 if route == "history" else 10 ** 9)
     if probes is not None:
         monkeypatch.setattr(salient_write, "PROBES", probes)
         monkeypatch.setattr(salient_write, "_variant", salient_write._variant.__wrapped__)  # none cached
@@ -300,11 +306,11 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, probes, wi
         _assert_same_tokens(fmt, ours, cache, table, lens)
 
 
-def test_warm_up_writes_nothing_and_compiles_what_steps_launch():
+def test_warm_up_writes_nothing_and_compiles_what_steps_launch(monkeypatch):
     """The warm-up (every kernel a serving step launches over ZipCache's pages, writes included,
     compiled before serving) leaves a live cache as it was; on a GPU, decode and prompt steps after
     it compile nothing more (Triton's hook after each compile is never called)."""
-    from vllm_kvcompress.triton_kernels import salient_decode
+    from vllm_kvcompress.triton_kernels import salient_prompt
 
     H, HQ, D, B = 2, 4, 64, 32
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
@@ -312,7 +318,7 @@ def test_warm_up_writes_nothing_and_compiles_what_steps_launch():
     cache = torch.randint(0, 256, (8, fmt.page_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     cache = cache.to(DEVICE)
     before = cache.clone()
-    salient_decode.warm_up(cache, fmt, HQ, dtype)
+    salient_prompt.warm_up(cache, fmt, HQ, dtype)
     assert torch.equal(cache, before)
     if DEVICE == "cpu":
         return
@@ -321,18 +327,19 @@ def test_warm_up_writes_nothing_and_compiles_what_steps_launch():
     compiled, hook = [], knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_post_compile_hook = lambda **info: compiled.append(info["repr"])  # after each compile
     try:
-        _steps_after_warm_up(fmt, cache, HQ, H, D, dtype)
+        _steps_after_warm_up(fmt, cache, HQ, H, D, dtype, monkeypatch)
     finally:
         knobs.runtime.jit_post_compile_hook = hook
     assert not compiled, compiled
 
 
-def _steps_after_warm_up(fmt, cache, HQ, H, D, dtype):
-    """A decode step and a prompt step over ``cache``, scores normalized and drawn, as serving runs them."""
+def _steps_after_warm_up(fmt, cache, HQ, H, D, dtype, monkeypatch):
+    """A decode step and a prompt step over ``cache`` (its history through each route), scores
+    normalized and drawn, as serving runs them."""
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.salient_torch import plan_chunk_writes
     from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels import salient_decode, salient_prompt, salient_write
+    from vllm_kvcompress.triton_kernels import history, salient_decode, salient_prompt, salient_write
     from vllm_kvcompress.triton_kernels.decode import longest_first, rows_per_program
 
     g = torch.Generator().manual_seed(2)
@@ -347,11 +354,13 @@ def _steps_after_warm_up(fmt, cache, HQ, H, D, dtype):
                                          row_order=longest_first(lens - 1))
         salient_write.write_decoded(q, k, v, cache, fmt, spec, table, lens, lse.t(), D ** -0.5)
         qsl = [0, 9, 30]
-        rows = token_rows(qsl, [31, 49], table, rows_per_program(HQ // H))
         qp = torch.randn(30, HQ, D, generator=g).to(DEVICE, dtype)
         kp, vp = (torch.randn(30, H, D, generator=g).to(DEVICE, dtype) for _ in range(2))
         writes = plan_chunk_writes(fmt, spec, qsl, lens.tolist(), table)
-        salient_prompt.salient_prompt(qp, kp, vp, cache, fmt, spec, rows, writes, D ** -0.5, torch.empty_like(qp))
+        for ahead in (0, 10 ** 9):  # a step's route is decided once a step: a step each
+            monkeypatch.setattr(history, "MIN_HEAD_ROWS_A_HISTORY_TOKEN", ahead)
+            rows = token_rows(qsl, [31, 49], table, rows_per_program(HQ // H))
+            salient_prompt.salient_prompt(qp, kp, vp, cache, fmt, spec, rows, writes, D ** -0.5, torch.empty_like(qp))
 
 
 _SALIENT_KERNELS = """

@@ -28,9 +28,11 @@ import triton.language as tl
 
 from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.formats.layout import TensorLayout, page_layout
+from vllm_kvcompress.formats.salient import MIDDLE, NO_SLOT, SalientTokensFormat
 from vllm_kvcompress.token_rows import TokenRows, aligned_to_device
 
 from .addressing import code_unit_ptr
+from .decode import _salient_constants
 from .decode import warm_up as decode_warm_up
 from .launch import Variant, launch
 from .prompt import chunks_attention, own_chunk_attention, paged_prompt
@@ -41,6 +43,8 @@ KEY_BUFFER_BYTES = 512 << 20  # a group's K and V rows in the model's dtype, at 
 # it saves its query heads' rows (``kernels.py --prompts``, docs/architecture.md "Prompt chunks")
 MIN_HEAD_ROWS_A_HISTORY_TOKEN = 192
 TOKEN_TILE = 32  # tokens of a page a program decodes
+_NO_SLOT = tl.constexpr(NO_SLOT)
+_MIDDLE = tl.constexpr(MIDDLE)
 
 
 @triton.jit
@@ -72,15 +76,38 @@ def _values(page, t, d, h, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr
 
 
 @triton.jit
+def _salient_values(page, t, d, h, D: tl.constexpr, BLOCK: tl.constexpr, HIGH: tl.constexpr, LOW: tl.constexpr,
+                    SLOT_OF: tl.constexpr, SLOTS: tl.constexpr, SCALE: tl.constexpr, ZERO: tl.constexpr,
+                    PER_TOKEN: tl.constexpr):
+    """Tokens ``t`` [T, 1], channels ``d`` [1, D] of head ``h`` of K or V of a ZipCache page as float32,
+    as ``SalientTokensFormat.decode`` gives them: the 4-bit code ``4 high + low`` of a token with a
+    refinement row (``slot_of``), ``4 high + 1.5`` of one without, on the 4-bit grid."""
+    ROW: tl.constexpr = D // 4  # 2-bit codes, head-major rows [H, B, ROW] and [H, SLOTS, ROW]
+    shift = 2 * (d % 4)
+    high = (tl.load(page + HIGH + (h * BLOCK + t) * ROW + d // 4).to(tl.int32) >> shift) & 3
+    slot = tl.load(page + SLOT_OF + h * BLOCK + t).to(tl.int32)
+    refined = slot != _NO_SLOT
+    low = tl.load(page + LOW + (h * SLOTS + tl.where(refined, slot, 0)) * ROW + d // 4, mask=refined & (d < D),
+                  other=0)
+    code = 4.0 * high.to(tl.float32) + tl.where(refined, ((low.to(tl.int32) >> shift) & 3).to(tl.float32), _MIDDLE)
+    half = page.to(tl.pointer_type(tl.float16))
+    at = h * BLOCK + t if PER_TOKEN else h * D + d
+    return code * tl.load(half + SCALE // 2 + at).to(tl.float32) + tl.load(half + ZERO // 2 + at).to(tl.float32)
+
+
+@triton.jit
 def _history_kernel(cache_ptr, block_table_ptr, bt_stride, item_ptr, k_ptr, v_ptr, page_bytes,
                     H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TT: tl.constexpr,
                     K_BITS: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_GROUP: tl.constexpr,
                     K_SCALE: tl.constexpr, K_ZERO: tl.constexpr,
                     V_BITS: tl.constexpr, V_CODES: tl.constexpr, V_ROW: tl.constexpr, V_GROUP: tl.constexpr,
-                    V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_CS: tl.constexpr):
+                    V_SCALE: tl.constexpr, V_ZERO: tl.constexpr, V_CS: tl.constexpr,
+                    SALIENT: tl.constexpr, K_LOW: tl.constexpr, V_LOW: tl.constexpr, SLOT_OF: tl.constexpr,
+                    SLOTS: tl.constexpr):
     """Item program_id(0) (``HistoryPlan.items``: block-table row, column, first output row, tokens),
     KV head program_id(1), tokens ``TT * program_id(2)`` on: those of the page's history tokens' K
-    and V into rows of ``k``/``v`` [rows, H, D]."""
+    and V into rows of ``k``/``v`` [rows, H, D]. SALIENT: ZipCache's pages (the high planes at
+    ``K_CODES``/``V_CODES``, refinement rows at ``K_LOW``/``V_LOW``)."""
     item = item_ptr + tl.program_id(0) * 4
     h = tl.program_id(1)
     row, col, dest, count = tl.load(item), tl.load(item + 1), tl.load(item + 2), tl.load(item + 3)
@@ -93,6 +120,12 @@ def _history_kernel(cache_ptr, block_table_ptr, bt_stride, item_ptr, k_ptr, v_pt
     t = t0 + tl.arange(0, TT)[:, None]
     keep = t < count
     at = ((dest + t).to(tl.int64) * H + h) * D + d
+    if SALIENT:
+        k = _salient_values(page, t, d, h, D, BLOCK, K_CODES, K_LOW, SLOT_OF, SLOTS, K_SCALE, K_ZERO, False)
+        tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=keep)
+        v = _salient_values(page, t, d, h, D, BLOCK, V_CODES, V_LOW, SLOT_OF, SLOTS, V_SCALE, V_ZERO, True)
+        tl.store(v_ptr + at, v.to(v_ptr.dtype.element_ty), mask=keep)
+        return
     k = _values(page, t, d, h, H, D, BLOCK, K_BITS, K_CODES, K_ROW, K_GROUP, K_SCALE, K_ZERO, -1,
                 k_ptr.dtype.element_ty)
     tl.store(k_ptr + at, k.to(k_ptr.dtype.element_ty), mask=keep)
@@ -115,11 +148,12 @@ def _tile(block_size: int) -> int:
 
 
 @functools.cache  # one Variant a format: launch keeps its compiled kernel by it
-def _variant(fmt: KVPageFormat) -> Variant:
+def _variant(fmt: KVPageFormat | SalientTokensFormat) -> Variant:
     lay = page_layout(fmt)
     return Variant(_history_kernel, dict(H=lay.num_kv_heads, D=lay.head_size, BLOCK=lay.block_size,
                                          TT=_tile(lay.block_size), **_tensor_constants("K", lay.k),
-                                         **_tensor_constants("V", lay.v), V_CS=lay.v.channel_scale),
+                                         **_tensor_constants("V", lay.v), V_CS=lay.v.channel_scale,
+                                         **_salient_constants(fmt)),
                    {"num_warps": 4})
 
 
@@ -170,8 +204,8 @@ def key_groups(query_start: list[int], histories: list[int], row_bytes: int) -> 
     return groups
 
 
-def history_rows(cache: torch.Tensor, fmt: KVPageFormat, block_table: torch.Tensor, plan: HistoryPlan,
-                 items: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def history_rows(cache: torch.Tensor, fmt: KVPageFormat | SalientTokensFormat, block_table: torch.Tensor,
+                 plan: HistoryPlan, items: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [plan.num_keys, H, D] in ``dtype``, the history rows decoded from the pages (``items``:
     ``plan.items`` on the device; ``block_table`` [T, max_blocks], a row per chunk token); the own
     tokens' rows are left for the caller."""
@@ -196,12 +230,13 @@ def prompt_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     if not rows.max_seq_len:  # no chunk has history
         own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out, window)
         return out
-    if not decodes_ahead(rows, query.shape[1] // key.shape[1], _row_bytes(key)):
+    if not decodes_ahead(rows, query.shape[1] // key.shape[1], kv_row_bytes(key)):
         return paged_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
-    return dense_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
+    dense_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
+    return out
 
 
-def _row_bytes(key: torch.Tensor) -> int:
+def kv_row_bytes(key: torch.Tensor) -> int:
     """Bytes of a key's K and V rows in the buffer (all KV heads, the model's dtype)."""
     return 2 * key.shape[1] * key.shape[2] * key.element_size()
 
@@ -254,25 +289,33 @@ def step_groups(rows: TokenRows, block_size: int, window: int | None, row_bytes:
 
 
 def dense_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                 fmt: KVPageFormat, rows: TokenRows, sm_scale: float, out: torch.Tensor,
+                 fmt: KVPageFormat | SalientTokensFormat, rows: TokenRows, sm_scale: float, out: torch.Tensor,
                  window: int | None = None) -> torch.Tensor:
-    """``prompt_chunks``' history route, for a step where some chunk has history."""
-    for group in step_groups(rows, fmt.block_size, window, _row_bytes(key), cache.device):
+    """The history route of a step where some chunk has history (``prompt_chunks``, and ZipCache's
+    ``salient_prompt``): the attention into ``out``; returns each row's natural log-sum-exp over its
+    whole context [Hq, T] (float32)."""
+    lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
+    for group in step_groups(rows, fmt.block_size, window, kv_row_bytes(key), cache.device):
         rows_of = group.tokens
         k, v = history_rows(cache, fmt, rows.block_table[rows_of], group.plan, group.items, key.dtype)
         k.index_copy_(0, group.own_rows, key[rows_of])
         v.index_copy_(0, group.own_rows, value[rows_of])
-        chunks_attention(query[rows_of], k, v, group.query_start, group.max_query_len, group.key_start,
-                         group.plan.max_key_len, sm_scale, out[rows_of], window)
-    return out
+        lse[:, rows_of] = chunks_attention(query[rows_of], k, v, group.query_start, group.max_query_len,
+                                           group.key_start, group.plan.max_key_len, sm_scale, out[rows_of], window)
+    return lse
 
 
 def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype,
             window: int | None = None) -> None:
-    """Compile the history kernel for this page format (one page of block 0 into throwaway rows) and
-    the decode kernel's prompt variants (``decode.warm_up``), both routes a step may take."""
+    """Compile both routes a step may take: the history kernel (``warm_up_rows``) and the decode
+    kernel's prompt variants (``decode.warm_up``)."""
+    warm_up_rows(cache, fmt, query_dtype)
+    decode_warm_up(cache, fmt, num_query_heads, query_dtype, window)
+
+
+def warm_up_rows(cache: torch.Tensor, fmt: KVPageFormat | SalientTokensFormat, dtype: torch.dtype) -> None:
+    """Compile the history kernel for this page format: one page of block 0 into throwaway rows."""
     plan = HistoryPlan([0, 1], [1], fmt.block_size, None)
     table = torch.zeros(1, 1, dtype=torch.int32, device=cache.device)
     items = torch.tensor(plan.items.ravel(), dtype=torch.int32, device=cache.device)
-    history_rows(cache, fmt, table, plan, items, query_dtype)
-    decode_warm_up(cache, fmt, num_query_heads, query_dtype, window)
+    history_rows(cache, fmt, table, plan, items, dtype)

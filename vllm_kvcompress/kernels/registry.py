@@ -468,7 +468,7 @@ for _impl in (
     Implementation("prompt", "cuda", "flash-attention+triton", _flash_prompt, f"{_TRITON}.prompt:paged_prompt",
                    warm_up=f"{_TRITON}.decode:warm_up"),
     Implementation("prompt", "cuda", "flash-attention+triton-salient", _flash_salient_prompt,
-                   f"{_TRITON}.salient_prompt:salient_prompt", warm_up=f"{_TRITON}.salient_decode:warm_up",
+                   f"{_TRITON}.salient_prompt:salient_prompt", warm_up=f"{_TRITON}.salient_prompt:warm_up",
                    reads=(SalientTokensFormat,)),
     # K-only pages: FlashAttention over each chunk's history (V rebuilt from K) and its own tokens
     Implementation("prompt", "cuda", "flash-attention+slim", _flash_slim_prompt, f"{_TRITON}.slim_prompt:slim_prompt"),
