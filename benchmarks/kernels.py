@@ -502,13 +502,15 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     rows.append({"kernel": f"zipcache-r60 {label}: attention + write",
                  "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
     from vllm_kvcompress.triton_kernels import history as history_route
+    paged = token_rows(starts, [history] * chunks, table, rows_per_program(hq // hkv))
     serving_rule = history_route.MIN_HEAD_ROWS_A_HISTORY_TOKEN
     history_route.MIN_HEAD_ROWS_A_HISTORY_TOKEN = 10 ** 9  # the decode kernel's route, for comparison
-    try:
-        rows.append({"kernel": f"zipcache-r60 {label}: attention + write, the decode kernel's route",
-                     "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, token, writes, scale, outp))})
+    try:  # the route is decided at a step's first call and kept on its rows
+        salient_prompt(qp, kp, vp, cache, fmt, spec, paged, writes, scale, outp)
     finally:
         history_route.MIN_HEAD_ROWS_A_HISTORY_TOKEN = serving_rule
+    rows.append({"kernel": f"zipcache-r60 {label}: attention + write, the decode kernel's route",
+                 "ms": _time_ms(lambda: salient_prompt(qp, kp, vp, cache, fmt, spec, paged, writes, scale, outp))})
     lse_p = torch.zeros(total, hq, device="cuda")
     rows.append({"kernel": f"zipcache-r60 {label}: the write alone (probe scores in it)",
                  "ms": _time_on_pages_ms(cache, lambda: write_chunks(qp, kp, vp, cache, fmt, spec, writes, lse_p,

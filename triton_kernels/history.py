@@ -95,7 +95,9 @@ def _salient_values(page, t, d, h, D: tl.constexpr, BLOCK: tl.constexpr, HIGH: t
     return code * tl.load(half + SCALE // 2 + at).to(tl.float32) + tl.load(half + ZERO // 2 + at).to(tl.float32)
 
 
-@triton.jit
+# the table's stride and address take no specialization: a step's tables (slices of vLLM's) differ
+# from the warm-up's, and a compile in the middle of serving stalls the step
+@triton.jit(do_not_specialize=["block_table_ptr", "bt_stride"])
 def _history_kernel(cache_ptr, block_table_ptr, bt_stride, item_ptr, k_ptr, v_ptr, page_bytes,
                     H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, TT: tl.constexpr,
                     K_BITS: tl.constexpr, K_CODES: tl.constexpr, K_ROW: tl.constexpr, K_GROUP: tl.constexpr,
