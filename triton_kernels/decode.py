@@ -808,11 +808,11 @@ def kernel_constants(fmt: KVPageFormat | MergedLayer | SalientTokensFormat, grou
         WINDOWED=windowed,
         LSE_OUT=lse_out,
         **_kept_constants(fmt),
-        **_salient_constants(fmt),
+        **salient_constants(fmt),
     )
 
 
-def _salient_constants(fmt: KVPageFormat | MergedLayer | SalientTokensFormat) -> dict:
+def salient_constants(fmt: KVPageFormat | MergedLayer | SalientTokensFormat) -> dict:
     """Where ZipCache's pages keep the refinement rows and the slot map (none: SALIENT False)."""
     if not isinstance(fmt, SalientTokensFormat):
         return dict(SALIENT=False, K_LOW=0, V_LOW=0, SLOT_OF=0, SLOTS=1)

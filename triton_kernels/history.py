@@ -32,7 +32,7 @@ from vllm_kvcompress.formats.salient import MIDDLE, NO_SLOT, SalientTokensFormat
 from vllm_kvcompress.token_rows import TokenRows, aligned_to_device
 
 from .addressing import code_unit_ptr
-from .decode import _salient_constants
+from .decode import salient_constants
 from .decode import warm_up as decode_warm_up
 from .launch import Variant, launch
 from .prompt import chunks_attention, own_chunk_attention, paged_prompt
@@ -155,7 +155,7 @@ def _variant(fmt: KVPageFormat | SalientTokensFormat) -> Variant:
     return Variant(_history_kernel, dict(H=lay.num_kv_heads, D=lay.head_size, BLOCK=lay.block_size,
                                          TT=_tile(lay.block_size), **_tensor_constants("K", lay.k),
                                          **_tensor_constants("V", lay.v), V_CS=lay.v.channel_scale,
-                                         **_salient_constants(fmt)),
+                                         **salient_constants(fmt)),
                    {"num_warps": 4})
 
 
