@@ -266,10 +266,10 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, probes, ro
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.salient_torch import attend_and_write, plan_chunk_writes
     from vllm_kvcompress.token_rows import token_rows
-    from vllm_kvcompress.triton_kernels import history, salient_prompt, salient_write
+    from vllm_kvcompress.triton_kernels import history, prompt, salient_prompt, salient_write
 
     if DEVICE == "cpu":
-        monkeypatch.setattr(salient_prompt, "own_chunk_attention", torch_own_chunk_attention)
+        monkeypatch.setattr(prompt, "own_chunk_attention", torch_own_chunk_attention)
         monkeypatch.setattr(history, "chunks_attention", torch_chunks_attention)
     monkeypatch.setattr(history, "MIN_HEAD_ROWS_A_HISTORY_TOKEN", 0 if route == "history" else 10 ** 9)
     if probes is not None:

@@ -232,7 +232,7 @@ def prompt_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     if not rows.max_seq_len:  # no chunk has history
         own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out, window)
         return out
-    if not decodes_ahead(rows, query.shape[1] // key.shape[1], kv_row_bytes(key)):
+    if not decodes_ahead(rows, query, key):
         return paged_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
     dense_prompt(query, key, value, cache, fmt, rows, sm_scale, out, window)
     return out
@@ -243,19 +243,22 @@ def kv_row_bytes(key: torch.Tensor) -> int:
     return 2 * key.shape[1] * key.shape[2] * key.element_size()
 
 
-def decodes_ahead(rows: TokenRows, group: int, row_bytes: int) -> bool:
-    """Whether a step with history takes the history route: its chunks have at least
-    ``MIN_HEAD_ROWS_A_HISTORY_TOKEN`` query rows times ``group`` (query heads a KV head) for each
-    history token, averaged over the history tokens, and each chunk's keys (``row_bytes`` each) fit
-    ``KEY_BUFFER_BYTES``. Decided once a step (kept on ``rows``)."""
-    key = ("decodes ahead", group, row_bytes)
-    if key not in rows.step_plans:
+def decodes_ahead(rows: TokenRows, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether a step takes the history route: some chunk has history, its chunks have at least
+    ``MIN_HEAD_ROWS_A_HISTORY_TOKEN`` query rows times query heads a KV head (of ``query`` [T, Hq, D]
+    and ``key`` [T, H, D]) for each history token, averaged over the history tokens, and each chunk's
+    keys fit ``KEY_BUFFER_BYTES``. Decided once a step (kept on ``rows``)."""
+    if not rows.max_seq_len:
+        return False
+    group, row_bytes = query.shape[1] // key.shape[1], kv_row_bytes(key)
+    plan = ("decodes ahead", group, row_bytes)
+    if plan not in rows.step_plans:
         starts, histories = rows.query_start_host, rows.histories
         rows_times_history = sum((b - a) * h for a, b, h in zip(starts, starts[1:], histories))
         longest = max(h + b - a for a, b, h in zip(starts, starts[1:], histories))
-        rows.step_plans[key] = (rows_times_history * group >= MIN_HEAD_ROWS_A_HISTORY_TOKEN * sum(histories)
-                                and longest * row_bytes <= KEY_BUFFER_BYTES)
-    return rows.step_plans[key]
+        rows.step_plans[plan] = (rows_times_history * group >= MIN_HEAD_ROWS_A_HISTORY_TOKEN * sum(histories)
+                                 and longest * row_bytes <= KEY_BUFFER_BYTES)
+    return rows.step_plans[plan]
 
 
 @dataclass
@@ -296,15 +299,15 @@ def dense_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
     """The history route of a step where some chunk has history (``prompt_chunks``, and ZipCache's
     ``salient_prompt``): the attention into ``out``; returns each row's natural log-sum-exp over its
     whole context [Hq, T] (float32)."""
-    lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
+    lses = []
     for group in step_groups(rows, fmt.block_size, window, kv_row_bytes(key), cache.device):
         rows_of = group.tokens
         k, v = history_rows(cache, fmt, rows.block_table[rows_of], group.plan, group.items, key.dtype)
         k.index_copy_(0, group.own_rows, key[rows_of])
         v.index_copy_(0, group.own_rows, value[rows_of])
-        lse[:, rows_of] = chunks_attention(query[rows_of], k, v, group.query_start, group.max_query_len,
-                                           group.key_start, group.plan.max_key_len, sm_scale, out[rows_of], window)
-    return lse
+        lses.append(chunks_attention(query[rows_of], k, v, group.query_start, group.max_query_len, group.key_start,
+                                     group.plan.max_key_len, sm_scale, out[rows_of], window))
+    return lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)  # the groups cover the step's rows in order
 
 
 def warm_up(cache: torch.Tensor, fmt: KVPageFormat, num_query_heads: int, query_dtype: torch.dtype,

@@ -17,6 +17,7 @@ import torch
 
 from vllm_kvcompress.formats import KVPageFormat
 from vllm_kvcompress.formats.merged import MergedLayer
+from vllm_kvcompress.formats.salient import SalientTokensFormat
 from vllm_kvcompress.token_rows import TokenRows
 
 from .decode import paged_decode
@@ -29,13 +30,23 @@ def paged_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
     ``rows`` (``token_rows``); the attention goes to ``out`` [T, Hq, D]. ``window``: the layer's
     sliding window (token p sees keys p - window < j <= p). ``tuning``: the history
     kernel's ``tile``, ``num_warps`` and ``num_stages`` where not its defaults (for benchmarks)."""
+    paged_attention(query, key, value, cache, fmt, rows, sm_scale, out, window, **tuning)
+    return out
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                    fmt: KVPageFormat | MergedLayer | SalientTokensFormat, rows: TokenRows, sm_scale: float,
+                    out: torch.Tensor, window: int | None = None, lse_out: bool = False, **tuning) -> torch.Tensor:
+    """``paged_prompt``'s attention; returns the rows' natural log-sum-exp [Hq, T]: FlashAttention's
+    over each chunk's own tokens, or with ``lse_out`` over the whole context (the decode kernel
+    merges the history's in; ZipCache's probes need it)."""
     lse = own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, sm_scale, out, window)
     if rows.max_seq_len:  # some chunk has history
         if window is not None:
             tuning.update(window=window, first_keys=rows.first_keys(window))
         paged_decode(query, cache, fmt, rows.block_table, rows.seq_lens, sm_scale, rows.max_seq_len, out=out,
-                     groups=rows.groups, prior_lse=lse, **tuning)
-    return out
+                     groups=rows.groups, prior_lse=lse, lse_out=lse_out, **tuning)
+    return lse
 
 
 def own_chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_start: torch.Tensor,

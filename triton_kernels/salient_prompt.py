@@ -3,7 +3,7 @@
 A step whose chunks have history and enough query rows for it (``history.decodes_ahead``) decodes
 the history once into 16-bit rows and runs one FlashAttention call over it and the chunks' own
 tokens (``history.dense_prompt``); otherwise the chunks' own tokens go through FlashAttention and
-their history is read from the mixed-precision pages by the decode kernel (``decode.paged_decode``
+their history is read from the mixed-precision pages by the decode kernel (``prompt.paged_attention``
 over a ``SalientTokensFormat``), a group of the chunk's tokens a program, which continues from
 FlashAttention's output. Either leaves each row's log-sum-exp over its whole context, which turns
 the probe rows' logits over the touched blocks into their attention probabilities: the probes cost
@@ -21,9 +21,8 @@ from vllm_kvcompress.salient_torch import ChunkWrites
 from vllm_kvcompress.token_rows import TokenRows
 
 from . import salient_decode
-from .decode import paged_decode
-from .history import decodes_ahead, dense_prompt, kv_row_bytes, warm_up_rows
-from .prompt import own_chunk_attention
+from .history import decodes_ahead, dense_prompt, warm_up_rows
+from .prompt import paged_attention
 from .salient_write import write_chunks
 
 
@@ -34,14 +33,10 @@ def salient_prompt(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     (``token_rows``); the attention goes to ``out`` [T, Hq, D], then the chunks' tokens into the
     pages as ``writes`` (``salient_torch.plan_chunk_writes``) places them. ``window``: the layer's
     sliding window (token p sees keys p - window < j <= p; as a probe too)."""
-    if rows.max_seq_len and decodes_ahead(rows, query.shape[1] // key.shape[1], kv_row_bytes(key)):
+    if decodes_ahead(rows, query, key):
         lse = dense_prompt(query, key, value, cache, fmt, rows, scale, out, window)
     else:
-        lse = own_chunk_attention(query, key, value, rows.query_start, rows.max_query_len, scale, out, window)
-        if rows.max_seq_len:  # some chunk has history
-            windowed = {} if window is None else dict(window=window, first_keys=rows.first_keys(window))
-            paged_decode(query, cache, fmt, rows.block_table, rows.seq_lens, scale, rows.max_seq_len, out=out,
-                         groups=rows.groups, prior_lse=lse, lse_out=True, **windowed)
+        lse = paged_attention(query, key, value, cache, fmt, rows, scale, out, window, lse_out=True)
     write_chunks(query, key, value, cache, fmt, spec, writes, lse.t(), scale, window=window)  # lse: [Hq, T]
 
 
