@@ -11,7 +11,12 @@ normalized attention; of the tokens that still have 4 bits and the chunk's own, 
 decoded token is held at 4 bits until the context reaches a multiple of the re-compression
 interval, as in the engine. Full-attention layers only (no sliding windows).
 
-Setting names: ``zipsim-rPERCENT-block|global``, e.g. ``zipsim-r60-global``.
+``-halves`` and ``-halves-plain`` keep the per-block choice but give each precision its own grid,
+as split-row pages whose halves are a 4/4 and a 2/2 page of their own tokens would: K's 4-bit grid
+per channel over the block's salient tokens, the others' over theirs, read at the middle of their
+2-bit levels (``-halves``) or on a plain 2-bit min-max grid (``-halves-plain``, V's too).
+
+Setting names: ``zipsim-rPERCENT-block|global|halves|halves-plain``, e.g. ``zipsim-r60-global``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from vllm_kvcompress.config import SalientSpec
 from vllm_kvcompress.formats.salient import SalientTokensFormat
 from vllm_kvcompress.salient_torch import probe_rows
 
-_NAME = re.compile(r"zipsim-r(?P<ratio>\d+)-(?P<rule>block|global)")
+_NAME = re.compile(r"zipsim-r(?P<ratio>\d+)-(?P<rule>block|global|halves|halves-plain)")
 
 
 def _nested(x: torch.Tensor, dim: int, salient: torch.Tensor) -> torch.Tensor:
@@ -37,6 +42,30 @@ def _nested(x: torch.Tensor, dim: int, salient: torch.Tensor) -> torch.Tensor:
     scale = ((hi - zero) / 15).clamp_min(1e-6).half().float()
     codes = torch.clamp(torch.floor((x - zero) / scale + 0.5), 0, 15)
     return torch.where(salient[..., None], codes, torch.div(codes, 4, rounding_mode="floor") * 4 + 1.5) * scale + zero
+
+
+def _min_max_over(x: torch.Tensor, dim: int, mask: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16-rounded zero and scale of a ``bits`` min-max grid over x's masked tokens along ``dim``."""
+    m = mask[..., None].expand_as(x)
+    lo = torch.where(m, x, float("inf")).amin(dim, keepdim=True)
+    hi = torch.where(m, x, float("-inf")).amax(dim, keepdim=True)
+    lo, hi = torch.where(torch.isfinite(lo), lo, 0.0), torch.where(torch.isfinite(hi), hi, 0.0)
+    zero = lo.half().float()
+    return zero, ((hi - zero) / ((1 << bits) - 1)).clamp_min(1e-6).half().float()
+
+
+def _halves(x: torch.Tensor, dim: int, salient: torch.Tensor, plain: bool) -> torch.Tensor:
+    """x [H, n, d] with each precision on a grid of its own tokens: salient at 4 bits, the others at
+    the middle of a 4-bit grid's 2-bit levels over their own values, or (``plain``) on a 2-bit grid."""
+    out = []
+    for mask, high in ((salient, True), (~salient, False)):
+        bits = 2 if (plain and not high) else 4
+        zero, scale = _min_max_over(x, dim, mask, bits)
+        codes = torch.clamp(torch.floor((x - zero) / scale + 0.5), 0, (1 << bits) - 1)
+        if not high and not plain:
+            codes = torch.div(codes, 4, rounding_mode="floor") * 4 + 1.5
+        out.append(codes * scale + zero)
+    return torch.where(salient[..., None], out[0], out[1])
 
 
 @dataclass
@@ -64,8 +93,15 @@ class ZipSimSpec:
 
     def _fake_quantized(self, k: torch.Tensor, v: torch.Tensor, salient: torch.Tensor):
         """k, v [H, n, d] of cached tokens through the pages' two precisions, block by block."""
-        parts = [(_nested(k[:, a:a + self.block], 1, salient[:, a:a + self.block]),
-                  _nested(v[:, a:a + self.block], 2, salient[:, a:a + self.block]))
+        if self.rule.startswith("halves"):
+            plain = self.rule == "halves-plain"
+
+            def quantize(x, dim, mask):
+                return _halves(x, dim, mask, plain)
+        else:
+            quantize = _nested
+        parts = [(quantize(k[:, a:a + self.block], 1, salient[:, a:a + self.block]),
+                  quantize(v[:, a:a + self.block], 2, salient[:, a:a + self.block]))
                  for a in range(0, k.shape[1], self.block)]
         return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
 

@@ -838,3 +838,19 @@ exec {sys.executable} "$@"
         "zipcache-r60: 1,210 tokens/s",
         "zipcache-r60 / quant-k4v4: 1.275x; quant-k4v4's runs 11.1% apart",
     ]
+
+
+def test_zipsim_halves_put_each_precision_on_a_grid_of_its_own_tokens():
+    """``-halves``: a block's 2-bit tokens read at the middle of the 2-bit levels of a 4-bit grid over
+    their own values (not the block's), its 4-bit tokens on a grid over theirs; ``-halves-plain``: the
+    2-bit tokens on a plain 2-bit grid over their values."""
+    from benchmarks.zipcache_sim import _halves
+
+    x = torch.tensor([0.0, 15.0, 100.0, 130.0, 110.0])[None, :, None]  # one head, 5 tokens, one channel
+    salient = torch.tensor([[True, True, False, False, False]])
+    # the 2-bit tokens' 4-bit grid: zero 100, step 2; levels 4c + 1.5 steps: 103, 111, 119, 127
+    nested = _halves(x, 1, salient, plain=False)[0, :, 0]
+    assert nested.tolist() == [0.0, 15.0, 103.0, 127.0, 111.0]
+    # plain 2 bits over 100..130: step 10
+    plain = _halves(x, 1, salient, plain=True)[0, :, 0]
+    assert plain.tolist() == [0.0, 15.0, 100.0, 130.0, 110.0]
