@@ -21,6 +21,7 @@ Setting names: ``zipsim-rPERCENT-block|global|halves|halves-plain``, e.g. ``zips
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_kvcompress.config import SalientSpec
+from vllm_kvcompress.formats.codecs import min_max_codes, min_max_grid
 from vllm_kvcompress.formats.salient import SalientTokensFormat
 from vllm_kvcompress.salient_torch import probe_rows
 
@@ -44,24 +46,19 @@ def _nested(x: torch.Tensor, dim: int, salient: torch.Tensor) -> torch.Tensor:
     return torch.where(salient[..., None], codes, torch.div(codes, 4, rounding_mode="floor") * 4 + 1.5) * scale + zero
 
 
-def _min_max_over(x: torch.Tensor, dim: int, mask: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float16-rounded zero and scale of a ``bits`` min-max grid over x's masked tokens along ``dim``."""
-    m = mask[..., None].expand_as(x)
-    lo = torch.where(m, x, float("inf")).amin(dim, keepdim=True)
-    hi = torch.where(m, x, float("-inf")).amax(dim, keepdim=True)
-    lo, hi = torch.where(torch.isfinite(lo), lo, 0.0), torch.where(torch.isfinite(hi), hi, 0.0)
-    zero = lo.half().float()
-    return zero, ((hi - zero) / ((1 << bits) - 1)).clamp_min(1e-6).half().float()
-
-
 def _halves(x: torch.Tensor, dim: int, salient: torch.Tensor, plain: bool) -> torch.Tensor:
-    """x [H, n, d] with each precision on a grid of its own tokens: salient at 4 bits, the others at
-    the middle of a 4-bit grid's 2-bit levels over their own values, or (``plain``) on a 2-bit grid."""
+    """x [H, n, d] with each precision on a grid of its own tokens (``dim`` 1: per channel, K; 2: per
+    token, V): salient at 4 bits, the others at the middle of a 4-bit grid's 2-bit levels over their
+    own values, or (``plain``) on a 2-bit grid; the pages' grid rule (``min_max_grid``)."""
     out = []
     for mask, high in ((salient, True), (~salient, False)):
-        bits = 2 if (plain and not high) else 4
-        zero, scale = _min_max_over(x, dim, mask, bits)
-        codes = torch.clamp(torch.floor((x - zero) / scale + 0.5), 0, (1 << bits) - 1)
+        top = 3.0 if (plain and not high) else 15.0
+        m = mask[..., None].expand_as(x)
+        lo = torch.where(m, x, float("inf")).amin(dim, keepdim=True)
+        hi = torch.where(m, x, float("-inf")).amax(dim, keepdim=True)
+        zero, scale = min_max_grid(torch.where(torch.isfinite(lo), lo, 0.0), torch.where(torch.isfinite(hi), hi, 0.0),
+                                   top)
+        codes = min_max_codes(x, zero, scale, top)
         if not high and not plain:
             codes = torch.div(codes, 4, rounding_mode="floor") * 4 + 1.5
         out.append(codes * scale + zero)
@@ -93,13 +90,8 @@ class ZipSimSpec:
 
     def _fake_quantized(self, k: torch.Tensor, v: torch.Tensor, salient: torch.Tensor):
         """k, v [H, n, d] of cached tokens through the pages' two precisions, block by block."""
-        if self.rule.startswith("halves"):
-            plain = self.rule == "halves-plain"
-
-            def quantize(x, dim, mask):
-                return _halves(x, dim, mask, plain)
-        else:
-            quantize = _nested
+        quantize = (functools.partial(_halves, plain=self.rule == "halves-plain") if self.rule.startswith("halves")
+                    else _nested)
         parts = [(quantize(k[:, a:a + self.block], 1, salient[:, a:a + self.block]),
                   quantize(v[:, a:a + self.block], 2, salient[:, a:a + self.block]))
                  for a in range(0, k.shape[1], self.block)]
