@@ -30,20 +30,23 @@ import torch
 
 from vllm_kvcompress.config import SalientSpec
 from vllm_kvcompress.formats.codecs import min_max_codes, min_max_grid
-from vllm_kvcompress.formats.salient import SalientTokensFormat
+from vllm_kvcompress.formats.salient import MIDDLE, SalientTokensFormat
 from vllm_kvcompress.salient_torch import probe_rows
 
 _NAME = re.compile(r"zipsim-r(?P<ratio>\d+)-(?P<rule>block|global|halves|halves-plain)")
 
 
+def _middle(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes read at the middle of their 2-bit level (a 2-bit token's, ``salient.MIDDLE``)."""
+    return torch.div(codes, 4, rounding_mode="floor") * 4 + MIDDLE
+
+
 def _nested(x: torch.Tensor, dim: int, salient: torch.Tensor) -> torch.Tensor:
     """x [H, n, d] on a 4-bit min-max grid with statistics over ``dim``: salient [H, n] tokens at their
-    code, the others at the middle of their 2-bit level (float16 scale and zero, as the pages)."""
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    zero = lo.half().float()
-    scale = ((hi - zero) / 15).clamp_min(1e-6).half().float()
-    codes = torch.clamp(torch.floor((x - zero) / scale + 0.5), 0, 15)
-    return torch.where(salient[..., None], codes, torch.div(codes, 4, rounding_mode="floor") * 4 + 1.5) * scale + zero
+    code, the others at the middle of their 2-bit level (the pages' grid rule, ``min_max_grid``)."""
+    zero, scale = min_max_grid(x.amin(dim, keepdim=True), x.amax(dim, keepdim=True), 15.0)
+    codes = min_max_codes(x, zero, scale, 15.0)
+    return torch.where(salient[..., None], codes, _middle(codes)) * scale + zero
 
 
 def _halves(x: torch.Tensor, dim: int, salient: torch.Tensor, plain: bool) -> torch.Tensor:
@@ -60,7 +63,7 @@ def _halves(x: torch.Tensor, dim: int, salient: torch.Tensor, plain: bool) -> to
                                    top)
         codes = min_max_codes(x, zero, scale, top)
         if not high and not plain:
-            codes = torch.div(codes, 4, rounding_mode="floor") * 4 + 1.5
+            codes = _middle(codes)
         out.append(codes * scale + zero)
     return torch.where(salient[..., None], out[0], out[1])
 
