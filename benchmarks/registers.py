@@ -52,18 +52,20 @@ def registers(variant, runtime: dict[str, str], aligned: set[str]) -> str:
 
 
 def _write_kernels(hq: int, hkv: int, d: int):
-    """ZipCache's write: a decode row's and a prompt chunk's (normalized probe scores)."""
+    """ZipCache's write: a decode row's and a prompt chunk's (normalized probe scores), into blocks with
+    stored tokens and into fresh ones."""
     fmt = SalientTokensFormat.create(0.6, torch.bfloat16, 128, hkv, d)
     names = salient_write._salient_write_kernel.arg_names
     runtime = {name: "*i32" for name in names if name.endswith("_ptr")}
     runtime |= dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", lse_ptr="*fp32", scores_ptr="*fp32",
-                    pages_ptr="*u8", scale="fp32", interval="i32", window="i32")
+                    pages_ptr="*u8", scale="fp32", interval="i32", window="i32", first_block="i32")
     runtime |= {name: "i32" for name in names if name.endswith("_stride")}
     aligned = {name for name in runtime if name.endswith("_ptr")} | {
         "q_row_stride", "q_head_stride", "k_row_stride", "v_row_stride"}
-    for label, decode_rows in (("decode rows", True), ("prompt chunks", False)):
-        tile, warps = salient_write.default_tuning(hq // hkv, decode_rows)
-        variant = salient_write._variant(fmt, hq // hkv, tile, warps, decode_rows, False, not decode_rows)
+    for label, decode_rows, fresh in (("decode rows", True, False), ("prompt chunks", False, False),
+                                      ("prompt chunks, fresh blocks", False, True)):
+        tile, warps = salient_write.default_tuning(hq // hkv, decode_rows, fresh)
+        variant = salient_write._variant(fmt, hq // hkv, tile, warps, decode_rows, False, not decode_rows, fresh)
         yield f"zipcache-r60 write, {label}", variant, runtime, aligned
 
 

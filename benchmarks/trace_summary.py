@@ -16,8 +16,11 @@ from collections import defaultdict
 from pathlib import Path
 
 # names of our kernels and of the parts of a step they belong to, for the summary lines
-GROUPS = {
-    "decode attention (ours)": ("_decode_kernel", "decode_mha", "decode_gqa", "merge_splits", "_slim_decode"),
+GROUPS = {  # first match wins: ZipCache's write before the cache writes' needles
+    "ZipCache write: probe scores, re-compression (ours)": ("salient_write",),
+    "decode attention (ours)": ("_decode_kernel", "decode_mha", "decode_gqa", "merge_splits", "_slim_decode",
+                                "salient_decode", "_own_token"),
+    "prompt history read (ours)": ("_history_kernel",),
     "cache write (ours)": ("_write_kernel", "write_kernel<"),
     "attention (vLLM)": ("flash", "fmha", "attn"),
     "matmul": ("gemm", "sm90_xmma", "cutlass", "nvjet", "ampere_", "matmul"),

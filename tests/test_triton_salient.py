@@ -306,6 +306,32 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, probes, ro
         _assert_same_tokens(fmt, ours, cache, table, lens)
 
 
+def test_the_plan_puts_fresh_blocks_first_each_with_its_own_draw():
+    """``plan_chunk_writes`` lists the blocks that held no token before the step first (``fresh`` of
+    them; the write takes those through its kernel without stored tokens), and each block keeps its
+    own columns and drawn scores: the draw ``attend_and_write`` makes for the block's tokens."""
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.salient_torch import _random_scores, plan_chunk_writes
+
+    B, H = 32, 2
+    fmt = SalientTokensFormat.create(0.5, torch.float32, B, H, 64)
+    spec = SalientSpec(ratio=0.5, score="random")
+    table = torch.arange(3 * 4, dtype=torch.int32).view(3, 4)
+    q_lens, lens = [30, 70, 1], [40, 70, 65]  # histories 10 (a block with tokens, then a fresh one), 0, 64
+    qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
+    writes = plan_chunk_writes(fmt, spec, qsl, lens, table)
+    stored = writes.num_stored.tolist()
+    assert writes.fresh == 5 and stored == [0] * 5 + [10], stored
+    blocks = {b: i for i, b in enumerate(writes.blocks.tolist())}
+    assert sorted(blocks) == [0, 1, 4, 5, 6, 10]  # request 0: blocks 0, 1; request 1: 4..6; request 2: 10
+    for request, L in enumerate(lens):
+        for c in range((L - q_lens[request]) // B, -(-L // B)):
+            i = blocks[int(table[request, c])]
+            assert writes.start[i] == c * B and writes.filled[i] == min(L - c * B, B)
+            want = _random_scores(L, H, spec)[c * B:min(L, c * B + B)]
+            torch.testing.assert_close(writes.scores[i, :len(want)], want, rtol=0, atol=0)
+
+
 def test_warm_up_writes_nothing_and_compiles_what_steps_launch(monkeypatch):
     """The warm-up (every kernel a serving step launches over ZipCache's pages, writes included,
     compiled before serving) leaves a live cache as it was; on a GPU, decode and prompt steps after
@@ -382,18 +408,20 @@ compile_for_h100(decode._merge_splits_kernel, merge, decode._merge_variant(32, 1
 kernel = salient_write._salient_write_kernel
 write = {name: "*i32" for name in kernel.arg_names if name.endswith("_ptr")}
 write |= dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", lse_ptr="*fp32", scores_ptr="*fp32", pages_ptr="*u8",
-              scale="fp32", interval="i32", window="i32")
+              scale="fp32", interval="i32", window="i32", first_block="i32")
 write |= {name: "i32" for name in kernel.arg_names if name.endswith("_stride")}
-for decode_rows, given in ((True, False), (False, False), (False, True)):
+for decode_rows, given, fresh in ((True, False, False), (False, False, False), (False, True, False),
+                                  (False, False, True), (False, True, True)):
     compile_for_h100(kernel, write, salient_write.write_constants(fmt, 4)
-                     | dict(DECODE=decode_rows, GIVEN=given, NORMALIZED=not decode_rows))
+                     | dict(DECODE=decode_rows, GIVEN=given, NORMALIZED=not decode_rows, FRESH=fresh))
 """
 
 
 def test_the_salient_kernels_compile_for_the_gpu():
     """The decode kernel's SALIENT path (MHA one row, GQA split, prompt groups of MHA and GQA), the
     merge with its log-sum-exp out and the write (decode rows, prompt chunks with probes or drawn
-    scores) pass the sm_90 compiler's front end (the CPU suite runs them in the interpreter)."""
+    scores, into blocks with stored tokens or fresh ones) pass the sm_90 compiler's front end (the CPU
+    suite runs them in the interpreter)."""
     from sm90 import compiles_for_h100
 
     compiles_for_h100(_SALIENT_KERNELS)

@@ -40,6 +40,9 @@ from .write import _half, _widened_span, ranked
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
 TILE = 16  # a prompt chunk's tokens a program holds at once (H200: 16 with 4 warps the fastest)
+# the same into fresh blocks (FRESH), H200, 32 fresh prompts of 256 tokens, MHA / GQA, us: tile 32 and
+# 4 warps 512 / 150, 16 and 4 619 / 215, 8 and 4 531 / 190, 16 and 8 613 / 352 (docs/log/2026-11-30.md)
+FRESH_TILE = 32
 PROBES = 16  # probes a product takes at once (the matrix unit's least rows)
 # a widened K channel's earlier tokens are re-coded in the bytes that hold one, these many bytes and
 # tokens at a time
@@ -68,10 +71,11 @@ def decode_tuning(group: int) -> DecodeTuning:
     return MHA_DECODE if group == 1 else GQA_DECODE
 
 
-def default_tuning(group: int, decode: bool) -> tuple[int, int]:
-    """The write's tile and warps for ``group`` query heads a KV head, for decode rows or prompt chunks."""
+def default_tuning(group: int, decode: bool, fresh: bool = False) -> tuple[int, int]:
+    """The write's tile and warps for ``group`` query heads a KV head, for decode rows or prompt chunks
+    (into ``fresh`` blocks or not)."""
     if not decode:
-        return TILE, 4
+        return (FRESH_TILE if fresh else TILE), 4
     tuning = decode_tuning(group)
     return tuning.tile, tuning.warps
 
@@ -124,18 +128,22 @@ def _store_plane(page, REGION: tl.constexpr, row, byte, codes, shift, mask, U: t
 
 # values that change from step to step are not specialized on (each specialization would be compiled
 # in the middle of serving)
-@triton.jit(do_not_specialize=["interval", "window", "table_stride", "lse_row_stride", "lse_head_stride"])
+@triton.jit(do_not_specialize=["first_block", "interval", "window", "table_stride", "lse_row_stride",
+                               "lse_head_stride"])
 def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, blocks_ptr, stored_ptr, filled_ptr,
                           first_ptr, quota_ptr, start_ptr, probe_first_ptr, probe_end_ptr, probe_rows_ptr,
-                          probe_pos_ptr, table_ptr, lens_ptr, quotas_ptr, scale, interval, window, q_row_stride,
-                          q_head_stride, k_row_stride, v_row_stride, table_stride, lse_row_stride, lse_head_stride,
+                          probe_pos_ptr, table_ptr, lens_ptr, quotas_ptr, first_block, scale, interval, window,
+                          q_row_stride, q_head_stride, k_row_stride, v_row_stride, table_stride, lse_row_stride,
+                          lse_head_stride,
                           PAGE: tl.constexpr,
                           B: tl.constexpr, R: tl.constexpr, D: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
                           K_SCALE: tl.constexpr, K_ZERO: tl.constexpr, V_SCALE: tl.constexpr, V_ZERO: tl.constexpr,
                           K_HIGH: tl.constexpr, V_HIGH: tl.constexpr, K_LOW: tl.constexpr, V_LOW: tl.constexpr,
                           SLOT_OF: tl.constexpr, NONE: tl.constexpr, DECODE: tl.constexpr, GIVEN: tl.constexpr,
-                          NORMALIZED: tl.constexpr, TT: tl.constexpr, PP: tl.constexpr):
-    i, h = tl.program_id(0), tl.program_id(1)
+                          NORMALIZED: tl.constexpr, FRESH: tl.constexpr, TT: tl.constexpr, PP: tl.constexpr):
+    # FRESH: prompt chunks' blocks that hold no earlier token (``ChunkWrites.fresh`` of them come
+    # first): no stored codes to read, no grid to widen, slots in token order
+    i, h = tl.program_id(0) + first_block, tl.program_id(1)
     NT: tl.constexpr = 1 if DECODE else TT  # new tokens coded at once: a decode row's one alone
     if DECODE:  # decode row i: one new token at the end of its context, its query its probe
         length = tl.load(lens_ptr + i)
@@ -149,7 +157,7 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         start = length - 1 - num_stored
     else:  # touched block i of prompt chunks: tokens num_stored..filled-1 new, from key row first on
         block = tl.load(blocks_ptr + i).to(tl.int64)
-        num_stored = tl.load(stored_ptr + i)
+        num_stored = 0 if FRESH else tl.load(stored_ptr + i)
         filled = tl.load(filled_ptr + i)
         first = tl.load(first_ptr + i)
         quota = tl.load(quota_ptr + i)
@@ -165,11 +173,16 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     j = tl.arange(0, 4)[None, None, :]
     ch = u * 4 + j
     shift = j * 2
-    slot = tl.load(page + SLOT_OF + h * B + tokens).to(tl.int32)
-    earlier_salient = (slot != NONE) & (tokens < num_stored)
-    candidate = earlier_salient | ((tokens >= num_stored) & (tokens < filled))
-    k_zero = _half(page + K_ZERO + (h * D + ch) * 2, ch < D, 0.0)  # [1, U, 4]
-    k_scale = _half(page + K_SCALE + (h * D + ch) * 2, ch < D, 1.0)
+    if FRESH:
+        slot = tl.full([B], NONE, tl.int32)
+        earlier_salient = tokens < 0
+        candidate = tokens < filled
+    else:
+        slot = tl.load(page + SLOT_OF + h * B + tokens).to(tl.int32)
+        earlier_salient = (slot != NONE) & (tokens < num_stored)
+        candidate = earlier_salient | ((tokens >= num_stored) & (tokens < filled))
+        k_zero = _half(page + K_ZERO + (h * D + ch) * 2, ch < D, 0.0)  # [1, U, 4]
+        k_scale = _half(page + K_SCALE + (h * D + ch) * 2, ch < D, 1.0)
 
     # K's grid per channel: the new values' span, kept, widened past the stored grid, or their own
     lo = tl.full([1, U, 4], float("inf"), tl.float32)
@@ -180,19 +193,23 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         x = tl.load(k_ptr + (first + t - num_stored) * k_row_stride + h * D + ch, mask=new, other=0.0).to(tl.float32)
         lo = tl.minimum(lo, tl.min(tl.where(new, x, float("inf")), 0)[None, :, :])
         hi = tl.maximum(hi, tl.max(tl.where(new, x, float("-inf")), 0)[None, :, :])
-    has_old = num_stored > 0
-    kept = has_old & (code_on(lo, k_zero, k_scale) >= 0.0) & (code_on(hi, k_zero, k_scale) <= _TOP)
-    wide_zero, wide_scale = min_max_stats(*_widened_span(lo, hi, k_zero, k_zero + k_scale * _TOP), _TOP)
     own_zero, own_scale = min_max_stats(lo, hi, _TOP)
-    zero = tl.where(kept, k_zero.to(tl.float16), tl.where(has_old, wide_zero, own_zero))
-    step = tl.where(kept, k_scale.to(tl.float16), tl.where(has_old, wide_scale, own_scale))
+    if FRESH:
+        zero, step = own_zero, own_scale
+    else:
+        has_old = num_stored > 0
+        kept = has_old & (code_on(lo, k_zero, k_scale) >= 0.0) & (code_on(hi, k_zero, k_scale) <= _TOP)
+        wide_zero, wide_scale = min_max_stats(*_widened_span(lo, hi, k_zero, k_zero + k_scale * _TOP), _TOP)
+        zero = tl.where(kept, k_zero.to(tl.float16), tl.where(has_old, wide_zero, own_zero))
+        step = tl.where(kept, k_scale.to(tl.float16), tl.where(has_old, wide_scale, own_scale))
 
     # Where the quota takes every candidate (a decoded token held while its block has a free slot,
     # the common decode step) no score is needed; where no channel widened, earlier tokens keep their
     # codes and slots: only the new tokens' tiles are written.
     num_candidates = tl.sum(candidate.to(tl.int32), 0)
     all_kept = quota >= num_candidates
-    widened = has_old & (tl.min(tl.min(tl.min(kept.to(tl.int32), 2), 1), 0) == 0)
+    if not FRESH:
+        widened = has_old & (tl.min(tl.min(tl.min(kept.to(tl.int32), 2), 1), 0) == 0)
 
     # the scores: the probes' probabilities over the block's tokens (with each probe's log-sum-exp over
     # its whole context), summed over the query heads of head h; NORMALIZED, divided by the number of
@@ -202,9 +219,10 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         if not GIVEN:
             for t0 in range(0, filled, TT):
                 tt = t0 + tl.arange(0, TT)
-                old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
-                x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch, shift,
-                            k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
+                if not FRESH:
+                    old_slot = tl.load(page + SLOT_OF + h * B + tt).to(tl.int32)
+                    x = _k_tile(page, k_ptr, k_row_stride, first, h, tt, old_slot, num_stored, filled, u, ch, shift,
+                                k_scale, k_zero, K_HIGH, K_LOW, B, R, D, U, NONE)
                 if DECODE:  # one probe, the row's query: products over channels, no matrix unit
                     sees = ((start + tt) > length - 1 - window) & (tt < filled)
                     score = tl.zeros([TT], tl.float32)
@@ -214,7 +232,11 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
                         lse = tl.load(lse_ptr + i * lse_row_stride + (h * G + g) * lse_head_stride)
                         score += tl.where(sees, tl.exp(logit - lse), 0.0)
                 else:
-                    keys = tl.reshape(x, [TT, D])
+                    if FRESH:  # the new keys as they came: products of the matrix unit in its input type
+                        keys = tl.load(k_ptr + (first + tt[:, None]) * k_row_stride + h * D + d[None, :],
+                                       mask=(tt < filled)[:, None], other=0.0)
+                    else:
+                        keys = tl.reshape(x, [TT, D])
                     score = tl.zeros([TT], tl.float32)
                     seen_by = tl.zeros([TT], tl.float32)
                     for p0 in range(probe_first, probe_end, PP):  # PP probes at once, as rows of one product
@@ -227,7 +249,7 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
                                 & ((start + tt)[None, :] > seen_to[:, None] - window))
                         for g in tl.static_range(G):
                             qg = tl.load(q_ptr + row[:, None] * q_row_stride + (h * G + g) * q_head_stride
-                                         + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+                                         + d[None, :], mask=live[:, None], other=0.0).to(keys.dtype)
                             logit = tl.dot(qg, tl.trans(keys), input_precision="ieee") * scale
                             lse = tl.load(lse_ptr + row * lse_row_stride + (h * G + g) * lse_head_stride,
                                           mask=live, other=0.0)
@@ -248,7 +270,9 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     # a widened channel re-codes the earlier tokens in place: only the bytes that hold one, as the
     # 4-bit write does (WIDEN_BYTES of them at a time, WIDEN_ROWS tokens at a time); the dropped
     # tokens' slots are read before any new token takes them
-    if widened:
+    if FRESH:  # nothing stored to re-code
+        pass
+    elif widened:
         widened_bytes = tl.reshape(tl.max(1 - kept.to(tl.int32), 2), [U])  # 1: a channel of the byte widened
         count = tl.sum(widened_bytes, 0)
         rank = tl.cumsum(widened_bytes, 0) - widened_bytes
@@ -279,7 +303,7 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     # the new tokens, NT at a time: codes on the grids, and a kept one takes the lowest free slot
     if DECODE:
         free_slot = _lowest_free_slot(slot, keep & (tokens < num_stored), B)
-    else:
+    elif not FRESH:
         free_gap = _free_slot_gaps(slot, keep & (tokens < num_stored), B)
     taken = num_stored * 0  # new tokens given a slot so far
     for t0 in range(num_stored, filled, NT):
@@ -293,6 +317,8 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
         taken += tl.sum(keep_t.to(tl.int32), 0)
         if DECODE:  # its one new token
             new_slot = nth * 0 + free_slot
+        elif FRESH:  # every slot free
+            new_slot = nth
         else:
             new_slot = nth + tl.sum((free_gap[None, :] <= nth[:, None]).to(tl.int32), 1)  # the nth free slot
 
@@ -380,28 +406,28 @@ def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE) -> d
 
 @functools.cache
 def _variant(fmt: SalientTokensFormat, group: int, tile: int, num_warps: int, decode: bool, given: bool,
-             normalized: bool) -> Variant:
+             normalized: bool, fresh: bool) -> Variant:
     options = {"num_warps": num_warps}
     if decode and torch.version.hip is None:
         options["maxnreg"] = decode_tuning(group).registers
     return Variant(_salient_write_kernel, write_constants(fmt, group, tile)
-                   | dict(DECODE=decode, GIVEN=given, NORMALIZED=normalized), options)
+                   | dict(DECODE=decode, GIVEN=given, NORMALIZED=normalized, FRESH=fresh), options)
 
 
 _RUNTIME = _salient_write_kernel.arg_names[:_salient_write_kernel.arg_names.index("PAGE")]
 
 
-def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores, kind: tuple[bool, bool, bool],
-            tile: int | None = None, num_warps: int | None = None, **args) -> None:
+def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores,
+            kind: tuple[bool, bool, bool, bool], tile: int | None = None, num_warps: int | None = None, **args) -> None:
     """The write kernel over ``programs`` blocks (or decode rows) and every KV head; ``kind``: its
-    DECODE, GIVEN and NORMALIZED. Pointers a kind does not read are given the cache's."""
+    DECODE, GIVEN, NORMALIZED and FRESH. Pointers a kind does not read are given the cache's."""
     values = dict(q_ptr=query, k_ptr=key, v_ptr=value, scores_ptr=scores, pages_ptr=cache,
                   q_row_stride=query.stride(0), q_head_stride=query.stride(1), k_row_stride=key.stride(0),
-                  v_row_stride=value.stride(0), scale=1.0, interval=1, window=NO_WINDOW, table_stride=0,
-                  lse_row_stride=0, lse_head_stride=0) | args
+                  v_row_stride=value.stride(0), first_block=0, scale=1.0, interval=1, window=NO_WINDOW,
+                  table_stride=0, lse_row_stride=0, lse_head_stride=0) | args
     heads = fmt.k.num_heads
     group = query.shape[1] // heads
-    default_tile, default_warps = default_tuning(group, kind[0])
+    default_tile, default_warps = default_tuning(group, kind[0], kind[3])
     launch(_variant(fmt, group, tile or default_tile, num_warps or default_warps, *kind), (programs, heads),
            tuple([values.get(name, cache) for name in _RUNTIME]))
 
@@ -422,7 +448,7 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
             lse_head_stride=lse.stride(1), table_ptr=block_table,
             lens_ptr=seq_lens, quotas_ptr=quota_table(fmt, cache.device), scale=scale,
             interval=spec.recompress_interval, window=window or NO_WINDOW, table_stride=block_table.stride(0),
-            kind=(True, given, False), **tuning)
+            kind=(True, given, False, False), **tuning)
 
 
 def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -439,12 +465,16 @@ def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
     scores = writes.scores
     if scores is None:
         scores = torch.empty(n, fmt.block_size, fmt.k.num_heads, device=cache.device)
-    _launch(n, fmt, query, key, value, cache, scores, lse_ptr=lse, lse_row_stride=lse.stride(0),
-            lse_head_stride=lse.stride(1), blocks_ptr=writes.blocks, stored_ptr=writes.num_stored,
-            filled_ptr=writes.filled, first_ptr=writes.first_row, quota_ptr=writes.quota, start_ptr=writes.start,
-            probe_first_ptr=writes.probe_first, probe_end_ptr=writes.probe_end, probe_rows_ptr=writes.probe_rows,
-            probe_pos_ptr=writes.probe_pos, scale=scale, window=window or NO_WINDOW,
-            kind=(False, writes.scores is not None, spec.score == "normalized"), **tuning)
+    given, normalized = writes.scores is not None, spec.score == "normalized"
+    # the fresh blocks (the plan puts them first) through the kernel without stored tokens, the rest after
+    for first, end, fresh in ((0, writes.fresh, True), (writes.fresh, n, False)):
+        if end > first:
+            _launch(end - first, fmt, query, key, value, cache, scores, lse_ptr=lse, lse_row_stride=lse.stride(0),
+                    lse_head_stride=lse.stride(1), blocks_ptr=writes.blocks, stored_ptr=writes.num_stored,
+                    filled_ptr=writes.filled, first_ptr=writes.first_row, quota_ptr=writes.quota,
+                    start_ptr=writes.start, probe_first_ptr=writes.probe_first, probe_end_ptr=writes.probe_end,
+                    probe_rows_ptr=writes.probe_rows, probe_pos_ptr=writes.probe_pos, first_block=first, scale=scale,
+                    window=window or NO_WINDOW, kind=(False, given, normalized, fresh), **tuning)
 
 
 def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int, dtype: torch.dtype) -> None:
@@ -458,9 +488,10 @@ def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int,
     lse = torch.zeros(num_query_heads, 1, dtype=torch.float32, device=cache.device).t()
     common = dict(lse_ptr=lse, lse_row_stride=lse.stride(0), lse_head_stride=lse.stride(1), scale=1.0)
     for given in (False, True):
-        _launch(0, fmt, q, new, new, cache, lse, (True, given, False), table_ptr=one, lens_ptr=one,
+        _launch(0, fmt, q, new, new, cache, lse, (True, given, False, False), table_ptr=one, lens_ptr=one,
                 quotas_ptr=quota_table(fmt, cache.device), **common)
     chunks = {f"{name}_ptr": one for name in ("blocks", "stored", "filled", "first", "quota", "start", "probe_first",
                                                "probe_end", "probe_rows", "probe_pos")}
     for given, normalized in ((True, False), (False, True), (False, False)):
-        _launch(0, fmt, q, new, new, cache, lse, (False, given, normalized), **chunks, **common)
+        for fresh in (False, True):
+            _launch(0, fmt, q, new, new, cache, lse, (False, given, normalized, fresh), **chunks, **common)
