@@ -112,6 +112,17 @@ def _pages(fmt, num_seqs: int, ctx: int, seed: int = 0, encode=None):
     return cache, table
 
 
+def salient_pages(fmt, num_seqs: int, ctx: int, leading: bool = False):
+    """``_pages`` of ZipCache's format, full blocks with as many salient tokens as slots: drawn at
+    random (a decode row's block, read up to its context, has about 60% of its tokens salient and
+    free slots), or its first tokens (``leading``: past them a new token must evict one)."""
+    def salient(k):
+        order = torch.arange(fmt.block_size, device=k.device)[None, :, None] if leading else \
+            torch.rand(k.shape[:3], device=k.device).argsort(1)
+        return (order < fmt.slots).expand(k.shape[:3])
+    return _pages(fmt, num_seqs, ctx, encode=lambda k, v, n: fmt.encode(k, v, n, salient(k)))
+
+
 def serving_lens(num_seqs: int, ctx: int, seed: int = 0) -> list[int]:
     """Context lengths of a serving step's decode rows: uniform in [16, ctx], seeded. With ctx 900
     and 144 rows (about 65,000 tokens) they fill an 8 GiB 4/4 cache of the Llama-2-7B shape as a
@@ -426,19 +437,9 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     decode_served, write_decoded = next(iter(decodes.values())), next(iter(writes.values()))
     spec, scale = SalientSpec(ratio=0.6), d ** -0.5
 
-    def pages(num_seqs: int, ctx: int, leading: bool = False):
-        """Full blocks with as many salient tokens as slots: drawn at random (a decode row's block,
-        read up to its context, has about 60% of its tokens salient and free slots), or its first
-        tokens (``leading``: past them a new token must evict one)."""
-        def salient(k):
-            order = torch.arange(block, device=k.device)[None, :, None] if leading else \
-                torch.rand(k.shape[:3], device=k.device).argsort(1)
-            return (order < fmt.slots).expand(k.shape[:3])
-        return _pages(fmt, num_seqs, ctx, encode=lambda k, v, n: fmt.encode(k, v, n, salient(k)))
-
     rows = []
     n = len(lens)
-    cache, table = pages(n, max(lens))
+    cache, table = salient_pages(fmt, n, max(lens))
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -471,7 +472,7 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     # the random new K widens some channel of most rows' blocks (their earlier tokens re-coded); K
     # inside every channel's grid widens none: a held token written alone, or, past the leading
     # salient tokens, the block's tokens scored and one dropped
-    full, full_table = pages(n, max(lens), leading=True)
+    full, full_table = salient_pages(fmt, n, max(lens), leading=True)
     for name, write in writes.items():
         rows.append({"kernel": f"zipcache-r60 {label}: the {name} write alone, widening",
                      "ms": write_alone(cache, table, k, write)})
@@ -491,7 +492,7 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
 
     chunks, length, history = prompt
     label = f"{chunks}x{length} prompt tokens after {history}"
-    cache, table = pages(chunks, history + length)
+    cache, table = salient_pages(fmt, chunks, history + length)
     total = chunks * length
     qp = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16)
     kp, vp = (torch.randn(total, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))

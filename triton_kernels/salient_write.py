@@ -71,7 +71,7 @@ def decode_tuning(group: int) -> DecodeTuning:
     return MHA_DECODE if group == 1 else GQA_DECODE
 
 
-def default_tuning(group: int, decode: bool, fresh: bool = False) -> tuple[int, int]:
+def default_tuning(group: int, decode: bool, fresh: bool) -> tuple[int, int]:
     """The write's tile and warps for ``group`` query heads a KV head, for decode rows or prompt chunks
     (into ``fresh`` blocks or not)."""
     if not decode:
@@ -173,8 +173,7 @@ def _salient_write_kernel(q_ptr, k_ptr, v_ptr, lse_ptr, scores_ptr, pages_ptr, b
     j = tl.arange(0, 4)[None, None, :]
     ch = u * 4 + j
     shift = j * 2
-    if FRESH:
-        slot = tl.full([B], NONE, tl.int32)
+    if FRESH:  # no slot map to read: nothing stored
         earlier_salient = tokens < 0
         candidate = tokens < filled
     else:

@@ -156,7 +156,7 @@ class ChunkWrites:
     probe_rows: torch.Tensor   # [P] int32: the probes' rows of the step's queries
     probe_pos: torch.Tensor    # [P] int32: their context positions
     scores: torch.Tensor | None  # [N, B, H] float32 drawn scores (``random``); None: from the probes
-    fresh: int                 # the first ``fresh`` blocks held no token before the step (the others none)
+    fresh: int                 # the first ``fresh`` blocks held no token before the step, the others some
 
 
 def plan_chunk_writes(fmt: SalientTokensFormat, spec: SalientSpec, query_start_loc: list[int], seq_lens: list[int],
@@ -193,7 +193,7 @@ def plan_chunk_writes(fmt: SalientTokensFormat, spec: SalientSpec, query_start_l
         return None
     # blocks that held nothing first: the write takes them through a kernel that reads no stored token
     order = sorted(range(len(columns)), key=lambda c: columns[c][2] > 0)
-    fresh = sum(columns[c][2] == 0 for c in order)
+    fresh = sum(column[2] == 0 for column in columns)
     table = torch.tensor([columns[c] for c in order], dtype=torch.int32).t()
     table[5] = _block_quota(fmt, table[3], table[5].bool())
     row, column, *per_block, probe_rows_dev, probe_pos_dev = aligned_to_device(

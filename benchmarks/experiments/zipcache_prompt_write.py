@@ -21,7 +21,7 @@ def cases():
 
 
 def main() -> None:
-    from benchmarks.kernels import SHAPES, _pages, _time_on_pages_ms, bench_write_mixed
+    from benchmarks.kernels import SHAPES, _time_on_pages_ms, bench_write_mixed, salient_pages
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.formats.salient import SalientTokensFormat
     from vllm_kvcompress.salient_torch import plan_chunk_writes
@@ -35,8 +35,7 @@ def main() -> None:
         fmt = SalientTokensFormat.create(0.6, torch.bfloat16, 128, hkv, d)
         for label, lengths, history in cases():
             n = len(lengths)
-            cache, table = _pages(fmt, n, history + max(lengths), encode=lambda k_, v_, m: fmt.encode(
-                k_, v_, m, torch.rand(k_.shape[:3], device=k_.device).argsort(1) < fmt.slots))
+            cache, table = salient_pages(fmt, n, history + max(lengths))
             starts = [0]
             for m in lengths:
                 starts.append(starts[-1] + m)
