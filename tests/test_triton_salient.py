@@ -332,6 +332,28 @@ def test_the_plan_puts_fresh_blocks_first_each_with_its_own_draw():
             torch.testing.assert_close(writes.scores[i, :len(want)], want, rtol=0, atol=0)
 
 
+def test_the_write_takes_fresh_blocks_through_its_fresh_variant(monkeypatch):
+    """``write_chunks`` launches the plan's first ``fresh`` blocks with FRESH and the others without,
+    each launch from its first block on, over every block once."""
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.salient_torch import plan_chunk_writes
+    from vllm_kvcompress.triton_kernels import salient_write
+
+    launches = []
+    monkeypatch.setattr(salient_write, "_launch", lambda programs, *a, kind, first_block, **kw: launches.append(
+        (programs, first_block, kind[3])))
+    B, H, HQ, D = 32, 2, 4, 64
+    fmt = SalientTokensFormat.create(0.5, torch.float32, B, H, D)
+    spec = SalientSpec(ratio=0.5)
+    q_lens, lens = [30, 70, 1], [40, 70, 65]
+    qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
+    writes = plan_chunk_writes(fmt, spec, qsl, lens, torch.arange(12, dtype=torch.int32).view(3, 4))
+    q, kv = torch.zeros(qsl[-1], HQ, D), torch.zeros(qsl[-1], H, D)
+    salient_write.write_chunks(q, kv, kv, torch.zeros(12, fmt.page_bytes, dtype=torch.uint8), fmt, spec, writes,
+                               torch.zeros(qsl[-1], HQ), D ** -0.5)
+    assert launches == [(5, 0, True), (1, 5, False)]
+
+
 def test_warm_up_writes_nothing_and_compiles_what_steps_launch(monkeypatch):
     """The warm-up (every kernel a serving step launches over ZipCache's pages, writes included,
     compiled before serving) leaves a live cache as it was; on a GPU, decode and prompt steps after
