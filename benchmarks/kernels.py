@@ -740,6 +740,8 @@ def main() -> None:
     ap.add_argument("--zipcache", action="store_true",
                     help="only ZipCache's attention of a layer in parts (kernel, probe scores and re-compression) "
                          "against the 4-bit preset's, a serving step's decode rows and prompt chunks")
+    ap.add_argument("--zipcache-rows", nargs="*", type=int, default=[144], metavar="ROWS",
+                    help="with --zipcache: these counts of decode rows (contexts 16..900)")
     ap.add_argument("--slim", action="store_true",
                     help="only slim attention's decode rows over K-only pages in parts, against vLLM's "
                          "FlashAttention bf16 (MHA 32 heads of 128; 72 and 144 rows of contexts 16..900; 8-bit K "
@@ -777,7 +779,7 @@ def main() -> None:
         return
     if args.zipcache:
         for name, hq, hkv, d in SHAPES:
-            for r in bench_zipcache_step(serving_lens(144, 900), hq, hkv, d):
+            for r in (r for rows in args.zipcache_rows for r in bench_zipcache_step(serving_lens(rows, 900), hq, hkv, d)):
                 print(f"{name:24s} {r['kernel']:80s} {r['ms'] * 1e3:8.1f} us")
         return
     if args.step:

@@ -41,6 +41,7 @@ constexpr int kMaxBlock = 128;                // tokens a block (4 a lane)
 constexpr int kMaxTokensALane = kMaxBlock / 32;
 constexpr unsigned kNoSlot = KVC_NO_SLOT;     // slot_of of a 2-bit token
 constexpr float kTop = 15.f;                  // the shared grid's highest code (4 bits)
+constexpr int kLevels = 16 + 4;               // a widened channel's table entries: 16 refined levels, 4 middles
 // a warp's probe floats (probe_floats), at most: a block's dynamic shared memory within the 48 KB a
 // launch may take without asking for more
 constexpr int kMaxProbeFloats = 48 * 1024 / (kWarps * 4);
@@ -78,7 +79,8 @@ template <int D>
 struct alignas(16) Scratch {
   float score[kMaxBlock];                    // a candidate's score (NaN: not a candidate), read 4 at once
   unsigned long long refined_table[D];       // a widened channel's new code by old 4-bit code, 4 bits each
-  unsigned short middle_table[D];            // by a 2-bit token's high code h (level 4 h + kSalientMiddle)
+  unsigned middle_table[D];                  // by a 2-bit token's high code h (level 4 h + kSalientMiddle)
+  uint16_t listed_channel[32];               // the channels whose tables a round codes
   uint8_t widened[D / 4];                    // a byte's widened channels, bit k: channel 4 b + k
 };
 
@@ -320,31 +322,51 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
 
   const bool keep_new = (__shfl_sync(kAll, keep, off % 32) >> (off / 32)) & 1;
 
-  // a widened channel's earlier codes, mapped through its tables (built by the channel's lane with
-  // the reference's arithmetic: the level's value on the stored grid, coded on the new one); a lane
-  // a token, the dropped tokens' refinement read before the new token may take their slot
+  // a widened channel's earlier codes, mapped through its tables (the level's value on the stored
+  // grid coded on the new one, with the reference's arithmetic); a lane a token, the dropped tokens'
+  // refinement read before the new token may take their slot
   const bool widened = off > 0 && __any_sync(kAll, regridded != 0);
   if (widened) {
 #pragma unroll
-    for (int jb = 0; jb < BYTES; ++jb) {
-      const int b = lane + 32 * jb;
-      if (b >= U) continue;
-      const unsigned mask = (regridded >> (4 * jb)) & 15u;
-      s.widened[b] = uint8_t(mask);
+    for (int jb = 0; jb < BYTES; ++jb)
+      if (lane + 32 * jb < U) s.widened[lane + 32 * jb] = uint8_t((regridded >> (4 * jb)) & 15u);
+    // The tables' entries (20 a channel), dealt over the warp's lanes: each round, every lane with a
+    // widened channel left lists one (its grids in the scores' place, which the ranking no longer
+    // reads), and the lanes code the listed channels' levels together. Each lane coding its own
+    // channels' 20 levels kept the others idle: most tokens widen a few channels of a few lanes.
+    float4* listed_grid = reinterpret_cast<float4*>(s.score);  // 32 a round
+    unsigned pending = regridded;
+    while (__any_sync(kAll, pending != 0)) {
+      const unsigned listing = __ballot_sync(kAll, pending != 0);
+      __syncwarp();  // the last round's (or the ranking's) reads of the scores' place are done
+      if (pending != 0) {
+        const int bit = __ffs(pending) - 1;  // 4 jb + k
+        pending &= pending - 1;
+        float4 grid = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (!((mask >> k) & 1)) continue;
-        const float oz = old_zero[jb][k], os = old_step[jb][k], z = zero[jb][k], st = step[jb][k];
-        unsigned long long refined_table = 0;
-        for (int level = 0; level < 16; ++level)
-          refined_table |= (unsigned long long)clamped_code(__fadd_rn(__fmul_rn(float(level), os), oz), z, st, kTop)
-                           << (4 * level);
-        unsigned middle_table = 0;
-        for (int high = 0; high < 4; ++high)
-          middle_table |= clamped_code(__fadd_rn(__fmul_rn(float(4 * high) + kSalientMiddle, os), oz), z, st, kTop)
-                          << (4 * high);
-        s.refined_table[4 * b + k] = refined_table;
-        s.middle_table[4 * b + k] = (unsigned short)middle_table;
+        for (int jb = 0; jb < BYTES; ++jb)
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            if (bit == 4 * jb + k) grid = make_float4(old_zero[jb][k], old_step[jb][k], zero[jb][k], step[jb][k]);
+        const int rank = __popc(listing & ((1u << lane) - 1u)), c = 4 * (lane + 32 * (bit / 4)) + bit % 4;
+        listed_grid[rank] = grid;
+        s.listed_channel[rank] = uint16_t(c);
+        s.refined_table[c] = 0;
+        s.middle_table[c] = 0;
+      }
+      __syncwarp();
+      for (int e = lane; e < kLevels * __popc(listing); e += 32) {
+        const int n = e / kLevels, level = e % kLevels, c = s.listed_channel[n];
+        const float4 g = listed_grid[n];  // old zero, old step, zero, step
+        if (level < 16) {
+          const unsigned code = clamped_code(__fadd_rn(__fmul_rn(float(level), g.y), g.x), g.z, g.w, kTop);
+          atomicOr(&s.refined_table[c], (unsigned long long)code << (4 * level));
+        } else {
+          const int high = level - 16;
+          const unsigned code =
+              clamped_code(__fadd_rn(__fmul_rn(float(4 * high) + kSalientMiddle, g.y), g.x), g.z, g.w, kTop);
+          atomicOr(&s.middle_table[c], code << (4 * high));
+        }
       }
     }
     __syncwarp();
