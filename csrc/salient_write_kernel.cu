@@ -158,7 +158,6 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
   const int off = (length - 1) % B;  // the new token's place in its block, after `off` stored tokens
   const int64_t block = static_cast<const int32_t*>(a.block_table)[i * a.table_stride + (length - 1) / B];
   const int quota = length % a.interval != 0 ? R : static_cast<const int32_t*>(a.quotas)[off + 1];
-  kvc::wait_for_prior_grid();  // the new tokens and the log-sum-exps, from the kernels before
   uint8_t* page = static_cast<uint8_t*>(a.cache) + block * a.page_bytes;
   uint8_t* slot_of = page + a.slot_of + h * B;
 
@@ -180,6 +179,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
   // has a free slot), else the best-scored up to the quota
   unsigned keep = earlier_salient | (unsigned(lane == off % 32) << (off / 32));  // bit j: token lane + 32 j
   if (quota < candidates) {
+    kvc::wait_for_prior_grid();  // the log-sum-exps (or drawn scores), from the kernels before
     float score[kMaxTokensALane];
     if (a.given != nullptr) {
 #pragma unroll
@@ -325,6 +325,10 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
   // a widened channel's earlier codes, mapped through its tables (the level's value on the stored
   // grid coded on the new one, with the reference's arithmetic); a lane a token, the dropped tokens'
   // refinement read before the new token may take their slot
+  // Before the first store to the pages: the decode before this still reads them (it attends the
+  // new token from its K and V, not from the pages). What this read of them before, and the new
+  // tokens (from the kernels before the decode, finished), need no wait.
+  kvc::wait_for_prior_grid();
   const bool widened = off > 0 && __any_sync(kAll, regridded != 0);
   if (widened) {
 #pragma unroll
@@ -385,15 +389,15 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
           uint8_t* high_at = page + a.k_high + (int64_t(h) * B + t) * U + b;
           uint8_t* low_at = page + a.k_low + (int64_t(h) * R + (refined ? slot[j] : 0)) * U + b;
           const unsigned high = *high_at, low = refined ? *low_at : 0u;
-          unsigned new_high = 0, new_low = 0;
+          unsigned new_high = high, new_low = low;  // the widened channels' 2-bit fields replaced
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            unsigned code = 4 * code2(high, k) + code2(low, k);
-            if ((mask >> k) & 1)
-              code = refined ? unsigned(s.refined_table[4 * b + k] >> (4 * code)) & 15u
-                             : unsigned(s.middle_table[4 * b + k] >> (4 * code2(high, k))) & 15u;
-            new_high |= (code >> 2) << (2 * k);
-            new_low |= (code & 3u) << (2 * k);
+            if (!((mask >> k) & 1)) continue;
+            const unsigned code =
+                refined ? unsigned(s.refined_table[4 * b + k] >> (4 * (4 * code2(high, k) + code2(low, k)))) & 15u
+                        : unsigned(s.middle_table[4 * b + k] >> (4 * code2(high, k))) & 15u;
+            new_high = (new_high & ~(3u << (2 * k))) | ((code >> 2) << (2 * k));
+            new_low = (new_low & ~(3u << (2 * k))) | ((code & 3u) << (2 * k));
           }
           *high_at = uint8_t(new_high);
           if (refined && ((keep >> j) & 1)) *low_at = uint8_t(new_low);
