@@ -77,7 +77,8 @@ namespace {
 // A warp's scratch: the scores a re-compression ranks, and the widened channels' tables.
 template <int D>
 struct alignas(16) Scratch {
-  float score[kMaxBlock];                    // a candidate's score (NaN: not a candidate), read 4 at once
+  float score[kMaxBlock];                    // a candidate's score (NaN: not a candidate), read 4 at once;
+                                             // after the choice, a widening round's listed grids
   unsigned long long refined_table[D];       // a widened channel's new code by old 4-bit code, 4 bits each
   unsigned middle_table[D];                  // by a 2-bit token's high code h (level 4 h + kSalientMiddle)
   uint16_t listed_channel[32];               // the channels whose tables a round codes
