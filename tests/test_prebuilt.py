@@ -78,3 +78,21 @@ def test_registry_plans_the_cuda_kernels_where_they_are_prebuilt(device, expecte
     assert plan.write.name == expected
     if why is not None:
         assert why in plan.write.describe()
+
+
+@needs_nvcc
+def test_variants_outside_csrc_build_with_the_served_flags(tmp_path):
+    """``benchmarks/experiments/salient_write_ab.py`` builds variant sources of a kernel from anywhere
+    (``cuda_jit.build_library``: csrc's headers and the page constants found), each loaded with its own
+    launch function."""
+    from benchmarks.experiments.salient_write_ab import build_variants
+    from vllm_kvcompress import cuda_salient_write
+
+    served = cuda_jit.CSRC / "salient_write_kernel.cu"
+    variant = tmp_path / "variant.cu"
+    variant.write_text(served.read_text() + "\n// a variant\n")
+    functions = build_variants([served, variant], tmp_path, "90")
+    assert list(functions) == ["salient_write_kernel.cu", "variant.cu"]
+    assert functions["salient_write_kernel.cu"] is not functions["variant.cu"]
+    for function in functions.values():  # an all-zero argument struct: no dtype the kernel covers
+        assert function(ctypes.byref(cuda_salient_write._SalientWriteArgs())) == 1  # cudaErrorInvalidValue

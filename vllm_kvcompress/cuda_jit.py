@@ -131,32 +131,37 @@ def _clear_stale_lock(name: str) -> None:
         logger.info("kv-compression: waiting for another process's build of %s (its lock: %s)", name, lock)
 
 
-def prebuild(archs: tuple[str, ...] = PREBUILT_ARCHS, libraries: dict[str, str] | None = None) -> list[Path]:
-    """Build the CUDA kernels' libraries into ``csrc/prebuilt/`` with nvcc (one at a time, a progress
-    bar over them): machine code for ``archs`` and PTX of the last, the CUDA runtime linked in
-    statically, the same flags as the just-in-time build. Removes older builds of the same libraries."""
+def build_library(source: Path, out: Path, archs: tuple[str, ...]) -> Path:
+    """Build ``source`` into the shared library ``out`` with nvcc: machine code for ``archs`` and PTX of
+    the last, the CUDA runtime linked in statically, the just-in-time build's flags, ``csrc/``'s headers
+    (a source elsewhere, such as a variant timed beside the served one, finds them too)."""
     import os
     import shutil
     import subprocess
-
-    from tqdm import tqdm
 
     # torch's CUDA_HOME is None in a CPU build of torch: a wheel's builder may have nvcc without a GPU
     home = os.environ.get("CUDA_HOME")
     nvcc = (shutil.which("nvcc", path=f"{home}/bin") if home else None) or shutil.which("nvcc")
     if nvcc is None:
-        raise RuntimeError("no nvcc: put a CUDA toolkit's nvcc on PATH, or set CUDA_HOME, to prebuild the CUDA kernels")
-    out = CSRC / "prebuilt"
-    out.mkdir(exist_ok=True)
+        raise RuntimeError("no nvcc: put a CUDA toolkit's nvcc on PATH, or set CUDA_HOME, to build the CUDA kernels")
     codes = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs] + [
         f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+    subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "--expt-relaxed-constexpr", "-cudart",
+                    "static", *codes, *build_flags(), f"-I{CSRC}", "-o", str(out), str(source)], check=True)
+    return out
+
+
+def prebuild(archs: tuple[str, ...] = PREBUILT_ARCHS, libraries: dict[str, str] | None = None) -> list[Path]:
+    """Build the CUDA kernels' libraries into ``csrc/prebuilt/`` (``build_library``, one at a time, a
+    progress bar over them). Removes older builds of the same libraries."""
+    from tqdm import tqdm
+
+    out = CSRC / "prebuilt"
+    out.mkdir(exist_ok=True)
     built = []
     for name, source in tqdm((libraries or LIBRARIES).items(), desc="prebuilding CUDA kernels", unit="library"):
         path = prebuilt_path(name, source)
         for old in out.glob(f"{name}-*.so"):
             old.unlink()
-        subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-std=c++17",
-                        "--expt-relaxed-constexpr", "-cudart", "static", *codes, *build_flags(), "-o", str(path),
-                        str(CSRC / source)], check=True)
-        built.append(path)
+        built.append(build_library(CSRC / source, path, archs))
     return built
