@@ -326,9 +326,10 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
   // a widened channel's earlier codes, mapped through its tables (the level's value on the stored
   // grid coded on the new one, with the reference's arithmetic); a lane a token, the dropped tokens'
   // refinement read before the new token may take their slot
-  // Before the first store to the pages: the decode before this still reads them (it attends the
-  // new token from its K and V, not from the pages). What this read of them before, and the new
-  // tokens (from the kernels before the decode, finished), need no wait.
+  // Before the first store to the pages: the decode before this may still read them (it attends the
+  // new token from its K and V, not from the pages). The reads above (pages, new tokens) do not wait,
+  // so the kernel launched right before this one must not write the pages or the new tokens: in
+  // serving it is the decode (or its merge of splits), which writes neither.
   kvc::wait_for_prior_grid();
   const bool widened = off > 0 && __any_sync(kAll, regridded != 0);
   if (widened) {
