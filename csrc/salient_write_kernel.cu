@@ -42,8 +42,8 @@ constexpr int kMaxTokensALane = kMaxBlock / 32;
 constexpr unsigned kNoSlot = KVC_NO_SLOT;     // slot_of of a 2-bit token
 constexpr float kTop = 15.f;                  // the shared grid's highest code (4 bits)
 constexpr int kLevels = 16 + 4;               // a widened channel's table entries: 16 refined levels, 4 middles
-// a warp's probe floats (probe_floats), at most: a block's dynamic shared memory within the 48 KB a
-// launch may take without asking for more
+// a warp's probe floats (probe_floats), at most: 48 KB of dynamic shared memory a block (with the
+// warps' scratch, more than a launch takes without asking: see launch)
 constexpr int kMaxProbeFloats = 48 * 1024 / (kWarps * 4);
 
 }  // namespace
@@ -481,9 +481,19 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
 template <typename T, int D>
 cudaError_t launch(const SalientWriteArgs& a) {
   const int items = a.num_rows * a.num_heads;
+  const size_t probes = size_t(kWarps) * probe_floats(a.group, D) * sizeof(float);
+  // A block takes 48 KB of shared memory, static and dynamic, without asking for more; the warps'
+  // scratch and the most probes (kMaxProbeFloats) take up to 63 KB, which every GPU the kernels are
+  // built for grants on asking. Asked once a kernel, at its first launch past 48 KB (the warm-up's).
+  static size_t granted = 48 * 1024 - sizeof(Scratch<D>) * kWarps;
+  if (probes > granted) {
+    const cudaError_t err = cudaFuncSetAttribute(salient_write_kernel<T, D>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(probes));
+    if (err != cudaSuccess) return err;
+    granted = probes;
+  }
   return kvc::launch_dependent_shared(salient_write_kernel<T, D>, dim3((items + kWarps - 1) / kWarps),
-                                      dim3(kWarps * 32), size_t(kWarps) * probe_floats(a.group, D) * sizeof(float),
-                                      static_cast<cudaStream_t>(a.stream), a);
+                                      dim3(kWarps * 32), probes, static_cast<cudaStream_t>(a.stream), a);
 }
 
 using Launcher = cudaError_t (*)(const SalientWriteArgs&);

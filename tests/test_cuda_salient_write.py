@@ -51,15 +51,19 @@ def _log_sum_exps(fmt, pages, table, lens, q, k_new, scale, window):
                          ids=["64", "128", "128-block-32", "128-block-128", "256"])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("score", ["normalized", "random"])
-@pytest.mark.parametrize("group", [1, 4], ids=["mha", "gqa"])
+@pytest.mark.parametrize("group", [1, 4, "most"], ids=["mha", "gqa", "most-query-heads"])
 def test_decode_steps_write_the_pages_the_torch_path_writes(D, B, dtype, window, score, group):
     """Decode steps of three requests (MHA, and GQA: 4 query heads a KV head, whose probabilities a
-    token's score sums), written all at once by the kernel, against
+    token's score sums; and the most query heads a KV head the registry gives the kernel at the head
+    size, whose probes with the warps' scratch pass the 48 KB of shared memory a launch takes without
+    asking), written all at once by the kernel, against
     ``attend_and_write`` one request at a time, with the same log-sum-exps (float32): after each step
     the same 4-bit tokens, and every token reads as the same values. The steps cross a re-compression
     (context 100) and block boundaries; every other step K stays inside its channels' grids (no
     widening), the others widen; a block's slots fill (the least-scored candidate dropped); with a
     sliding window of 40, each probe scores the tokens in its window alone."""
+    if group == "most":
+        group = registry.CUDA_SALIENT_PROBE_FLOATS // (D + 4)
     H = 2
     HQ = H * group
     fmt = SalientTokensFormat.create(0.5, dtype, B, H, D)
