@@ -131,22 +131,28 @@ def _clear_stale_lock(name: str) -> None:
         logger.info("kv-compression: waiting for another process's build of %s (its lock: %s)", name, lock)
 
 
-def build_library(source: Path, out: Path, archs: tuple[str, ...]) -> Path:
-    """Build ``source`` into the shared library ``out`` with nvcc: machine code for ``archs`` and PTX of
-    the last, the CUDA runtime linked in statically, the just-in-time build's flags, ``csrc/``'s headers
-    (a source elsewhere, such as a variant timed beside the served one, finds them too)."""
+def _nvcc() -> str:
+    """nvcc's path, from CUDA_HOME or PATH (torch's CUDA_HOME is None in a CPU build of torch: a
+    wheel's builder may have nvcc without a GPU)."""
     import os
     import shutil
-    import subprocess
 
-    # torch's CUDA_HOME is None in a CPU build of torch: a wheel's builder may have nvcc without a GPU
     home = os.environ.get("CUDA_HOME")
     nvcc = (shutil.which("nvcc", path=f"{home}/bin") if home else None) or shutil.which("nvcc")
     if nvcc is None:
         raise RuntimeError("no nvcc: put a CUDA toolkit's nvcc on PATH, or set CUDA_HOME, to build the CUDA kernels")
+    return nvcc
+
+
+def build_library(source: Path, out: Path, archs: tuple[str, ...]) -> Path:
+    """Build ``source`` into the shared library ``out`` with nvcc: machine code for ``archs`` and PTX of
+    the last, the CUDA runtime linked in statically, the just-in-time build's flags, ``csrc/``'s headers
+    (a source elsewhere, such as a variant timed beside the served one, finds them too)."""
+    import subprocess
+
     codes = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs] + [
         f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
-    subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "--expt-relaxed-constexpr", "-cudart",
+    subprocess.run([_nvcc(), "-shared", "-Xcompiler", "-fPIC", "-std=c++17", "--expt-relaxed-constexpr", "-cudart",
                     "static", *codes, *build_flags(), f"-I{CSRC}", "-o", str(out), str(source)], check=True)
     return out
 
@@ -156,6 +162,7 @@ def prebuild(archs: tuple[str, ...] = PREBUILT_ARCHS, libraries: dict[str, str] 
     progress bar over them). Removes older builds of the same libraries."""
     from tqdm import tqdm
 
+    _nvcc()  # before the older builds are removed
     out = CSRC / "prebuilt"
     out.mkdir(exist_ok=True)
     built = []
