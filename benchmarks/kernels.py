@@ -123,6 +123,18 @@ def salient_pages(fmt, num_seqs: int, ctx: int, leading: bool = False):
     return _pages(fmt, num_seqs, ctx, encode=lambda k, v, n: fmt.encode(k, v, n, salient(k)))
 
 
+def salient_write_cases(fmt, lens: list[int]) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """ZipCache's decode write over ``salient_pages`` for rows of context ``lens``, by case: (pages,
+    block table, the new K's scale). A random new K widens some channel of most rows' blocks (their
+    earlier tokens re-coded); a tenth of it widens none: a held token written alone, or, past the
+    leading salient tokens, the block's tokens scored and one dropped."""
+    cache, table = salient_pages(fmt, len(lens), max(lens))
+    full, full_table = salient_pages(fmt, len(lens), max(lens), leading=True)
+    return {"widening": (cache, table, 1.0), "no widening (a held token)": (cache, table, 0.1),
+            f"no widening, slots full past {fmt.slots} tokens": (full, full_table, 0.1),
+            "slots full, widening": (full, full_table, 1.0)}
+
+
 def serving_lens(num_seqs: int, ctx: int, seed: int = 0) -> list[int]:
     """Context lengths of a serving step's decode rows: uniform in [16, ctx], seeded. With ctx 900
     and 144 rows (about 65,000 tokens) they fill an 8 GiB 4/4 cache of the Llama-2-7B shape as a
@@ -439,7 +451,8 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
 
     rows = []
     n = len(lens)
-    cache, table = salient_pages(fmt, n, max(lens))
+    write_cases = salient_write_cases(fmt, lens)
+    cache, table, _ = write_cases["widening"]
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(n, hq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -466,20 +479,12 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
                  "ms": _host_ms(decode_step, cache)})
     lse = torch.zeros(n, hq, device="cuda")
 
-    def write_alone(pages_, table_, new_k, write):
-        return _time_on_pages_ms(pages_, lambda: write(q, new_k, v, pages_, fmt, spec, table_, seq_lens, lse, scale))
-
-    # the random new K widens some channel of most rows' blocks (their earlier tokens re-coded); K
-    # inside every channel's grid widens none: a held token written alone, or, past the leading
-    # salient tokens, the block's tokens scored and one dropped
-    full, full_table = salient_pages(fmt, n, max(lens), leading=True)
     for name, write in writes.items():
-        rows.append({"kernel": f"zipcache-r60 {label}: the {name} write alone, widening",
-                     "ms": write_alone(cache, table, k, write)})
-        rows.append({"kernel": f"zipcache-r60 {label}: the {name} write alone, no widening (a held token)",
-                     "ms": write_alone(cache, table, 0.1 * k, write)})
-        rows.append({"kernel": f"zipcache-r60 {label}: the {name} write alone, no widening, slots full past "
-                               f"{fmt.slots} tokens", "ms": write_alone(full, full_table, 0.1 * k, write)})
+        for case, (pages, case_table, k_scale) in list(write_cases.items())[:3]:
+            new_k = k_scale * k
+            rows.append({"kernel": f"zipcache-r60 {label}: the {name} write alone, {case}",
+                         "ms": _time_on_pages_ms(pages, lambda: write(q, new_k, v, pages, fmt, spec, case_table,
+                                                                      seq_lens, lse, scale))})
     rows.append({"kernel": f"quant-k4v4 {label}: Triton decode",
                  "ms": bench_ours(4, n, hq, hkv, d, max(lens), block, lens=lens)["ms"]})
     if "CUDA" in decodes:
@@ -779,8 +784,9 @@ def main() -> None:
         return
     if args.zipcache:
         for name, hq, hkv, d in SHAPES:
-            for r in (r for rows in args.zipcache_rows for r in bench_zipcache_step(serving_lens(rows, 900), hq, hkv, d)):
-                print(f"{name:24s} {r['kernel']:80s} {r['ms'] * 1e3:8.1f} us")
+            for rows in args.zipcache_rows:
+                for r in bench_zipcache_step(serving_lens(rows, 900), hq, hkv, d):
+                    print(f"{name:24s} {r['kernel']:80s} {r['ms'] * 1e3:8.1f} us")
         return
     if args.step:
         cases = (("serving step, 144 rows", serving_lens(144, 900)), ("tail, 8 rows", serving_lens(8, 2000, seed=3)),

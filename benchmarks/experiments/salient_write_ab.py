@@ -37,7 +37,7 @@ def build_variants(sources: list[Path], out_dir: Path, arch: str) -> dict[str, c
 
 def time_variants(functions: dict, hq: int, hkv: int, rows: int) -> tuple[dict[tuple[str, str], float], bool]:
     """(us by (variant, case), whether every variant leaves the pages the first one does)."""
-    from benchmarks.kernels import _time_on_pages_ms, salient_pages, serving_lens
+    from benchmarks.kernels import _time_on_pages_ms, salient_write_cases, serving_lens
     from vllm_kvcompress import cuda_salient_decode, cuda_salient_write
     from vllm_kvcompress.config import SalientSpec
     from vllm_kvcompress.formats.salient import SalientTokensFormat
@@ -47,8 +47,8 @@ def time_variants(functions: dict, hq: int, hkv: int, rows: int) -> tuple[dict[t
     fmt = SalientTokensFormat.create(0.6, torch.bfloat16, 128, hkv, d)
     spec, scale = SalientSpec(ratio=0.6), d ** -0.5
     lens = serving_lens(rows, 900)
-    cache, table = salient_pages(fmt, rows, max(lens))
-    full, full_table = salient_pages(fmt, rows, max(lens), leading=True)
+    write_cases = salient_write_cases(fmt, lens)
+    cache, table, _ = write_cases["widening"]
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(rows, hq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(rows, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -67,10 +67,8 @@ def time_variants(functions: dict, hq: int, hkv: int, rows: int) -> tuple[dict[t
             cuda_salient_write.write_decoded(q, new_k, v, cache, fmt, spec, table, seq_lens, step_lse.t(), scale)
         return run
 
-    # a random K widens some channel of most rows' blocks; K inside every grid widens none
-    cases = {"widening": (cache, write(cache, table, k)), "held": (cache, write(cache, table, 0.1 * k)),
-             "slots full": (full, write(full, full_table, 0.1 * k)),
-             "full, widening": (full, write(full, full_table, k))}
+    cases = {case: (pages, write(pages, case_table, k_scale * k))
+             for case, (pages, case_table, k_scale) in write_cases.items()}
     if hq == hkv:  # where the CUDA decode serves
         cases |= {"step, widening": (cache, step(k)), "step, held": (cache, step(0.1 * k))}
     names = list(functions)
