@@ -60,7 +60,7 @@ def test_decode_steps_write_the_pages_the_torch_path_writes(D, B, dtype, window,
     ``attend_and_write`` one request at a time, with the same log-sum-exps (float32): after each step
     the same 4-bit tokens, and every token reads as the same values. The steps cross a re-compression
     (context 100) and block boundaries; every other step K stays inside its channels' grids (no
-    widening), the others widen; a block's slots fill (the least-scored candidate dropped); with a
+    widening), the others widen (every channel every fourth step); a block's slots fill (the least-scored candidate dropped); with a
     sliding window of 40, each probe scores the tokens in its window alone."""
     if group == "most":
         group = registry.CUDA_SALIENT_PROBE_FLOATS // (D + 4)
@@ -82,7 +82,8 @@ def test_decode_steps_write_the_pages_the_torch_path_writes(D, B, dtype, window,
     for step in range(14):
         lens = [L + 1 for L in lens]
         q, k, v = draw(3, HQ, D), draw(3, H, D), draw(3, H, D)
-        k = (k * (0.1 if step % 2 else 1.0)).to(dtype).float()  # every other step inside the grids: no widening
+        # every other step inside the grids (no widening), every fourth past them all (every channel widens)
+        k = (k * (0.1 if step % 2 else 1.0 if step % 4 else 4.0)).to(dtype).float()
         lse = _log_sum_exps(fmt, cache, table, lens, q, k, scale, window)
         before = fmt.salient(cache).sum().item()
         attend_and_write(q, k, v, cache, fmt, spec, [0, 1, 2, 3], lens, table, scale, window)

@@ -1,11 +1,11 @@
 """Variants of ZipCache's CUDA decode write (``csrc/salient_write_kernel.cu``) timed in one process:
 each variant source built with nvcc and the served build's flags (``cuda_jit.build_library``), loaded
 in place of the served library, and timed on the same pages (``kernels.py --zipcache``'s write cases:
-widening, a held token, the block's slots full, both; and, for MHA, the decode step: the CUDA decode,
-then the write), 144 and 8 decode rows of the Llama-2-7B and Llama-3-8B shapes, in turn and in
-reverse turn (the lower of the two kept). Each variant's pages after one write are compared with the
-first variant's. End-to-end runs move with the machine by more than a small kernel change; one
-process keeps a comparison on one card.
+widening, a held token, the block's slots full, both, blocks filled as in serving; and, for MHA, the
+decode step: the CUDA decode, then the write), 144 and 8 decode rows of the Llama-2-7B and Llama-3-8B
+shapes, in turn and in reverse turn (the lower of the two kept). Each variant's pages after one write
+of each case are compared with the first variant's. End-to-end runs move with the machine by more
+than a small kernel change; one process keeps a comparison on one card.
 
     git show REV:csrc/salient_write_kernel.cu > /tmp/before.cu
     python -m benchmarks.experiments.salient_write_ab /tmp/before.cu csrc/salient_write_kernel.cu
@@ -60,17 +60,19 @@ def time_variants(functions: dict, hq: int, hkv: int, rows: int) -> tuple[dict[t
         return lambda: cuda_salient_write.write_decoded(q, new_k, v, pages, fmt, spec, block_table, seq_lens, lse,
                                                         scale)
 
-    def step(new_k):
+    def step(pages, block_table, new_k):
         def run():
-            step_lse = cuda_salient_decode.decode_rows(q, new_k, v, cache, fmt, table, history, scale, max(lens), out,
-                                                       row_order=order)
-            cuda_salient_write.write_decoded(q, new_k, v, cache, fmt, spec, table, seq_lens, step_lse.t(), scale)
+            step_lse = cuda_salient_decode.decode_rows(q, new_k, v, pages, fmt, block_table, history, scale, max(lens),
+                                                       out, row_order=order)
+            cuda_salient_write.write_decoded(q, new_k, v, pages, fmt, spec, block_table, seq_lens, step_lse.t(), scale)
         return run
 
     cases = {case: (pages, write(pages, case_table, k_scale * k))
              for case, (pages, case_table, k_scale) in write_cases.items()}
     if hq == hkv:  # where the CUDA decode serves
-        cases |= {"step, widening": (cache, step(k)), "step, held": (cache, step(0.1 * k))}
+        filling, filling_table, _ = write_cases["blocks filled as in serving"]
+        cases |= {"step, widening": (cache, step(cache, table, k)), "step, held": (cache, step(cache, table, 0.1 * k)),
+                  "step, serving's blocks": (filling, step(filling, filling_table, k))}
     names = list(functions)
     times: dict[tuple[str, str], float] = {}
     for turn in (names, names[::-1]):
@@ -82,9 +84,11 @@ def time_variants(functions: dict, hq: int, hkv: int, rows: int) -> tuple[dict[t
     after = []
     for name in names:
         cuda_salient_write._kernel.__dict__["_function"] = functions[name]
-        pages = cache.clone()
-        write(pages, table, k)()
-        after.append(pages)
+        written = []
+        for pages, case_table, k_scale in write_cases.values():
+            written.append(pages.clone())
+            write(written[-1], case_table, k_scale * k)()
+        after.append(torch.cat(written))
     cuda_salient_write._kernel.__dict__.pop("_function")
     return times, all(torch.equal(after[0], x) for x in after[1:])
 
