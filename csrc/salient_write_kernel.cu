@@ -41,7 +41,6 @@ constexpr int kMaxBlock = 128;                // tokens a block (4 a lane)
 constexpr int kMaxTokensALane = kMaxBlock / 32;
 constexpr unsigned kNoSlot = KVC_NO_SLOT;     // slot_of of a 2-bit token
 constexpr float kTop = 15.f;                  // the shared grid's highest code (4 bits)
-constexpr int kLevels = 16 + 4;               // a widened channel's table entries: 16 refined levels, 4 middles
 // a warp's probe floats (probe_floats), at most: 48 KB of dynamic shared memory a block (with the
 // warps' scratch, more than a launch takes without asking: see launch)
 constexpr int kMaxProbeFloats = 48 * 1024 / (kWarps * 4);
@@ -336,10 +335,14 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
 #pragma unroll
     for (int jb = 0; jb < BYTES; ++jb)
       if (lane + 32 * jb < U) s.widened[lane + 32 * jb] = uint8_t((regridded >> (4 * jb)) & 15u);
-    // The tables' entries (20 a channel), dealt over the warp's lanes: each round, every lane with a
-    // widened channel left lists one (its grids in the scores' place, which the ranking no longer
-    // reads), and the lanes code the listed channels' levels together. Each lane coding its own
-    // channels' 20 levels kept the others idle: most tokens widen a few channels of a few lanes.
+    // The tables, a round at a time: every lane with a widened channel left lists one (its grids in
+    // the scores' place, which the ranking no longer reads), and a team of lanes codes each listed
+    // channel's 16 refined levels and 4 middles, as many lanes a channel as let the round's channels
+    // fit the warp (16 at most), the team's codes OR'd together by shuffles. Most tokens widen a few
+    // channels (a team of 16 lanes each), a block's first tokens most of theirs (a lane each). Entries
+    // OR'd into the tables by atomics instead (a 64-bit OR on shared memory is a compare-and-swap
+    // loop, 16 lanes on one entry) took 89 of the write's 123 us where a block's first tokens widen
+    // (H200, 144 MHA rows, benchmarks/experiments/salient_write_ab.py).
     float4* listed_grid = reinterpret_cast<float4*>(s.score);  // 32 a round
     unsigned pending = regridded;
     while (__any_sync(kAll, pending != 0)) {
@@ -354,25 +357,34 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
 #pragma unroll
           for (int k = 0; k < 4; ++k)
             if (bit == 4 * jb + k) grid = make_float4(old_zero[jb][k], old_step[jb][k], zero[jb][k], step[jb][k]);
-        const int rank = __popc(listing & ((1u << lane) - 1u)), c = 4 * (lane + 32 * (bit / 4)) + bit % 4;
+        const int rank = __popc(listing & ((1u << lane) - 1u));
         listed_grid[rank] = grid;
-        s.listed_channel[rank] = uint16_t(c);
-        s.refined_table[c] = 0;
-        s.middle_table[c] = 0;
+        s.listed_channel[rank] = uint16_t(4 * (lane + 32 * (bit / 4)) + bit % 4);
       }
       __syncwarp();
-      for (int e = lane; e < kLevels * __popc(listing); e += 32) {
-        const int n = e / kLevels, level = e % kLevels, c = s.listed_channel[n];
+      const int listed = __popc(listing);
+      const int team_bits = min(4, 31 - __clz(32 / listed));  // log2 of 32 / listed, rounded down
+      const int team = 1 << team_bits, n = lane >> team_bits, member = lane & (team - 1);
+      unsigned long long refined = 0;  // new code by old 4-bit code
+      unsigned middle = 0;             // by a 2-bit token's high code h (level 4 h + kSalientMiddle)
+      if (n < listed) {
         const float4 g = listed_grid[n];  // old zero, old step, zero, step
-        if (level < 16) {
-          const unsigned code = clamped_code(__fadd_rn(__fmul_rn(float(level), g.y), g.x), g.z, g.w, kTop);
-          atomicOr(&s.refined_table[c], (unsigned long long)code << (4 * level));
-        } else {
-          const int high = level - 16;
-          const unsigned code =
-              clamped_code(__fadd_rn(__fmul_rn(float(4 * high) + kSalientMiddle, g.y), g.x), g.z, g.w, kTop);
-          atomicOr(&s.middle_table[c], code << (4 * high));
-        }
+        const int share = 16 >> team_bits;
+        for (int level = member * share; level < (member + 1) * share; ++level)
+          refined |= (unsigned long long)clamped_code(__fadd_rn(__fmul_rn(float(level), g.y), g.x), g.z, g.w, kTop)
+                     << (4 * level);
+        for (int high = member; high < 4; high += team)
+          middle |= clamped_code(__fadd_rn(__fmul_rn(float(4 * high) + kSalientMiddle, g.y), g.x), g.z, g.w, kTop)
+                    << (4 * high);
+      }
+      for (int o = 1; o < team; o <<= 1) {
+        refined |= __shfl_xor_sync(kAll, refined, o);
+        middle |= __shfl_xor_sync(kAll, middle, o);
+      }
+      if (n < listed && member == 0) {
+        const int c = s.listed_channel[n];
+        s.refined_table[c] = refined;
+        s.middle_table[c] = middle;
       }
     }
     __syncwarp();
