@@ -274,7 +274,6 @@ def test_prompt_steps_through_the_kernels_equal_the_torch_path(score, probes, ro
     monkeypatch.setattr(history, "MIN_HEAD_ROWS_A_HISTORY_TOKEN", 0 if route == "history" else 10 ** 9)
     if probes is not None:
         monkeypatch.setattr(salient_write, "PROBES", probes)
-        monkeypatch.setattr(salient_write, "_variant", salient_write._variant.__wrapped__)  # none cached
     H, HQ, D, B = 2, 4, 64, 32
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     fmt = SalientTokensFormat.create(0.5, dtype, B, H, D)

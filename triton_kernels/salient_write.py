@@ -393,23 +393,23 @@ def _free_slot_gaps(slot, holds, B: tl.constexpr):
     return held - tl.arange(0, B)
 
 
-def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE) -> dict:
+def write_constants(fmt: SalientTokensFormat, group: int, tile: int = TILE, probes: int = PROBES) -> dict:
     """The write kernel's compile-time constants for ``fmt``'s pages and ``group`` query heads a KV
-    head, but for the kind of write (DECODE, GIVEN, NORMALIZED)."""
+    head (``probes`` a product), but for the kind of write (DECODE, GIVEN, NORMALIZED)."""
     at = fmt.regions.start
     return dict(PAGE=fmt.page_bytes, B=fmt.block_size, R=fmt.slots, D=fmt.k.head_size, G=group, H=fmt.k.num_heads,
                 K_SCALE=at("k_scale"), K_ZERO=at("k_zero"), V_SCALE=at("v_scale"), V_ZERO=at("v_zero"),
                 K_HIGH=at("k_high"), V_HIGH=at("v_high"), K_LOW=at("k_low"), V_LOW=at("v_low"), SLOT_OF=at("slot_of"),
-                NONE=NO_SLOT, TT=min(tile, fmt.block_size), PP=PROBES)
+                NONE=NO_SLOT, TT=min(tile, fmt.block_size), PP=probes)
 
 
 @functools.cache
 def _variant(fmt: SalientTokensFormat, group: int, tile: int, num_warps: int, decode: bool, given: bool,
-             normalized: bool, fresh: bool) -> Variant:
+             normalized: bool, fresh: bool, probes: int = PROBES) -> Variant:
     options = {"num_warps": num_warps}
     if decode and torch.version.hip is None:
         options["maxnreg"] = decode_tuning(group).registers
-    return Variant(_salient_write_kernel, write_constants(fmt, group, tile)
+    return Variant(_salient_write_kernel, write_constants(fmt, group, tile, probes)
                    | dict(DECODE=decode, GIVEN=given, NORMALIZED=normalized, FRESH=fresh), options)
 
 
@@ -417,9 +417,11 @@ _RUNTIME = _salient_write_kernel.arg_names[:_salient_write_kernel.arg_names.inde
 
 
 def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores,
-            kind: tuple[bool, bool, bool, bool], tile: int | None = None, num_warps: int | None = None, **args) -> None:
+            kind: tuple[bool, bool, bool, bool], tile: int | None = None, num_warps: int | None = None,
+            probes: int | None = None, **args) -> None:
     """The write kernel over ``programs`` blocks (or decode rows) and every KV head; ``kind``: its
-    DECODE, GIVEN, NORMALIZED and FRESH. Pointers a kind does not read are given the cache's."""
+    DECODE, GIVEN, NORMALIZED and FRESH; ``tile``, ``num_warps`` and ``probes`` (a product) as
+    tuned unless given. Pointers a kind does not read are given the cache's."""
     values = dict(q_ptr=query, k_ptr=key, v_ptr=value, scores_ptr=scores, pages_ptr=cache,
                   q_row_stride=query.stride(0), q_head_stride=query.stride(1), k_row_stride=key.stride(0),
                   v_row_stride=value.stride(0), first_block=0, scale=1.0, interval=1, window=NO_WINDOW,
@@ -427,7 +429,8 @@ def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, s
     heads = fmt.k.num_heads
     group = query.shape[1] // heads
     default_tile, default_warps = default_tuning(group, kind[0], kind[3])
-    launch(_variant(fmt, group, tile or default_tile, num_warps or default_warps, *kind), (programs, heads),
+    launch(_variant(fmt, group, tile or default_tile, num_warps or default_warps, *kind, probes or PROBES),
+           (programs, heads),
            tuple([values.get(name, cache) for name in _RUNTIME]))
 
 

@@ -1,10 +1,10 @@
 """Where ZipCache's prompt write spends its time: the Triton write of prompt chunks
 (``salient_write.write_chunks``) timed on a ShareGPT-like step (fresh prompts, no history) and on
 chunks after a history, with the probes' scores computed in it (serving's) and drawn (the write
-without its scoring), at a few tiles and warps, beside quant-k4v4's write of the same tokens (the
+without its scoring), at a few tiles, warps and probes a product, beside quant-k4v4's write of the same tokens (the
 CUDA kernels needed: nvcc or prebuilt).
 
-    python -m benchmarks.experiments.zipcache_prompt_write [--tunings 16,4 32,4]
+    python -m benchmarks.experiments.zipcache_prompt_write [--tunings 16,4 32,4,32]
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def main() -> None:
     from vllm_kvcompress.triton_kernels.salient_write import write_chunks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tunings", nargs="*", default=[], metavar="TILE,WARPS")
+    ap.add_argument("--tunings", nargs="*", default=[], metavar="TILE,WARPS[,PROBES]")
     args = ap.parse_args()
-    tunings = [{}] + [dict(zip(("tile", "num_warps"), map(int, t.split(",")))) for t in args.tunings]
+    tunings = [{}] + [dict(zip(("tile", "num_warps", "probes"), map(int, t.split(",")))) for t in args.tunings]
     for name, hq, hkv, d in SHAPES:
         fmt = SalientTokensFormat.create(0.6, torch.bfloat16, 128, hkv, d)
         for label, lengths, history in cases():
