@@ -10,6 +10,7 @@ now that a token which fits its grids writes one row).
     python benchmarks/kernels.py --host   # host time of a mixed step's attention calls, a layer
     python benchmarks/kernels.py --prompts   # prompt chunks after history: FlashAttention bf16 against ours (both routes)
     python benchmarks/kernels.py --zipcache  # ZipCache's attention of a layer in parts, beside the 4-bit preset's
+    python benchmarks/kernels.py --split-rows  # ZipCache's decode over split-row pages, beside the slot map's
     python benchmarks/kernels.py --minicache  # MiniCache's merged pair in parts, beside two 4-bit layers
     python benchmarks/kernels.py --presets quant-k3v2-o1 quant-k4v4  # presets' decode rows and write
     python benchmarks/kernels.py --slim      # slim attention's decode rows in parts, against FlashAttention bf16
@@ -545,6 +546,32 @@ def bench_zipcache_step(lens: list[int], hq: int, hkv: int, d: int, block: int =
     return rows
 
 
+def bench_split_rows(lens: list[int], h: int = 32, d: int = 128, block: int = 128) -> list[dict]:
+    """ZipCache's MHA decode rows (own token and log-sum-exp included) over split-row pages
+    (``formats.salient_rows``, r = 0.5), beside the slot-map pages of the same tokens and quant-k4v4's
+    CUDA decode of rows of the same contexts: the decode cost the split rows are for."""
+    from vllm_kvcompress import cuda_salient_decode, cuda_salient_rows_decode
+    from vllm_kvcompress.formats.salient_rows import SalientRowsFormat
+    from vllm_kvcompress.triton_kernels.decode import longest_first
+
+    fmt = SalientRowsFormat.create(torch.bfloat16, block, h, d)
+    slot_pages, table = salient_pages(fmt.slot_map, len(lens), max(lens))
+    pages = fmt.from_slot_map(slot_pages, torch.full((slot_pages.shape[0],), block, device="cuda"))
+    history = torch.tensor(lens, dtype=torch.int32, device="cuda") - 1
+    order = longest_first(history)
+    q, k, v = (torch.randn(len(lens), h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    rows = []
+    for label, module, cache, page_format in (("split rows", cuda_salient_rows_decode, pages, fmt),
+                                              ("slot map", cuda_salient_decode, slot_pages, fmt.slot_map)):
+        rows.append({"kernel": f"zipcache-r50 {len(lens)} decode rows: own token + CUDA decode, {label}",
+                     "ms": _time_ms(lambda: module.decode_rows(q, k, v, cache, page_format, table, history, d ** -0.5,
+                                                               max(lens), out, row_order=order))})
+    rows.append({"kernel": f"quant-k4v4 {len(lens)} decode rows: CUDA decode",
+                 "ms": bench_ours(4, len(lens), h, h, d, max(lens), block, lens=lens, cuda=True)["ms"]})
+    return rows
+
+
 def bench_minicache_step(lens: list[int], hq: int, hkv: int, d: int, block: int = 128) -> list[dict]:
     """A merged pair's attention for MiniCache's pages (``minicache-k4v4``) in parts, against two layers
     of the 4-bit preset on the same decode rows of context ``lens``: each layer's decode (its own new
@@ -764,6 +791,8 @@ def main() -> None:
                          "against the 4-bit preset's, a serving step's decode rows and prompt chunks")
     ap.add_argument("--zipcache-rows", nargs="*", type=int, default=[144], metavar="ROWS",
                     help="with --zipcache: these counts of decode rows (contexts 16..900)")
+    ap.add_argument("--split-rows", action="store_true",
+                    help="only ZipCache's MHA decode over split-row pages, beside the slot-map pages' and quant-k4v4's")
     ap.add_argument("--slim", action="store_true",
                     help="only slim attention's decode rows over K-only pages in parts, against vLLM's "
                          "FlashAttention bf16 (MHA 32 heads of 128; 72 and 144 rows of contexts 16..900; 8-bit K "
@@ -798,6 +827,11 @@ def main() -> None:
         for rows, k_bits in ((72, 16), (144, 16), (144, 8)):
             for r in bench_slim_step(serving_lens(rows, 900), 32, 128, tunings=tunings, k_bits=k_bits):
                 print(f"MHA 32/32, {rows} rows     {r['kernel']:60s} {r['ms'] * 1e3:8.1f} us")
+        return
+    if args.split_rows:
+        for rows in (144, 8):
+            for r in bench_split_rows(serving_lens(rows, 900)):
+                print(f"MHA 32/32 {r['kernel']:80s} {r['ms'] * 1e3:8.1f} us")
         return
     if args.zipcache:
         for name, hq, hkv, d in SHAPES:

@@ -33,6 +33,7 @@
 
 #include "decode_mma.cuh"
 #include "dependent_launch.cuh"
+#include "salient_codes.cuh"
 #include "vector_words.cuh"
 
 namespace {
@@ -603,6 +604,260 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
 
 }  // namespace
 
+// ZipCache's split-row pages (formats/salient_rows.py), MHA, pages of 128 tokens: a page is a 4-bit
+// half (rows 0..63, laid out as a 4/4 page's slice) and a 2-bit half (rows 64..127, as a 2/2 page's)
+// on one grid, which the 2-bit half reads as 4 c + middle: K's scale 4 s and zero z + middle s per
+// channel, V's per row. Warp 0 reads every page's 4-bit half, warp 1 its 2-bit half, each as
+// decode_mha reads a slice, in softmaxes of their own merged at the end; on a row's last page the rows
+// that hold no token of its history (place_of EMPTY, or past it) get no weight. Split 0 attends the
+// row's own new token (the decode write stores it after attention), and the kernel leaves the
+// natural log-sum-exp the write scores with: salient_decode_kernel.cu's contract for slot-map pages.
+constexpr int kRowsPage = kWarps * kSlice;  // tokens a split-row page: a slice of 64 rows each half
+
+struct RowsOffsets {
+  Offsets half[2];  // the 4-bit half's regions, then the 2-bit half's (K's statistics: the shared grid)
+  int place_of;     // [H, 128] uint8: a row's place in its page
+};
+
+// Byte t (0..3) of w, a row's place
+__device__ __forceinline__ int place_byte(uint32_t w, int t) { return (w >> (8 * t)) & 0xFF; }
+
+// One warp's half of every page of its split: running maximum m, sums l (p) and pz (p times V's
+// zero), lane partials, and the output acc, as decode_mha's loop leaves them
+template <int BITS, typename T>
+__device__ __forceinline__ void rows_half(float (&acc)[Geometry<BITS>::kTiles][Geometry<BITS>::kPlanes][4], float& m,
+                                          float& l, float& pz, float4* probs, const T* qrow_base, float q_scale,
+                                          const uint8_t* cache, const int32_t* table, int first_entry, int b_start,
+                                          int b_end, int L, int h, int lane, int64_t page_bytes, const Offsets& o,
+                                          int place_of) {
+  using G = Geometry<BITS>;
+  constexpr int P = G::kPlanes;
+  constexpr int kFirstRow = BITS == 4 ? 0 : kSlice;  // the half's first row, in place_of
+  const int g = lane >> 2, c = lane & 3;
+  const int p = lane % P;
+  float qf[4];  // as decode_mha: channels 4P W + p + {0, 2P, P, 3P}, W = lane / P
+  {
+    const T* qrow = qrow_base + 4 * P * (lane / P) + p;
+    const int at[4] = {0, 2 * P, P, 3 * P};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) qf[i] = to_float(qrow[at[i]]) * q_scale;
+  }
+  const float plane_div = 1.f / float(1 << (BITS * p));
+  const int stats0 = 4 * P * (lane / P);
+
+  PageLoads<BITS> in;
+  const uint8_t* page = nullptr;
+  if (b_start < b_end) {
+    page = page_of(cache, first_entry, page_bytes);
+    load_k<kSlice>(in, page, o, h, lane, 0, stats0);
+    load_v<kSlice>(in, page, o, h, lane, 0);
+  }
+  for (int b = b_start; b < b_end; ++b) {
+    const uint8_t* next = b + 1 < b_end ? page_of(cache, table[b + 1], page_bytes) : nullptr;
+    const int count = L - b * kRowsPage;  // history tokens of the page: all of it but on the last page
+    const bool tail = count < kRowsPage;  // the same for the whole warp
+    uint2 k_place = make_uint2(0, 0);     // places of the lane's K rows 8g..8g+7 and V rows 16c..16c+15
+    uint4 v_place = make_uint4(0, 0, 0, 0);
+    if (tail) {
+      const uint8_t* places = page + place_of + h * kRowsPage + kFirstRow;
+      k_place = __ldg(reinterpret_cast<const uint2*>(places + 8 * g));
+      v_place = load16(places + 16 * c);
+    }
+
+    uint32_t qa[G::kWords][P], qb[G::kWords][P];
+    float bias;
+    {
+      uint32_t sx, sy, zx, zy;
+      stat_pairs<BITS>(in.ks, p, sx, sy);
+      stat_pairs<BITS>(in.kz, p, zx, zy);
+      float2 ksx = unpack_half2(sx), ksy = unpack_half2(sy), kzx = unpack_half2(zx), kzy = unpack_half2(zy);
+      if constexpr (BITS == 2) {  // the shared 4-bit grid's level 4 c + middle: scale 4 s, zero z + middle s
+        kzx = make_float2(fmaf(kSalientMiddle, ksx.x, kzx.x), fmaf(kSalientMiddle, ksx.y, kzx.y));
+        kzy = make_float2(fmaf(kSalientMiddle, ksy.x, kzy.x), fmaf(kSalientMiddle, ksy.y, kzy.y));
+        ksx = make_float2(4.f * ksx.x, 4.f * ksx.y);
+        ksy = make_float2(4.f * ksy.x, 4.f * ksy.y);
+      }
+      const uint32_t x = pack_half2(qf[0] * plane_div * ksx.x, qf[1] * plane_div * ksx.y);
+      const uint32_t y = pack_half2(qf[2] * plane_div * ksy.x, qf[3] * plane_div * ksy.y);
+      const float2 xr = unpack_half2(x), yr = unpack_half2(y);
+      bias = qf[0] * kzx.x + qf[1] * kzx.y + qf[2] * kzy.x + qf[3] * kzy.y - 1024.f * ((xr.x + xr.y) + (yr.x + yr.y));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) bias += __shfl_xor_sync(kAll, bias, off);
+#pragma unroll
+      for (int w = 0; w < G::kWords; ++w)
+#pragma unroll
+        for (int pl = 0; pl < P; ++pl) {
+          const int src = (c * G::kWords + w) * P + pl;
+          qa[w][pl] = __shfl_sync(kAll, x, src);
+          qb[w][pl] = __shfl_sync(kAll, y, src);
+        }
+    }
+
+    float s[4][4];
+    logits<BITS>(s, in, qa, qb);
+    if (next != nullptr) load_k<kSlice>(in, next, o, h, lane, 0, stats0);
+
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int r = 0; r < 4; r += 2) {  // row 8g + 2r + i
+        s[i][r] += bias;
+        if (tail && !(place_byte(r ? k_place.y : k_place.x, i) < count)) s[i][r] = -INFINITY;
+      }
+    float alpha;
+    const float m_ref = slice_max(s, m, alpha);
+    float pr[16];
+    slice_probabilities(probs, s, m_ref, g, c, pr);
+
+    uint32_t pa[4], pb[4];
+    float lsum = 0.f, zsum = 0.f, psum = 0.f;
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {  // row 16c + t
+      float vs = half_at(in.vs, t), vz = half_at(in.vz, t);
+      if constexpr (BITS == 2) {
+        vz = fmaf(kSalientMiddle, vs, vz);
+        vs *= 4.f;
+      }
+      if (tail && !(place_byte(word(v_place, t >> 2), t & 3) < count)) vs = vz = 0.f;  // may be anything
+      lsum += pr[t];
+      zsum += pr[t] * vz;
+      pr[t] *= vs;
+    }
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      pa[st] = pack_half2(pr[4 * st], pr[4 * st + 2]);
+      pb[st] = pack_half2(pr[4 * st + 1], pr[4 * st + 3]);
+      const float2 ra = unpack_half2(pa[st]), rb = unpack_half2(pb[st]);
+      psum += (ra.x + ra.y) + (rb.x + rb.y);
+    }
+    l = l * alpha + lsum;
+    pz = pz * alpha + zsum;
+    psum += __shfl_xor_sync(kAll, psum, 1);
+    psum += __shfl_xor_sync(kAll, psum, 2);
+    const float offset = 1024.f * psum;
+#pragma unroll
+    for (int i = 0; i < G::kTiles; ++i) {
+#pragma unroll
+      for (int pl = 0; pl < P; ++pl) {
+        acc[i][pl][0] = fmaf(acc[i][pl][0], alpha, -offset);
+        acc[i][pl][2] = fmaf(acc[i][pl][2], alpha, -offset);
+      }
+      weighted_values<BITS>(acc[i], in.v[i], pa, pb);
+    }
+    if (next != nullptr) load_v<kSlice>(in, next, o, h, lane, 0);
+    page = next;
+  }
+#pragma unroll
+  for (int off = 1; off < 4; off <<= 1) {
+    l += __shfl_xor_sync(kAll, l, off);
+    pz += __shfl_xor_sync(kAll, pz, off);
+  }
+}
+
+// Output channel of plane pl, accumulator register r (0: row g, 2: row g + 8) of m-tile i
+template <int BITS>
+__device__ __forceinline__ int rows_channel(int g, int i, int pl, int r) {
+  return Geometry<BITS>::kPlanes * (16 * i + g + 4 * r) + pl;
+}
+
+__device__ __forceinline__ void both_warps_here() { asm volatile("bar.sync 1, %0;" ::"n"(kWarps * 32) : "memory"); }
+
+template <typename T>
+__global__ void __launch_bounds__(kWarps * 32) salient_rows_decode(
+    const T* __restrict__ query, const uint8_t* __restrict__ cache, const int32_t* __restrict__ block_table,
+    const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ row_order, const T* __restrict__ key,
+    const T* __restrict__ value, T* __restrict__ out, float* __restrict__ part, float* __restrict__ lse,
+    float q_scale, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t out_stride, int64_t bt_stride,
+    int64_t page_bytes, int64_t lse_stride, int blocks_per_split, int num_splits, int table_blocks, int num_heads,
+    RowsOffsets o) {
+  __shared__ float4 probs[kWarps][kSlice / 4];
+  __shared__ float other_out[kHead];  // warp 1's output, merged by warp 0
+  __shared__ float other_ml[2];
+  kvc::allow_next_grid();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int h = blockIdx.x % num_heads;
+  const int row = row_order != nullptr ? row_order[blockIdx.x / num_heads] : blockIdx.x / num_heads;
+  const int split = blockIdx.y;
+  const int b_start = split * blocks_per_split;
+  const int32_t* table = block_table + row * bt_stride;
+  const int first_entry = first_table_entry(table, b_start, table_blocks);
+  const int L = seq_lens[row];  // the row's history
+  const int b_end = min(b_start + blocks_per_split, (L + kRowsPage - 1) / kRowsPage);
+  kvc::wait_for_prior_grid();  // the kernels before: the query and new K, V after this
+  const T* qrow = query + row * q_stride + h * kHead;
+  float m = -INFINITY, l = 0.f, pz = 0.f;
+
+  if (warp == 1) {
+    float acc[Geometry<2>::kTiles][Geometry<2>::kPlanes][4] = {};
+    rows_half<2, T>(acc, m, l, pz, probs[1], qrow, q_scale, cache, table, first_entry, b_start, b_end, L, h, lane,
+                    page_bytes, o.half[1], o.place_of);
+    if (c == 0) {
+#pragma unroll
+      for (int i = 0; i < Geometry<2>::kTiles; ++i)
+#pragma unroll
+        for (int pl = 0; pl < Geometry<2>::kPlanes; ++pl)
+#pragma unroll
+          for (int r = 0; r < 4; r += 2)
+            other_out[rows_channel<2>(g, i, pl, r)] = acc[i][pl][r] * (1.f / float(1 << (2 * pl))) + pz;
+      if (g == 0) {
+        other_ml[0] = m;
+        other_ml[1] = l;
+      }
+    }
+    both_warps_here();
+    return;
+  }
+
+  // warp 0: the new token's logit (base 2) from the lane's query channels (rows_half's for 4 bits)
+  float own = 0.f;
+  if (split == 0) {
+    constexpr int P = Geometry<4>::kPlanes;
+    const int base = 4 * P * (lane / P) + lane % P;
+    const T* krow = key + row * k_stride + h * kHead + base;
+    const int at[4] = {0, 2 * P, P, 3 * P};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) own += to_float(qrow[base + at[i]]) * q_scale * to_float(krow[at[i]]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) own += __shfl_xor_sync(kAll, own, off);
+  }
+  float acc[Geometry<4>::kTiles][Geometry<4>::kPlanes][4] = {};
+  rows_half<4, T>(acc, m, l, pz, probs[0], qrow, q_scale, cache, table, first_entry, b_start, b_end, L, h, lane,
+                  page_bytes, o.half[0], o.place_of);
+  both_warps_here();
+  if (c != 0) return;
+  const auto [mm, w0, w1, lt] = merge_partials(m, l, other_ml[0], other_ml[1]);
+  // split 0 adds the new token, a partial of its own; with no history (a padding row), it alone
+  const Merged with_own = split == 0 ? merge_partials(mm, lt, own, 1.f) : Merged{mm, 1.f, 0.f, lt};
+  const float top = with_own.m, w_kept = with_own.w0, w_own = with_own.w1, total = with_own.l;
+  const float inv_total = 1.f / total;
+  const T* new_v = value + row * v_stride + h * kHead;
+  T* dst = out + row * out_stride + h * kHead;
+  float* partial = part + ((int64_t(row) * num_heads + h) * num_splits + split) * (kHead + 2);
+#pragma unroll
+  for (int i = 0; i < Geometry<4>::kTiles; ++i)
+#pragma unroll
+    for (int pl = 0; pl < Geometry<4>::kPlanes; ++pl)
+#pragma unroll
+      for (int r = 0; r < 4; r += 2) {
+        const int ch = rows_channel<4>(g, i, pl, r);
+        const float kept = (acc[i][pl][r] * (1.f / float(1 << (4 * pl))) + pz) * w0 + other_out[ch] * w1;
+        const float v = kept * w_kept + (split == 0 ? to_float(new_v[ch]) * w_own : 0.f);
+        if (num_splits == 1)
+          dst[ch] = from_float(v * inv_total, static_cast<T*>(nullptr));
+        else
+          partial[ch] = v;
+      }
+  if (g == 0) {
+    if (num_splits == 1) {
+      lse[h * lse_stride + row] = (top + __log2f(total)) / kLog2e;
+    } else {
+      partial[kHead] = top;
+      partial[kHead + 1] = total;
+    }
+  }
+}
+
 template <int BLOCK, int BITS, int GROUP, typename T>
 constexpr auto decode_kernel() {
   if constexpr (GROUP == 1)
@@ -681,4 +936,54 @@ extern "C" int kvc_decode(const DecodeArgs* a) {
                      : a->block_size == 64 ? launcher<64>(a->bits, a->group, a->bf16)
                                            : nullptr;
   return static_cast<int>(f == nullptr ? cudaErrorInvalidValue : f(*a));
+}
+
+// A split-row decode's arguments (cuda_salient_rows_decode.py's _SalientRowsDecodeArgs, field for field)
+struct SalientRowsDecodeArgs {
+  const void* query;        // [num_rows, heads, 128] rows q_stride elements apart
+  const void* cache;        // [num_blocks, page_bytes] uint8
+  const void* block_table;  // [num_rows, ...] int32, rows bt_stride apart
+  const void* seq_lens;     // [num_rows] int32: each row's history (its context before the new token)
+  const void* row_order;    // [num_rows] int32 or null: the order in which rows take blocks
+  const void* key;          // [num_rows, heads, 128] the rows' new K, rows k_stride elements apart
+  const void* value;        // their new V, rows v_stride elements apart
+  void* out;                // rows out_stride elements apart
+  void* part;               // [num_rows, heads, num_splits, 130] float32 where num_splits > 1
+  void* lse;                // [heads, num_rows] float32, heads lse_stride apart: natural log-sum-exp
+  float q_scale;
+  int64_t q_stride, k_stride, v_stride, out_stride, bt_stride, page_bytes, lse_stride;
+  int blocks_per_split, num_splits, table_blocks, num_rows, num_heads;
+  int k_scale, k_zero, k4, v4, v4_scale, v4_zero, k2, v2, v2_scale, v2_zero, place_of;  // byte offsets in a page
+  int block_size;  // 128
+  int bf16;        // queries in bfloat16 (else float16)
+  void* stream;    // a cudaStream_t
+};
+
+template <typename T>
+static cudaError_t launch_rows(const SalientRowsDecodeArgs& a) {
+  const RowsOffsets o{{Offsets{a.k4, a.k_scale, a.k_zero, a.v4, a.v4_scale, a.v4_zero},
+                       Offsets{a.k2, a.k_scale, a.k_zero, a.v2, a.v2_scale, a.v2_zero}},
+                      a.place_of};
+  const dim3 grid(a.num_rows * a.num_heads, a.num_splits);
+  const auto stream = static_cast<cudaStream_t>(a.stream);
+  float* lse = static_cast<float*>(a.lse);
+  cudaError_t err = kvc::launch_dependent(
+      salient_rows_decode<T>, grid, dim3(kWarps * 32), stream, static_cast<const T*>(a.query),
+      static_cast<const uint8_t*>(a.cache), static_cast<const int32_t*>(a.block_table),
+      static_cast<const int32_t*>(a.seq_lens), static_cast<const int32_t*>(a.row_order), static_cast<const T*>(a.key),
+      static_cast<const T*>(a.value), static_cast<T*>(a.out), static_cast<float*>(a.part), lse, a.q_scale, a.q_stride,
+      a.k_stride, a.v_stride, a.out_stride, a.bt_stride, a.page_bytes, a.lse_stride, a.blocks_per_split, a.num_splits,
+      a.table_blocks, a.num_heads, o);
+  if (err == cudaSuccess && a.num_splits > 1)
+    err = kvc::launch_dependent(merge_splits<T, true>, dim3(a.num_rows, a.num_heads), dim3(kHead), stream,
+                                static_cast<const float*>(a.part), static_cast<T*>(a.out), a.out_stride,
+                                a.num_splits, lse, a.lse_stride);
+  return err;
+}
+
+// ZipCache's decode rows over split-row pages (salient_rows_decode, and the merge of its splits).
+// Returns a cudaError_t (cudaErrorInvalidValue for pages of other than 128 tokens).
+extern "C" int kvc_salient_rows_decode(const SalientRowsDecodeArgs* a) {
+  if (a->block_size != kRowsPage) return static_cast<int>(cudaErrorInvalidValue);
+  return static_cast<int>(a->bf16 ? launch_rows<__nv_bfloat16>(*a) : launch_rows<__half>(*a));
 }

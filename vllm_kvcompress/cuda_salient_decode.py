@@ -62,10 +62,20 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: 
     """``triton_kernels.salient_decode.decode_rows``'s contract: decode rows (``q`` [N, H, D],
     ``key``/``value`` [N, H, D]) over the ``history`` tokens before each new one (at most ``longest``)
     and the new token, into ``out``; returns each row's natural log-sum-exp [H, N]."""
+    return launch_rows(_kernel, _plans, _plan, q, key, value, pages, fmt, block_table, history, scale, longest, out,
+                       row_order, num_splits)
+
+
+def launch_rows(kernel: cuda_jit.Kernel, plans: LaunchPlans, plan, q: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, pages: torch.Tensor, fmt, block_table: torch.Tensor, history: torch.Tensor,
+                scale: float, longest: int, out: torch.Tensor, row_order: torch.Tensor | None,
+                num_splits: int | None) -> torch.Tensor:
+    """``decode_rows`` through ``kernel``, whose launch arguments ``plan`` makes once a step (both of
+    ZipCache's CUDA decodes: slot-map and split-row pages)."""
     n, hq, d = q.shape
     for name, x in (("key", key), ("value", value)):
         if x.shape != q.shape or x.stride(1) != d or x.stride(2) != 1:
-            raise ValueError(f"CUDA ZipCache decode: {name} {tuple(x.shape)} with strides {x.stride()}; "
+            raise ValueError(f"{kernel.what}: {name} {tuple(x.shape)} with strides {x.stride()}; "
                              f"allowed: {tuple(q.shape)}, heads and channels contiguous within a row")
     lse = torch.empty(hq, n, dtype=torch.float32, device=q.device)
     if n == 0:
@@ -73,10 +83,10 @@ def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: 
     query, q_stride, out = cuda_jit.triton_kernels("decode").query_and_output(q, out)
     stream = cuda_jit.triton_kernels("launch").stream_handle(query.device)
     plan_key = step_key(fmt, query, block_table, history, row_order, scale, longest, num_splits, stream)
-    args = _plans.get(plan_key, lambda: _plan(fmt, query, out, block_table, history, row_order, scale, longest,
-                                              num_splits, stream))
+    args = plans.get(plan_key, lambda: plan(fmt, query, out, block_table, history, row_order, scale, longest,
+                                            num_splits, stream))
     set_layer_pointers(args, query, q_stride, pages, out)
     args.key, args.k_stride, args.value, args.v_stride = key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0)
     args.lse, args.lse_stride = lse.data_ptr(), lse.stride(0)
-    _kernel(args)
+    kernel(args)
     return lse

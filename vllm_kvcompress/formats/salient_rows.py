@@ -101,10 +101,10 @@ class SalientRowsFormat(SlottedPage):
         out = torch.zeros(N, fmt.page_bytes, dtype=torch.uint8, device=pages.device)
         for s in ("scale", "zero"):
             fmt.regions.write(out, f"k_{s}", self.regions.view(pages, f"k_{s}", _F16, (H, D)))
-        for name, st in self._row_stats(pages).items():
+        for name, st in self.row_stats(pages).items():
             fmt.regions.write(out, name, _moved(st, to).transpose(1, 2))
         in_4_bits = (torch.arange(B, device=pages.device) < rows)[None, :, None].expand(N, B, H)
-        fmt._write_codes(out, {name: _moved(c, to) for name, c in self._row_codes(pages).items()},
+        fmt._write_codes(out, {name: _moved(c, to) for name, c in self.row_codes(pages).items()},
                          _moved(in_4_bits, to))
         return out
 
@@ -123,20 +123,31 @@ class SalientRowsFormat(SlottedPage):
             raise ValueError(f"split rows: more than {rows} tokens of one precision in a block and head")
         row = torch.where(salient, slot, rows + plain.long().cumsum(1) - 1)
         row = torch.where(written, row, B)  # [N, B tokens, H]; unwritten ones dropped
-        out = torch.zeros(N, self.page_bytes, dtype=torch.uint8, device=dev)
-        for s in ("scale", "zero"):
-            self.regions.write(out, f"k_{s}", fmt.regions.view(slot_pages, f"k_{s}", _F16, (H, D)))
-        self.regions.write(out, "place_of", _moved(token, row, EMPTY).to(torch.uint8).transpose(1, 2))
-        for name in ("k", "v"):
-            by_row = _moved(fmt._codes(slot_pages, name), row)
+        codes = {name: _moved(fmt._codes(slot_pages, name), row) for name in ("k", "v")}
+        v_stats = {f"v_{s}": _moved(fmt.regions.view(slot_pages, f"v_{s}", _F16, (H, B)).transpose(1, 2), row)
+                   for s in ("scale", "zero")}
+        k_grid = {f"k_{s}": fmt.regions.view(slot_pages, f"k_{s}", _F16, (H, D)) for s in ("scale", "zero")}
+        return self.pack_rows(codes, v_stats, _moved(token, row, EMPTY), k_grid)
+
+    def pack_rows(self, codes: dict[str, torch.Tensor], v_stats: dict[str, torch.Tensor], place: torch.Tensor,
+                  k_grid: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Pages from their rows: ``codes`` "k", "v" [N, B rows, H, D] 4-bit codes (a 2-bit row's top two
+        bits kept), ``v_stats`` "v_scale", "v_zero" [N, B rows, H], ``place`` [N, B rows, H] (EMPTY:
+        none) and ``k_grid`` "k_scale", "k_zero" [N, H, D] (float16)."""
+        rows = self.rows
+        out = torch.zeros(place.shape[0], self.page_bytes, dtype=torch.uint8, device=place.device)
+        for name, grid in k_grid.items():
+            self.regions.write(out, name, grid)
+        self.regions.write(out, "place_of", place.to(torch.uint8).transpose(1, 2))
+        for name, by_row in codes.items():
             for (bits, half), part in zip(_HALVES, (by_row[:, :rows], by_row[:, rows:] >> REFINE_BITS)):
                 packed = pack(part, bits)  # [N, rows, H, R]
                 if name == "k":
                     self.regions.write(out, f"k{half}", packed.transpose(1, 2))
                 else:
                     self.regions.write(out, f"v{half}", self.half_codec(bits)._codes_to_page(packed))
-        for s in ("scale", "zero"):
-            by_row = _moved(fmt.regions.view(slot_pages, f"v_{s}", _F16, (H, B)).transpose(1, 2), row)
+        for name, by_row in v_stats.items():
+            _, s = name.split("_")
             self.regions.write(out, f"v4_{s}", by_row[:, :rows].transpose(1, 2))
             self.regions.write(out, f"v2_{s}", by_row[:, rows:].transpose(1, 2))
         return out
@@ -150,7 +161,7 @@ class SalientRowsFormat(SlottedPage):
         H, D = self.slot_map.k.num_heads, self.slot_map.k.head_size
         place = self.place_of(pages)
         to = torch.where(place != EMPTY, place, self.block_size)
-        codes, stats = self._row_codes(pages), self._row_stats(pages)
+        codes, stats = self.row_codes(pages), self.row_stats(pages)
         middle = torch.where(torch.arange(self.block_size, device=pages.device) < self.rows, 0.0, MIDDLE)
         levels = {name: c + middle[None, :, None, None] for name, c in codes.items()}
         k = levels["k"] * self.regions.view(pages, "k_scale", _F16, (1, H, D)).float() \
@@ -160,7 +171,7 @@ class SalientRowsFormat(SlottedPage):
 
     # --- byte layout ------------------------------------------------------------------------------
 
-    def _row_codes(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
+    def row_codes(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
         """K's and V's codes [N, B rows, H, D] int64 on the 4-bit grid: a 4-bit row's whole, a 2-bit row's 4 c."""
         H, D, rows = self.slot_map.k.num_heads, self.slot_map.k.head_size, self.rows
         out = {}
@@ -177,7 +188,7 @@ class SalientRowsFormat(SlottedPage):
             out[name] = torch.cat(halves, 1)
         return out
 
-    def _row_stats(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
+    def row_stats(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
         """V's scale and zero [N, B rows, H] float16, the 4-bit half's rows first."""
         H, rows = self.slot_map.k.num_heads, self.rows
         return {f"v_{s}": torch.cat([self.regions.view(pages, f"v{half}_{s}", _F16, (H, rows)).transpose(1, 2)

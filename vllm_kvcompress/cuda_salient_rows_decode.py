@@ -1,0 +1,61 @@
+"""ZipCache's decode rows over split-row pages (``formats.salient_rows``) by a CUDA kernel
+(``salient_rows_decode`` in ``csrc/decode_kernel.cu``): one query head a KV head (MHA), head size 128,
+pages of 128 tokens. ``cuda_salient_decode``'s contract for the slot-map pages: each row over its
+history and its own new token, in one kernel (and a merge of its splits), leaving the log-sum-exp for
+the decode write. Each page is read as quant-k4v4's and quant-k2v2's kernels read a slice (its 4-bit
+half by one warp, its 2-bit half by the other), with no joining of planes.
+
+Not served yet: nothing writes split-row pages in serving (``docs/log/2026-12-01.md``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from vllm_kvcompress.formats.salient_rows import SalientRowsFormat
+
+from . import cuda_jit
+from .cuda_decode import step_fields
+from .cuda_salient_decode import launch_rows
+from .launch_plans import LaunchPlans
+
+_REGIONS = ("k_scale", "k_zero", "k4", "v4", "v4_scale", "v4_zero", "k2", "v2", "v2_scale", "v2_zero", "place_of")
+
+
+class _SalientRowsDecodeArgs(ctypes.Structure):
+    """``csrc/decode_kernel.cu``'s SalientRowsDecodeArgs, field for field."""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("query", "cache", "block_table", "seq_lens", "row_order", "key",
+                                                     "value", "out", "part", "lse")] \
+        + [("q_scale", ctypes.c_float)] \
+        + [(name, ctypes.c_int64) for name in ("q_stride", "k_stride", "v_stride", "out_stride", "bt_stride",
+                                               "page_bytes", "lse_stride")] \
+        + [(name, ctypes.c_int) for name in ("blocks_per_split", "num_splits", "table_blocks", "num_rows", "num_heads",
+                                             *_REGIONS, "block_size", "bf16")] \
+        + [("stream", ctypes.c_void_p)]
+
+
+_kernel = cuda_jit.Kernel("kvcompress_decode", "kvc_salient_rows_decode", _SalientRowsDecodeArgs,
+                           "KVCOMPRESS_DECODE", "CUDA ZipCache split-row decode kernel")
+_plans = LaunchPlans()  # by step (``cuda_decode.step_key``)
+
+
+def _plan(fmt: SalientRowsFormat, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
+          seq_lens: torch.Tensor, row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int,
+          num_splits: int | None, stream: int) -> _SalientRowsDecodeArgs:
+    at = fmt.regions.start
+    return _SalientRowsDecodeArgs(  # step_fields reads the slot-map page's size and heads: the same
+        **step_fields(fmt.slot_map, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len, num_splits,
+                      stream),
+        **{name: at(name) for name in _REGIONS}, block_size=fmt.block_size)
+
+
+def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,
+                fmt: SalientRowsFormat, block_table: torch.Tensor, history: torch.Tensor, scale: float,
+                longest: int, out: torch.Tensor, row_order: torch.Tensor | None = None,
+                num_splits: int | None = None) -> torch.Tensor:
+    """``cuda_salient_decode.decode_rows``'s contract over split-row pages; returns each row's natural
+    log-sum-exp [H, N]."""
+    return launch_rows(_kernel, _plans, _plan, q, key, value, pages, fmt, block_table, history, scale, longest, out,
+                       row_order, num_splits)
