@@ -150,7 +150,8 @@ def salient_write_cases(fmt, lens: list[int]) -> dict[str, tuple[torch.Tensor, t
     filling, filling_table = filling_salient_pages(fmt, lens)
     return {"widening": (cache, table, 1.0), "no widening (a held token)": (cache, table, 0.1),
             f"no widening, slots full past {fmt.slots} tokens": (full, full_table, 0.1),
-            "slots full, widening": (full, full_table, 1.0), "blocks filled as in serving": (filling, filling_table, 1.0)}
+            "slots full, widening": (full, full_table, 1.0),
+            "blocks filled as in serving": (filling, filling_table, 1.0)}
 
 
 def serving_lens(num_seqs: int, ctx: int, seed: int = 0) -> list[int]:

@@ -59,7 +59,8 @@ def test_each_half_is_laid_out_as_a_quant_page_of_half_the_block(B, H, D):
     held = place != EMPTY
     token = torch.where(held, place, 0)
     sm = fmt.slot_map
-    v_stats = {s: sm.regions.view(slot_pages, f"v_{s}", torch.float16, (H, B)).transpose(1, 2) for s in ("scale", "zero")}
+    v_stats = {s: sm.regions.view(slot_pages, f"v_{s}", torch.float16, (H, B)).transpose(1, 2)
+               for s in ("scale", "zero")}
     for bits, half, first in ((4, "4", 0), (2, "2", rows)):
         at = slice(first, first + rows)
         for name, axis in (("k", "channel"), ("v", "token")):

@@ -1,8 +1,8 @@
 """Where ZipCache's prompt write spends its time: the Triton write of prompt chunks
 (``salient_write.write_chunks``) timed on a ShareGPT-like step (fresh prompts, no history) and on
 chunks after a history, with the probes' scores computed in it (serving's) and drawn (the write
-without its scoring), at a few tiles, warps and probes a product, beside quant-k4v4's write of the same tokens (the
-CUDA kernels needed: nvcc or prebuilt).
+without its scoring), at a few tiles, warps and probes a product, beside quant-k4v4's write of the
+same tokens (the CUDA kernels needed: nvcc or prebuilt).
 
     python -m benchmarks.experiments.zipcache_prompt_write [--tunings 16,4 32,4,32]
 """
