@@ -26,6 +26,7 @@
 #include "dependent_launch.cuh"
 #include "min_max_grid.cuh"
 #include "salient_codes.cuh"
+#include "salient_write_parts.cuh"
 #include "vector_words.cuh"
 
 #ifndef KVC_NO_SLOT
@@ -40,7 +41,6 @@ constexpr int kWarps = 4;                     // warps a thread block (each on i
 constexpr int kMaxBlock = 128;                // tokens a block (4 a lane)
 constexpr int kMaxTokensALane = kMaxBlock / 32;
 constexpr unsigned kNoSlot = KVC_NO_SLOT;     // slot_of of a 2-bit token
-constexpr float kTop = 15.f;                  // the shared grid's highest code (4 bits)
 // a warp's probe floats (probe_floats), at most: 48 KB of dynamic shared memory a block (with the
 // warps' scratch, more than a launch takes without asking: see launch)
 constexpr int kMaxProbeFloats = 48 * 1024 / (kWarps * 4);
@@ -284,41 +284,10 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
         if (better[j] >= quota) keep &= ~(1u << j);
     }
   }
-  // K's grid per channel of the lane's bytes: kept, widened past the stored grid, or the value's own
-  // (a block's first token); and the new value's code on it
   float old_zero[BYTES][4], old_step[BYTES][4], zero[BYTES][4], step[BYTES][4];
   unsigned k_code[BYTES];  // the new token's 4-bit codes, channel k in bits 4 k
-  unsigned regridded = 0;  // bit 4 jb + k: the channel takes a new grid (widened, or a block's first token)
-#pragma unroll
-  for (int jb = 0; jb < BYTES; ++jb) {
-    k_code[jb] = 0;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int c = 4 * (lane + 32 * jb) + k;
-      old_zero[jb][k] = 0.f, old_step[jb][k] = 1.f, zero[jb][k] = 0.f, step[jb][k] = 1.f;
-      if (c >= D) continue;
-      const float x = to_float(k_src[c]);
-      float q = 0.f;
-      bool kept = false;
-      if (off > 0) {
-        old_zero[jb][k] = load_half(page + a.k_zero + (h * D + c) * 2);
-        old_step[jb][k] = load_half(page + a.k_scale + (h * D + c) * 2);
-        q = code_on(x, old_zero[jb][k], old_step[jb][k]);
-        kept = q >= 0.f && q <= kTop;
-      }
-      float2 grid = make_float2(old_zero[jb][k], old_step[jb][k]);
-      if (!kept) {
-        const float2 span = off == 0 ? make_float2(x, x)
-                                     : widened_span(x, x, old_zero[jb][k],
-                                                    __fadd_rn(old_zero[jb][k], __fmul_rn(old_step[jb][k], kTop)));
-        grid = min_max_stats(span.x, span.y, kTop);
-        q = float(clamped_code(x, grid.x, grid.y, kTop));
-        regridded |= 1u << (4 * jb + k);
-      }
-      zero[jb][k] = grid.x, step[jb][k] = grid.y;
-      k_code[jb] |= unsigned(q) << (4 * k);
-    }
-  }
+  const unsigned regridded =  // bit 4 jb + k: the channel takes a new grid (widened, or a block's first token)
+      new_token_grids<D>(k_src, page, a.k_zero, a.k_scale, h, off, lane, old_zero, old_step, zero, step, k_code);
 
   const bool keep_new = (__shfl_sync(kAll, keep, off % 32) >> (off / 32)) & 1;
 
@@ -335,59 +304,10 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
 #pragma unroll
     for (int jb = 0; jb < BYTES; ++jb)
       if (lane + 32 * jb < U) s.widened[lane + 32 * jb] = uint8_t((regridded >> (4 * jb)) & 15u);
-    // The tables, a round at a time: every lane with a widened channel left lists one (its grids in
-    // the scores' place, which the ranking no longer reads), and a team of lanes codes each listed
-    // channel's 16 refined levels and 4 middles, as many lanes a channel as let the round's channels
-    // fit the warp (16 at most), the team's codes OR'd together by shuffles. Most tokens widen a few
-    // channels (a team of 16 lanes each), a block's first tokens most of theirs (a lane each). Entries
-    // OR'd into the tables by atomics instead (a 64-bit OR on shared memory is a compare-and-swap
-    // loop, 16 lanes on one entry) took 89 of the write's 123 us where a block's first tokens widen
-    // (H200, 144 MHA rows, benchmarks/experiments/salient_write_ab.py).
-    float4* listed_grid = reinterpret_cast<float4*>(s.score);  // 32 a round
-    unsigned pending = regridded;
-    while (__any_sync(kAll, pending != 0)) {
-      const unsigned listing = __ballot_sync(kAll, pending != 0);
-      __syncwarp();  // the last round's (or the ranking's) reads of the scores' place are done
-      if (pending != 0) {
-        const int bit = __ffs(pending) - 1;  // 4 jb + k
-        pending &= pending - 1;
-        float4 grid = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int jb = 0; jb < BYTES; ++jb)
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            if (bit == 4 * jb + k) grid = make_float4(old_zero[jb][k], old_step[jb][k], zero[jb][k], step[jb][k]);
-        const int rank = __popc(listing & ((1u << lane) - 1u));
-        listed_grid[rank] = grid;
-        s.listed_channel[rank] = uint16_t(4 * (lane + 32 * (bit / 4)) + bit % 4);
-      }
-      __syncwarp();
-      const int listed = __popc(listing);
-      const int team_bits = min(4, 31 - __clz(32 / listed));  // log2 of 32 / listed, rounded down
-      const int team = 1 << team_bits, n = lane >> team_bits, member = lane & (team - 1);
-      unsigned long long refined = 0;  // new code by old 4-bit code
-      unsigned middle = 0;             // by a 2-bit token's high code h (level 4 h + kSalientMiddle)
-      if (n < listed) {
-        const float4 g = listed_grid[n];  // old zero, old step, zero, step
-        const int share = 16 >> team_bits;
-        for (int level = member * share; level < (member + 1) * share; ++level)
-          refined |= (unsigned long long)clamped_code(__fadd_rn(__fmul_rn(float(level), g.y), g.x), g.z, g.w, kTop)
-                     << (4 * level);
-        for (int high = member; high < 4; high += team)
-          middle |= clamped_code(__fadd_rn(__fmul_rn(float(4 * high) + kSalientMiddle, g.y), g.x), g.z, g.w, kTop)
-                    << (4 * high);
-      }
-      for (int o = 1; o < team; o <<= 1) {
-        refined |= __shfl_xor_sync(kAll, refined, o);
-        middle |= __shfl_xor_sync(kAll, middle, o);
-      }
-      if (n < listed && member == 0) {
-        const int c = s.listed_channel[n];
-        s.refined_table[c] = refined;
-        s.middle_table[c] = middle;
-      }
-    }
-    __syncwarp();
+    // the tables (salient_write_parts.cuh), their grids listed in the scores' place, which the
+    // ranking no longer reads
+    widened_tables(regridded, old_zero, old_step, zero, step, lane, reinterpret_cast<float4*>(s.score),
+                   s.listed_channel, s.refined_table, s.middle_table);
 #pragma unroll
     for (int jb = 0; jb < BYTES; ++jb) {
       unsigned bytes = __ballot_sync(kAll, lane + 32 * jb < U && ((regridded >> (4 * jb)) & 15u));
@@ -450,7 +370,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
     v_lo = fminf(v_lo, __shfl_xor_sync(kAll, v_lo, o));
     v_hi = fmaxf(v_hi, __shfl_xor_sync(kAll, v_hi, o));
   }
-  const float2 v_grid = min_max_stats(v_lo, v_hi, kTop);
+  const float2 v_grid = min_max_stats(v_lo, v_hi, kSalientTop);
 #pragma unroll
   for (int jb = 0; jb < BYTES; ++jb) {
     const int b = lane + 32 * jb;
@@ -459,7 +379,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const unsigned kc = (k_code[jb] >> (4 * k)) & 15u;
-      const unsigned vc = clamped_code(v[jb][k], v_grid.x, v_grid.y, kTop);
+      const unsigned vc = clamped_code(v[jb][k], v_grid.x, v_grid.y, kSalientTop);
       k_high |= (kc >> 2) << (2 * k), k_low |= (kc & 3u) << (2 * k);
       v_high |= (vc >> 2) << (2 * k), v_low |= (vc & 3u) << (2 * k);
       if ((regridded >> (4 * jb + k)) & 1) {

@@ -20,7 +20,8 @@ CSRC = Path(importlib.import_module("vllm_kvcompress.csrc").__path__[0])  # csrc
 # The CUDA kernels' libraries and their sources: what the loaders build and ``prebuild`` ships.
 LIBRARIES = {"kvcompress_decode": "decode_kernel.cu", "kvcompress_write": "write_kernel.cu",
              "kvcompress_salient_write": "salient_write_kernel.cu",
-             "kvcompress_salient_decode": "salient_decode_kernel.cu"}
+             "kvcompress_salient_decode": "salient_decode_kernel.cu",
+             "kvcompress_salient_rows_write": "salient_rows_write_kernel.cu"}
 # Prebuilt machine code for compute capabilities 8.0 (A100), 8.6, 8.9 (L4, L40) and 9.0 (H100, H200),
 # and PTX of 9.0 that the driver compiles for later GPUs.
 PREBUILT_ARCHS = ("80", "86", "89", "90")

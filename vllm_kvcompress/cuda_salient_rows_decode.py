@@ -45,9 +45,8 @@ def _plan(fmt: SalientRowsFormat, query: torch.Tensor, out: torch.Tensor, block_
           seq_lens: torch.Tensor, row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int,
           num_splits: int | None, stream: int) -> _SalientRowsDecodeArgs:
     at = fmt.regions.start
-    return _SalientRowsDecodeArgs(  # step_fields reads the slot-map page's size and heads: the same
-        **step_fields(fmt.slot_map, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len, num_splits,
-                      stream),
+    return _SalientRowsDecodeArgs(
+        **step_fields(fmt, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len, num_splits, stream),
         **{name: at(name) for name in _REGIONS}, block_size=fmt.block_size)
 
 

@@ -67,22 +67,30 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     """``salient_torch.write_decoded``'s contract: each decode row's new token (``key``/``value`` [N, H,
     D], contiguous channels) into its last block, scored by its ``query`` [N, Hq, D] with ``lse`` [N,
     Hq] float32 (its attention's log-sum-exp over the whole context, or its sliding ``window``)."""
+    launch_write(_kernel, _plans, _plan, query, key, value, cache, fmt, spec, block_table, seq_lens, lse, scale,
+                 window)
+
+
+def launch_write(kernel: cuda_jit.Kernel, plans: LaunchPlans, plan, query: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, cache: torch.Tensor, fmt, spec: SalientSpec, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, lse: torch.Tensor, scale: float, window: int | None) -> None:
+    """``write_decoded`` through ``kernel``, whose launch arguments ``plan`` makes once a step (both of
+    ZipCache's CUDA decode writes: slot-map and split-row pages)."""
     n = query.shape[0]
     if n == 0:
         return
     if query.dtype not in _DTYPES:
-        raise ValueError(f"CUDA ZipCache write: queries in {query.dtype}; allowed: float16, bfloat16")
+        raise ValueError(f"{kernel.what}: queries in {query.dtype}; allowed: float16, bfloat16")
     if query.shape[1] % fmt.k.num_heads:
-        raise ValueError(f"CUDA ZipCache write: {query.shape[1]} query heads for {fmt.k.num_heads} KV heads; "
+        raise ValueError(f"{kernel.what}: {query.shape[1]} query heads for {fmt.k.num_heads} KV heads; "
                          "allowed: a whole number a KV head")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.stride(-1) != 1 or (name != "query" and x.stride(1) != x.shape[2]):
-            raise ValueError(f"CUDA ZipCache write: {name} with contiguous heads and channels, got strides "
-                             f"{x.stride()}")
+            raise ValueError(f"{kernel.what}: {name} with contiguous heads and channels, got strides {x.stride()}")
     stream = cuda_jit.triton_kernels("launch").stream_handle(cache.device)
     plan_key = (fmt, spec, n, query.shape[1], query.dtype, block_table.data_ptr(), block_table.stride(0),
                 seq_lens.data_ptr(), scale, window, stream)
-    args = _plans.get(plan_key, lambda: _plan(fmt, spec, query, block_table, seq_lens, scale, window, stream))
+    args = plans.get(plan_key, lambda: plan(fmt, spec, query, block_table, seq_lens, scale, window, stream))
     given = None
     if spec.score == "random":
         given = last_block_random_scores(seq_lens, fmt.block_size, fmt.k.num_heads, spec)
@@ -92,4 +100,4 @@ def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     args.lse, args.lse_row_stride, args.lse_head_stride = lse.data_ptr(), lse.stride(0), lse.stride(1)
     args.given = None if given is None else given.data_ptr()
     args.cache = cache.data_ptr()
-    _kernel(args)
+    kernel(args)

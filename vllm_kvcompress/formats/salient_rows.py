@@ -62,6 +62,11 @@ class SalientRowsFormat(SlottedPage):
         return self.slot_map.dtype
 
     @property
+    def k(self) -> MinMaxCodec:
+        """K's codec, the grid both halves share: the heads and head size, as other formats give them."""
+        return self.slot_map.k
+
+    @property
     def rows(self) -> int:
         """Rows of each half a block and head: B / 2."""
         return self.block_size // 2
