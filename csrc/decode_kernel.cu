@@ -160,19 +160,24 @@ __device__ __forceinline__ void logits(float (&s)[4][4], const PageLoads<BITS, S
 }
 
 // The right operand of p.V from probabilities pr of the lane's 16 tokens (slice positions 16c ..
-// 16c + 15, the slice starting at position pos): p times V's token scale as float16, k-step s taking
-// tokens 4s + (0, 2) (pa) and 4s + (1, 3) (pb); and the lane's sums of p, of p times V's token zero,
-// and of the float16 products
-template <int BITS, int STATS>
-__device__ __forceinline__ void scaled_probs(float (&pr)[16], const PageLoads<BITS, STATS>& in, int pos, int c, int L,
-                                             uint32_t (&pa)[4], uint32_t (&pb)[4], float& lsum, float& zsum,
-                                             float& psum) {
+// 16c + 15): p times V's token scale as float16, k-step s taking tokens 4s + (0, 2) (pa) and 4s + (1,
+// 3) (pb); and the lane's sums of p, of p times V's token zero, and of the float16 products. Where
+// `tail` (the same for the whole warp), only the tokens t that `valid(t)` holds get statistics (an
+// unwritten slot's may be anything). DERIVED: a split-row page's 2-bit half, whose token statistics
+// are a 4-bit grid read at 4 c + middle (scale 4 s, zero z + middle s).
+template <bool DERIVED = false, int BITS, int STATS, typename Valid>
+__device__ __forceinline__ void scaled_probs(float (&pr)[16], const PageLoads<BITS, STATS>& in, bool tail,
+                                             Valid valid, uint32_t (&pa)[4], uint32_t (&pb)[4], float& lsum,
+                                             float& zsum, float& psum) {
   lsum = zsum = psum = 0.f;
-  const bool tail = pos + kSlice > L;  // the same for the whole warp
 #pragma unroll
   for (int t = 0; t < 16; ++t) {
     float vs = half_at(in.vs, t), vz = half_at(in.vz, t);
-    if (tail && pos + 16 * c + t >= L) vs = vz = 0.f;  // an unwritten slot's statistics may be anything
+    if constexpr (DERIVED) {
+      vz = fmaf(kSalientMiddle, vs, vz);
+      vs *= 4.f;
+    }
+    if (tail && !valid(t)) vs = vz = 0.f;
     lsum += pr[t];
     zsum += pr[t] * vz;
     pr[t] *= vs;
@@ -202,6 +207,86 @@ __device__ __forceinline__ void weighted_values(float (&acc)[Geometry<BITS>::kPl
   }
 }
 
+// MHA: the lane's four channels of the query, scaled by q_scale, in the order the products take its
+// share of the query's scaling: channels 4P W + p + {0, 2P, P, 3P}, W = lane / P, plane p = lane % P
+// (whose codes enter the products times 2^(p BITS)). `head` points at the head's 128 channels.
+template <int BITS, typename T>
+__device__ __forceinline__ void lane_query(const T* head, int lane, float q_scale, float (&qf)[4]) {
+  constexpr int P = Geometry<BITS>::kPlanes;
+  const T* qrow = head + 4 * P * (lane / P) + lane % P;
+  const int at[4] = {0, 2 * P, P, 3 * P};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) qf[i] = to_float(qrow[at[i]]) * q_scale;
+}
+
+// MHA: the query scaled by the page's K statistics, gathered into the products' operand order: k-step
+// (w, plane k) of lane c takes the channels of bytes (0, 2) and (1, 3) of its word w at plane k (4 bits:
+// 32c + 8w + k + (0, 4), (2, 6)); returns the logits' bias, sum q * zero - 1024 * sum(scaled query).
+// qf: this lane's four query channels (see decode_mha), p its plane. DERIVED as scaled_probs's, for K.
+template <bool DERIVED = false, int BITS, int STATS>
+__device__ __forceinline__ float scaled_query(const PageLoads<BITS, STATS>& in, const float (&qf)[4], float plane_div,
+                                              int p, int c,
+                                              uint32_t (&qa)[Geometry<BITS>::kWords][Geometry<BITS>::kPlanes],
+                                              uint32_t (&qb)[Geometry<BITS>::kWords][Geometry<BITS>::kPlanes]) {
+  using G = Geometry<BITS>;
+  uint32_t sx, sy, zx, zy;
+  stat_pairs<BITS>(in.ks, p, sx, sy);
+  stat_pairs<BITS>(in.kz, p, zx, zy);
+  float2 ksx = unpack_half2(sx), ksy = unpack_half2(sy), kzx = unpack_half2(zx), kzy = unpack_half2(zy);
+  if constexpr (DERIVED) {
+    kzx = make_float2(fmaf(kSalientMiddle, ksx.x, kzx.x), fmaf(kSalientMiddle, ksx.y, kzx.y));
+    kzy = make_float2(fmaf(kSalientMiddle, ksy.x, kzy.x), fmaf(kSalientMiddle, ksy.y, kzy.y));
+    ksx = make_float2(4.f * ksx.x, 4.f * ksx.y);
+    ksy = make_float2(4.f * ksy.x, 4.f * ksy.y);
+  }
+  const uint32_t x = pack_half2(qf[0] * plane_div * ksx.x, qf[1] * plane_div * ksx.y);
+  const uint32_t y = pack_half2(qf[2] * plane_div * ksy.x, qf[3] * plane_div * ksy.y);
+  const float2 xr = unpack_half2(x), yr = unpack_half2(y);
+  float bias = qf[0] * kzx.x + qf[1] * kzx.y + qf[2] * kzy.x + qf[3] * kzy.y - 1024.f * ((xr.x + xr.y) + (yr.x + yr.y));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) bias += __shfl_xor_sync(kAll, bias, off);
+#pragma unroll
+  for (int w = 0; w < G::kWords; ++w)
+#pragma unroll
+    for (int pl = 0; pl < G::kPlanes; ++pl) {
+      const int src = (c * G::kWords + w) * G::kPlanes + pl;
+      qa[w][pl] = __shfl_sync(kAll, x, src);
+      qb[w][pl] = __shfl_sync(kAll, y, src);
+    }
+  return bias;
+}
+
+// MHA: a slice's final logits s (see logits; -inf where no token) into the warp's running softmax (m,
+// lane partials l of p and pz of p times V's zero) and output acc; `tail` and `valid` as scaled_probs's
+template <bool DERIVED = false, int BITS, int STATS, typename Valid>
+__device__ __forceinline__ void slice_values(float (&s)[4][4], float4* probs, float& m, float& l, float& pz,
+                                             float (&acc)[Geometry<BITS>::kTiles][Geometry<BITS>::kPlanes][4],
+                                             const PageLoads<BITS, STATS>& in, int g, int c, bool tail, Valid valid) {
+  using G = Geometry<BITS>;
+  float alpha;
+  const float m_ref = slice_max(s, m, alpha);
+  float pr[16];  // probabilities of tokens 16c..16c+15
+  slice_probabilities(probs, s, m_ref, g, c, pr);
+  // p * V's token scale as the right operand: k-step s takes tokens 16c + 4s + (0, 2), (1, 3)
+  uint32_t pa[4], pb[4];
+  float lsum, zsum, psum;
+  scaled_probs<DERIVED>(pr, in, tail, valid, pa, pb, lsum, zsum, psum);
+  l = l * alpha + lsum;
+  pz = pz * alpha + zsum;
+  psum += __shfl_xor_sync(kAll, psum, 1);
+  psum += __shfl_xor_sync(kAll, psum, 2);
+  const float offset = 1024.f * psum;  // what the codes' 1024 adds to every channel
+#pragma unroll
+  for (int i = 0; i < G::kTiles; ++i) {
+#pragma unroll
+    for (int pl = 0; pl < G::kPlanes; ++pl) {
+      acc[i][pl][0] = fmaf(acc[i][pl][0], alpha, -offset);
+      acc[i][pl][2] = fmaf(acc[i][pl][2], alpha, -offset);
+    }
+    weighted_values<BITS>(acc[i], in.v[i], pa, pb);
+  }
+}
+
 template <int BLOCK, int BITS, typename T>
 __global__ void __launch_bounds__(kWarps * 32) decode_mha(
     const T* __restrict__ query, const uint8_t* __restrict__ cache, const int32_t* __restrict__ block_table,
@@ -228,16 +313,11 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
 
   using G = Geometry<BITS>;
   constexpr int P = G::kPlanes;
-  // This lane's share of the query's scaling: channels 4P W + k + {0, 2P, P, 3P}, W = lane / P, plane
-  // k = lane % P (whose codes enter the products times 2^(k * BITS), so its query is divided by that)
+  // This lane's share of the query's scaling (lane_query): plane p = lane % P, whose codes enter the
+  // products times 2^(p * BITS), so its query is divided by that
   const int p = lane % P;
   float qf[4];
-  {
-    const T* qrow = query + row * q_stride + h * kHead + 4 * P * (lane / P) + p;
-    const int at[4] = {0, 2 * P, P, 3 * P};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) qf[i] = to_float(qrow[at[i]]) * q_scale;
-  }
+  lane_query<BITS>(query + row * q_stride + h * kHead, lane, q_scale, qf);
   const float plane_div = 1.f / float(1 << (BITS * p));
   const int stats0 = 4 * P * (lane / P);  // the K statistics this lane reads: those of its query channels
 
@@ -259,31 +339,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
                               ? page_of(cache, table[b + S::STEP], page_bytes)
                               : nullptr;
 
-    // the query scaled by K's channel scales: this lane's two registers, then gathered into the
-    // product's operand order: k-step (w, plane k) of lane c takes the channels of bytes (0, 2) and
-    // (1, 3) of its word w at plane k (4 bits: 32c + 8w + k + (0, 4), (2, 6))
     uint32_t qa[G::kWords][P], qb[G::kWords][P];
-    float bias;  // sum q * zero - 1024 * sum(scaled query), over all channels
-    {
-      uint32_t sx, sy, zx, zy;
-      stat_pairs<BITS>(in.ks, p, sx, sy);
-      stat_pairs<BITS>(in.kz, p, zx, zy);
-      const float2 ksx = unpack_half2(sx), ksy = unpack_half2(sy), kzx = unpack_half2(zx), kzy = unpack_half2(zy);
-      const uint32_t x = pack_half2(qf[0] * plane_div * ksx.x, qf[1] * plane_div * ksx.y);
-      const uint32_t y = pack_half2(qf[2] * plane_div * ksy.x, qf[3] * plane_div * ksy.y);
-      const float2 xr = unpack_half2(x), yr = unpack_half2(y);
-      bias = qf[0] * kzx.x + qf[1] * kzx.y + qf[2] * kzy.x + qf[3] * kzy.y - 1024.f * ((xr.x + xr.y) + (yr.x + yr.y));
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) bias += __shfl_xor_sync(kAll, bias, off);
-#pragma unroll
-      for (int w = 0; w < G::kWords; ++w)
-#pragma unroll
-        for (int pl = 0; pl < P; ++pl) {
-          const int src = (c * G::kWords + w) * P + pl;
-          qa[w][pl] = __shfl_sync(kAll, x, src);
-          qb[w][pl] = __shfl_sync(kAll, y, src);
-        }
-    }
+    const float bias = scaled_query(in, qf, plane_div, p, c, qa, qb);
 
     // logits: s[i][0] of token 8g + i, s[i][2] of token 8g + 4 + i
     float s[4][4];
@@ -299,30 +356,8 @@ __global__ void __launch_bounds__(kWarps * 32) decode_mha(
         s[i][r] += bias;
         if (pos + 8 * g + 2 * r + i >= L) s[i][r] = -INFINITY;
       }
-    float alpha;
-    const float m_ref = slice_max(s, m, alpha);
-    float pr[16];  // probabilities of tokens 16c..16c+15
-    slice_probabilities(probs[warp], s, m_ref, g, c, pr);
-
-    // p * V's token scale as the right operand: k-step s takes tokens 16c + 4s + (0, 2), (1, 3)
-    uint32_t pa[4], pb[4];
-    float lsum, zsum, psum;
-    scaled_probs(pr, in, pos, c, L, pa, pb, lsum, zsum, psum);
-    l = l * alpha + lsum;
-    pz = pz * alpha + zsum;
-    psum += __shfl_xor_sync(kAll, psum, 1);
-    psum += __shfl_xor_sync(kAll, psum, 2);
-    const float offset = 1024.f * psum;  // what the codes' 1024 adds to every channel
-
-#pragma unroll
-    for (int i = 0; i < G::kTiles; ++i) {
-#pragma unroll
-      for (int pl = 0; pl < P; ++pl) {
-        acc[i][pl][0] = fmaf(acc[i][pl][0], alpha, -offset);
-        acc[i][pl][2] = fmaf(acc[i][pl][2], alpha, -offset);
-      }
-      weighted_values<BITS>(acc[i], in.v[i], pa, pb);
-    }
+    slice_values(s, probs[warp], m, l, pz, acc, in, g, c, pos + kSlice > L,
+                 [&](int t) { return pos + 16 * c + t < L; });
     if (next != nullptr) load_v<BLOCK>(in, next, o, h, lane, slice0);
   }
 
@@ -517,7 +552,7 @@ __global__ void __launch_bounds__(kWarps * 32) decode_gqa(
 
     uint32_t pa[4], pb[4];
     float lsum, zsum, psum;
-    scaled_probs(pr, in, pos, c, L, pa, pb, lsum, zsum, psum);
+    scaled_probs(pr, in, pos + kSlice > L, [&](int t) { return pos + 16 * c + t < L; }, pa, pb, lsum, zsum, psum);
     // column g's rescale: its maximum is held by the lanes of columns (2c', 2c' + 1) = g
     const float a0 = __shfl_sync(kAll, alpha[0], g >> 1), a1 = __shfl_sync(kAll, alpha[1], g >> 1);
     const float alpha_g = (g & 1) ? a1 : a0;
@@ -635,13 +670,8 @@ __device__ __forceinline__ void rows_half(float (&acc)[Geometry<BITS>::kTiles][G
   constexpr int kFirstRow = BITS == 4 ? 0 : kSlice;  // the half's first row, in place_of
   const int g = lane >> 2, c = lane & 3;
   const int p = lane % P;
-  float qf[4];  // as decode_mha: channels 4P W + p + {0, 2P, P, 3P}, W = lane / P
-  {
-    const T* qrow = qrow_base + 4 * P * (lane / P) + p;
-    const int at[4] = {0, 2 * P, P, 3 * P};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) qf[i] = to_float(qrow[at[i]]) * q_scale;
-  }
+  float qf[4];
+  lane_query<BITS>(qrow_base, lane, q_scale, qf);
   const float plane_div = 1.f / float(1 << (BITS * p));
   const int stats0 = 4 * P * (lane / P);
 
@@ -664,39 +694,12 @@ __device__ __forceinline__ void rows_half(float (&acc)[Geometry<BITS>::kTiles][G
       v_place = load16(places + 16 * c);
     }
 
+    constexpr bool kDerived = BITS == 2;  // the 2-bit half reads the shared grid at 4 c + middle
     uint32_t qa[G::kWords][P], qb[G::kWords][P];
-    float bias;
-    {
-      uint32_t sx, sy, zx, zy;
-      stat_pairs<BITS>(in.ks, p, sx, sy);
-      stat_pairs<BITS>(in.kz, p, zx, zy);
-      float2 ksx = unpack_half2(sx), ksy = unpack_half2(sy), kzx = unpack_half2(zx), kzy = unpack_half2(zy);
-      if constexpr (BITS == 2) {  // the shared 4-bit grid's level 4 c + middle: scale 4 s, zero z + middle s
-        kzx = make_float2(fmaf(kSalientMiddle, ksx.x, kzx.x), fmaf(kSalientMiddle, ksx.y, kzx.y));
-        kzy = make_float2(fmaf(kSalientMiddle, ksy.x, kzy.x), fmaf(kSalientMiddle, ksy.y, kzy.y));
-        ksx = make_float2(4.f * ksx.x, 4.f * ksx.y);
-        ksy = make_float2(4.f * ksy.x, 4.f * ksy.y);
-      }
-      const uint32_t x = pack_half2(qf[0] * plane_div * ksx.x, qf[1] * plane_div * ksx.y);
-      const uint32_t y = pack_half2(qf[2] * plane_div * ksy.x, qf[3] * plane_div * ksy.y);
-      const float2 xr = unpack_half2(x), yr = unpack_half2(y);
-      bias = qf[0] * kzx.x + qf[1] * kzx.y + qf[2] * kzy.x + qf[3] * kzy.y - 1024.f * ((xr.x + xr.y) + (yr.x + yr.y));
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) bias += __shfl_xor_sync(kAll, bias, off);
-#pragma unroll
-      for (int w = 0; w < G::kWords; ++w)
-#pragma unroll
-        for (int pl = 0; pl < P; ++pl) {
-          const int src = (c * G::kWords + w) * P + pl;
-          qa[w][pl] = __shfl_sync(kAll, x, src);
-          qb[w][pl] = __shfl_sync(kAll, y, src);
-        }
-    }
-
+    const float bias = scaled_query<kDerived>(in, qf, plane_div, p, c, qa, qb);
     float s[4][4];
     logits<BITS>(s, in, qa, qb);
     if (next != nullptr) load_k<kSlice>(in, next, o, h, lane, 0, stats0);
-
 #pragma unroll
     for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -704,46 +707,8 @@ __device__ __forceinline__ void rows_half(float (&acc)[Geometry<BITS>::kTiles][G
         s[i][r] += bias;
         if (tail && !(place_byte(r ? k_place.y : k_place.x, i) < count)) s[i][r] = -INFINITY;
       }
-    float alpha;
-    const float m_ref = slice_max(s, m, alpha);
-    float pr[16];
-    slice_probabilities(probs, s, m_ref, g, c, pr);
-
-    uint32_t pa[4], pb[4];
-    float lsum = 0.f, zsum = 0.f, psum = 0.f;
-#pragma unroll
-    for (int t = 0; t < 16; ++t) {  // row 16c + t
-      float vs = half_at(in.vs, t), vz = half_at(in.vz, t);
-      if constexpr (BITS == 2) {
-        vz = fmaf(kSalientMiddle, vs, vz);
-        vs *= 4.f;
-      }
-      if (tail && !(place_byte(word(v_place, t >> 2), t & 3) < count)) vs = vz = 0.f;  // may be anything
-      lsum += pr[t];
-      zsum += pr[t] * vz;
-      pr[t] *= vs;
-    }
-#pragma unroll
-    for (int st = 0; st < 4; ++st) {
-      pa[st] = pack_half2(pr[4 * st], pr[4 * st + 2]);
-      pb[st] = pack_half2(pr[4 * st + 1], pr[4 * st + 3]);
-      const float2 ra = unpack_half2(pa[st]), rb = unpack_half2(pb[st]);
-      psum += (ra.x + ra.y) + (rb.x + rb.y);
-    }
-    l = l * alpha + lsum;
-    pz = pz * alpha + zsum;
-    psum += __shfl_xor_sync(kAll, psum, 1);
-    psum += __shfl_xor_sync(kAll, psum, 2);
-    const float offset = 1024.f * psum;
-#pragma unroll
-    for (int i = 0; i < G::kTiles; ++i) {
-#pragma unroll
-      for (int pl = 0; pl < P; ++pl) {
-        acc[i][pl][0] = fmaf(acc[i][pl][0], alpha, -offset);
-        acc[i][pl][2] = fmaf(acc[i][pl][2], alpha, -offset);
-      }
-      weighted_values<BITS>(acc[i], in.v[i], pa, pb);
-    }
+    slice_values<kDerived>(s, probs, m, l, pz, acc, in, g, c, tail,
+                           [&](int t) { return place_byte(word(v_place, t >> 2), t & 3) < count; });
     if (next != nullptr) load_v<kSlice>(in, next, o, h, lane, 0);
     page = next;
   }
@@ -811,13 +776,12 @@ __global__ void __launch_bounds__(kWarps * 32) salient_rows_decode(
 
   // warp 0: the new token's logit (base 2) from the lane's query channels (rows_half's for 4 bits)
   float own = 0.f;
-  if (split == 0) {
-    constexpr int P = Geometry<4>::kPlanes;
-    const int base = 4 * P * (lane / P) + lane % P;
-    const T* krow = key + row * k_stride + h * kHead + base;
-    const int at[4] = {0, 2 * P, P, 3 * P};
+  if (split == 0) {  // the lane's query channels (lane_query's) times the same channels of the new K
+    float qf[4], kf[4];
+    lane_query<4>(qrow, lane, q_scale, qf);
+    lane_query<4>(key + row * k_stride + h * kHead, lane, 1.f, kf);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) own += to_float(qrow[base + at[i]]) * q_scale * to_float(krow[at[i]]);
+    for (int i = 0; i < 4; ++i) own += qf[i] * kf[i];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) own += __shfl_xor_sync(kAll, own, off);
   }
@@ -826,14 +790,9 @@ __global__ void __launch_bounds__(kWarps * 32) salient_rows_decode(
                   page_bytes, o.half[0], o.place_of);
   both_warps_here();
   if (c != 0) return;
-  const auto [mm, w0, w1, lt] = merge_partials(m, l, other_ml[0], other_ml[1]);
-  // split 0 adds the new token, a partial of its own; with no history (a padding row), it alone
-  const Merged with_own = split == 0 ? merge_partials(mm, lt, own, 1.f) : Merged{mm, 1.f, 0.f, lt};
-  const float top = with_own.m, w_kept = with_own.w0, w_own = with_own.w1, total = with_own.l;
-  const float inv_total = 1.f / total;
-  const T* new_v = value + row * v_stride + h * kHead;
-  T* dst = out + row * out_stride + h * kHead;
-  float* partial = part + ((int64_t(row) * num_heads + h) * num_splits + split) * (kHead + 2);
+  const OwnTokenOutput<T> result(m, l, other_ml[0], other_ml[1], own, split, num_splits,
+                                 value + row * v_stride + h * kHead, out + row * out_stride + h * kHead,
+                                 part + ((int64_t(row) * num_heads + h) * num_splits + split) * (kHead + 2));
 #pragma unroll
   for (int i = 0; i < Geometry<4>::kTiles; ++i)
 #pragma unroll
@@ -841,21 +800,9 @@ __global__ void __launch_bounds__(kWarps * 32) salient_rows_decode(
 #pragma unroll
       for (int r = 0; r < 4; r += 2) {
         const int ch = rows_channel<4>(g, i, pl, r);
-        const float kept = (acc[i][pl][r] * (1.f / float(1 << (4 * pl))) + pz) * w0 + other_out[ch] * w1;
-        const float v = kept * w_kept + (split == 0 ? to_float(new_v[ch]) * w_own : 0.f);
-        if (num_splits == 1)
-          dst[ch] = from_float(v * inv_total, static_cast<T*>(nullptr));
-        else
-          partial[ch] = v;
+        result.put(ch, acc[i][pl][r] * (1.f / float(1 << (4 * pl))) + pz, other_out[ch]);
       }
-  if (g == 0) {
-    if (num_splits == 1) {
-      lse[h * lse_stride + row] = (top + __log2f(total)) / kLog2e;
-    } else {
-      partial[kHead] = top;
-      partial[kHead + 1] = total;
-    }
-  }
+  if (g == 0) result.finish(lse + h * lse_stride + row);
 }
 
 template <int BLOCK, int BITS, int GROUP, typename T>
@@ -964,21 +911,7 @@ static cudaError_t launch_rows(const SalientRowsDecodeArgs& a) {
   const RowsOffsets o{{Offsets{a.k4, a.k_scale, a.k_zero, a.v4, a.v4_scale, a.v4_zero},
                        Offsets{a.k2, a.k_scale, a.k_zero, a.v2, a.v2_scale, a.v2_zero}},
                       a.place_of};
-  const dim3 grid(a.num_rows * a.num_heads, a.num_splits);
-  const auto stream = static_cast<cudaStream_t>(a.stream);
-  float* lse = static_cast<float*>(a.lse);
-  cudaError_t err = kvc::launch_dependent(
-      salient_rows_decode<T>, grid, dim3(kWarps * 32), stream, static_cast<const T*>(a.query),
-      static_cast<const uint8_t*>(a.cache), static_cast<const int32_t*>(a.block_table),
-      static_cast<const int32_t*>(a.seq_lens), static_cast<const int32_t*>(a.row_order), static_cast<const T*>(a.key),
-      static_cast<const T*>(a.value), static_cast<T*>(a.out), static_cast<float*>(a.part), lse, a.q_scale, a.q_stride,
-      a.k_stride, a.v_stride, a.out_stride, a.bt_stride, a.page_bytes, a.lse_stride, a.blocks_per_split, a.num_splits,
-      a.table_blocks, a.num_heads, o);
-  if (err == cudaSuccess && a.num_splits > 1)
-    err = kvc::launch_dependent(merge_splits<T, true>, dim3(a.num_rows, a.num_heads), dim3(kHead), stream,
-                                static_cast<const float*>(a.part), static_cast<T*>(a.out), a.out_stride,
-                                a.num_splits, lse, a.lse_stride);
-  return err;
+  return launch_own_token_decode<T>(salient_rows_decode<T>, a, o);
 }
 
 // ZipCache's decode rows over split-row pages (salient_rows_decode, and the merge of its splits).

@@ -182,4 +182,72 @@ __global__ void __launch_bounds__(kHead) merge_splits(const float* __restrict__ 
   }
 }
 
+// ZipCache's decode row (MHA): its output from its two warps' partials (merge_partials' weights w0,
+// w1) and, in split 0, its own new token, a partial of its own: one split writes the result and the
+// natural log-sum-exp the decode write scores with; several, their unnormalized partials (merged by
+// merge_splits<T, true>). With no history (a padding row), the new token alone.
+template <typename T>
+struct OwnTokenOutput {
+  float w0, w1, w_kept, w_own, inv_total, top, total;
+  bool first_split, one_split;
+  const T* new_v;  // the row's new V of this head
+  T* dst;          // its output
+  float* partial;  // its split's partial (head size + 2 floats)
+
+  __device__ OwnTokenOutput(float m0, float l0, float m1, float l1, float own, int split, int num_splits,
+                            const T* new_v, T* dst, float* partial)
+      : first_split(split == 0), one_split(num_splits == 1), new_v(new_v), dst(dst), partial(partial) {
+    const Merged warps = merge_partials(m0, l0, m1, l1);
+    w0 = warps.w0, w1 = warps.w1;
+    const Merged with_own = first_split ? merge_partials(warps.m, warps.l, own, 1.f) : Merged{warps.m, 1.f, 0.f, warps.l};
+    top = with_own.m, w_kept = with_own.w0, w_own = with_own.w1, total = with_own.l;
+    inv_total = 1.f / total;  // one division: 32 a lane (IEEE, each with its slow path) took 6%
+  }
+
+  // channel ch of the output, from this warp's (`mine`) and the other's (`other`) unnormalized sums
+  __device__ __forceinline__ void put(int ch, float mine, float other) const {
+    const float kept = mine * w0 + other * w1;
+    const float v = kept * w_kept + (first_split ? to_float(new_v[ch]) * w_own : 0.f);  // kept: 0 if no history
+    if (one_split)
+      dst[ch] = from_float(v * inv_total, static_cast<T*>(nullptr));
+    else
+      partial[ch] = v;  // unnormalized output of this split
+  }
+
+  // the log-sum-exp (one split: at `lse`), or the split's maximum and sum after its partial
+  __device__ __forceinline__ void finish(float* lse) const {
+    if (one_split) {
+      *lse = (top + __log2f(total)) / kLog2e;
+    } else {
+      partial[kHead] = top;
+      partial[kHead + 1] = total;
+    }
+  }
+};
+
+// Launches a ZipCache decode kernel over decode rows (a thread block of kWarps warps a (row, head,
+// split)), its arguments those of salient_decode_kernel.cu's SalientDecodeArgs and decode_kernel.cu's
+// SalientRowsDecodeArgs, then, where a row has several splits, their merge with the log-sum-exp
+template <typename T, typename Args, typename Offsets>
+cudaError_t launch_own_token_decode(
+    void (*kernel)(const T*, const uint8_t*, const int32_t*, const int32_t*, const int32_t*, const T*, const T*, T*,
+                   float*, float*, float, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int,
+                   int, Offsets),
+    const Args& a, const Offsets& o) {
+  const auto stream = static_cast<cudaStream_t>(a.stream);
+  float* lse = static_cast<float*>(a.lse);
+  cudaError_t err = launch_dependent(
+      kernel, dim3(a.num_rows * a.num_heads, a.num_splits), dim3(kWarps * 32), stream, static_cast<const T*>(a.query),
+      static_cast<const uint8_t*>(a.cache), static_cast<const int32_t*>(a.block_table),
+      static_cast<const int32_t*>(a.seq_lens), static_cast<const int32_t*>(a.row_order), static_cast<const T*>(a.key),
+      static_cast<const T*>(a.value), static_cast<T*>(a.out), static_cast<float*>(a.part), lse, a.q_scale, a.q_stride,
+      a.k_stride, a.v_stride, a.out_stride, a.bt_stride, a.page_bytes, a.lse_stride, a.blocks_per_split, a.num_splits,
+      a.table_blocks, a.num_heads, o);
+  if (err == cudaSuccess && a.num_splits > 1)
+    err = launch_dependent(merge_splits<T, true>, dim3(a.num_rows, a.num_heads), dim3(kHead), stream,
+                           static_cast<const float*>(a.part), static_cast<T*>(a.out), a.out_stride, a.num_splits, lse,
+                           a.lse_stride);
+  return err;
+}
+
 }  // namespace kvc

@@ -363,15 +363,9 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
   }
   __syncthreads();
   if (warp != 0 || c != 0) return;
-  const auto [mm, w0, w1, lt] = merge_partials(m, l, other_ml[0], other_ml[1]);
-  // split 0 adds the new token, a partial of its own (one split: the result; else a partial, merged
-  // by merge_splits); with no history (a padding row), the new token alone
-  const Merged with_own = split == 0 ? merge_partials(mm, lt, own, 1.f) : Merged{mm, 1.f, 0.f, lt};
-  const float top = with_own.m, w_kept = with_own.w0, w_own = with_own.w1, total = with_own.l;
-  const float inv_total = 1.f / total;  // one division: 32 a lane (IEEE, each with its slow path) took 6%
-  const T* new_v = value + row * v_stride + h * kHead;
-  T* dst = out + row * out_stride + h * kHead;
-  float* partial = part + ((int64_t(row) * num_heads + h) * num_splits + split) * (kHead + 2);
+  const OwnTokenOutput<T> result(m, l, other_ml[0], other_ml[1], own, split, num_splits,
+                                 value + row * v_stride + h * kHead, out + row * out_stride + h * kHead,
+                                 part + ((int64_t(row) * num_heads + h) * num_splits + split) * (kHead + 2));
 #pragma unroll
   for (int tile = 0; tile < 4; ++tile)
 #pragma unroll
@@ -379,21 +373,9 @@ __global__ void __launch_bounds__(kWarps * 32) salient_decode(
 #pragma unroll
       for (int r = 0; r < 4; r += 2) {
         const int ch = channel(g, tile, pl, r);
-        const float kept = (acc[tile][pl][r] * (pl ? 1.f / 16.f : 1.f) + pz) * w0 + other_out[ch] * w1;
-        const float v = kept * w_kept + (split == 0 ? to_float(new_v[ch]) * w_own : 0.f);  // kept: 0 if no history
-        if (num_splits == 1)
-          dst[ch] = from_float(v * inv_total, static_cast<T*>(nullptr));
-        else
-          partial[ch] = v;  // unnormalized output of this split
+        result.put(ch, acc[tile][pl][r] * (pl ? 1.f / 16.f : 1.f) + pz, other_out[ch]);
       }
-  if (g == 0) {
-    if (num_splits == 1) {
-      lse[h * lse_stride + row] = (top + __log2f(total)) / kLog2e;
-    } else {
-      partial[kHead] = top;
-      partial[kHead + 1] = total;
-    }
-  }
+  if (g == 0) result.finish(lse + h * lse_stride + row);
 }
 
 }  // namespace
@@ -426,21 +408,7 @@ struct SalientDecodeArgs {
 template <int BLOCK, typename T>
 static cudaError_t launch(const SalientDecodeArgs& a) {
   const Regions o{a.k_scale, a.k_zero, a.v_scale, a.v_zero, a.k_high, a.v_high, a.k_low, a.v_low, a.slot_of, a.slots};
-  const dim3 grid(a.num_rows * a.num_heads, a.num_splits);
-  const auto stream = static_cast<cudaStream_t>(a.stream);
-  float* lse = static_cast<float*>(a.lse);
-  cudaError_t err = kvc::launch_dependent(
-      salient_decode<BLOCK, T>, grid, dim3(kWarps * 32), stream, static_cast<const T*>(a.query),
-      static_cast<const uint8_t*>(a.cache), static_cast<const int32_t*>(a.block_table),
-      static_cast<const int32_t*>(a.seq_lens), static_cast<const int32_t*>(a.row_order),
-      static_cast<const T*>(a.key), static_cast<const T*>(a.value), static_cast<T*>(a.out),
-      static_cast<float*>(a.part), lse, a.q_scale, a.q_stride, a.k_stride, a.v_stride, a.out_stride, a.bt_stride, a.page_bytes,
-      a.lse_stride, a.blocks_per_split, a.num_splits, a.table_blocks, a.num_heads, o);
-  if (err == cudaSuccess && a.num_splits > 1)
-    err = kvc::launch_dependent(merge_splits<T, true>, dim3(a.num_rows, a.num_heads), dim3(kHead), stream,
-                                static_cast<const float*>(a.part), static_cast<T*>(a.out), a.out_stride,
-                                a.num_splits, lse, a.lse_stride);
-  return err;
+  return launch_own_token_decode<T>(salient_decode<BLOCK, T>, a, o);
 }
 
 // Launches on `stream` the decode and, where num_splits > 1, the merge of the splits' partials. Returns the launch's cudaError_t (cudaErrorInvalidValue for other page
