@@ -25,7 +25,7 @@
 #include "salient_write_parts.cuh"
 #include "vector_words.cuh"
 
-#if !defined(KVC_TOKEN_GROUP) || !defined(KVC_SALIENT_MIDDLE)
+#if !defined(KVC_TOKEN_GROUP) || !defined(KVC_EMPTY_ROW)
 #error "build through vllm_kvcompress.cuda_jit, which passes the formats' constants"
 #endif
 
@@ -33,12 +33,10 @@ namespace {
 
 using namespace kvc;
 constexpr unsigned kAll = 0xffffffffu;
-constexpr int kWarps = 4;                  // warps a thread block, each on its own row and head
 constexpr int kMaxRows = 64;               // rows a half (pages of 128 tokens), 2 a lane
 constexpr int kRowsALane = kMaxRows / 32;
 constexpr int kGroup = KVC_TOKEN_GROUP;    // V rows whose codes of one byte lie together
-constexpr int kEmpty = 255;                // place_of of a row without a token (salient_rows.EMPTY)
-constexpr int kMaxProbeFloats = 48 * 1024 / (kWarps * 4);  // a warp's probes in dynamic shared memory
+constexpr int kEmpty = KVC_EMPTY_ROW;      // place_of of a row without a token
 
 }  // namespace
 
@@ -80,18 +78,6 @@ struct alignas(16) Scratch {
   uint8_t free2[kMaxRows];             // 2-bit rows without a token, lowest first
 };
 
-__host__ __device__ constexpr int probe_floats(int group, int head_size) { return group * (head_size + 4); }
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kAll, x, o);
-  return x;
-}
-
-// Nibble n of x as a float (its bits as the mantissa of 2^23 + nibble, less 2^23)
-__device__ __forceinline__ float nibble(uint32_t x, int n) {
-  return __uint_as_float(0x4B000000u | ((x >> (4 * n)) & 15u)) - 8388608.f;
-}
-
 // Byte u of V row r of a half (rows in groups of kGroup, byte-major within a group; U bytes a row)
 __device__ __forceinline__ int64_t v_unit(int h, int rows, int U, int r, int u) {
   return ((int64_t(h) * (rows / kGroup) + r / kGroup) * U + u) * kGroup + r % kGroup;
@@ -106,15 +92,15 @@ __device__ __forceinline__ unsigned top_bits(unsigned codes4) {
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kWarps * 32, 6) salient_rows_write_kernel(const SalientRowsWriteArgs a) {
+__global__ void __launch_bounds__(kWriteWarps * 32, 6) salient_rows_write_kernel(const SalientRowsWriteArgs a) {
   constexpr int U4 = D / 2, U2 = D / 4;  // bytes of a 4-bit row, of a 2-bit row
   constexpr int GROUPS = (U2 + 31) / 32;  // a lane's groups of 4 channels
-  __shared__ Scratch<D> scratch[kWarps];
+  __shared__ Scratch<D> scratch[kWriteWarps];
   extern __shared__ float4 probe_shared_vectors[];
   float* probe_shared = reinterpret_cast<float*>(probe_shared_vectors);
   kvc::allow_next_grid();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int item = blockIdx.x * kWarps + warp;
+  const int item = blockIdx.x * kWriteWarps + warp;
   if (item >= a.num_rows * a.num_heads) return;
   Scratch<D>& s = scratch[warp];
   const int i = item / a.num_heads, h = item % a.num_heads, H = a.num_heads, B = a.block_size, R = B / 2;
@@ -159,26 +145,11 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_rows_write_kernel(cons
         if ((held4 >> j) & 1) score[j] = given[place4[j] * H];
       new_score = given[off * H];
     } else {
-      // each query head's probe: the query times K's channel steps in shared memory (the lanes read
-      // the same channels at once), then its logit bias, the log-sum-exp and the new token's logit
       float* q_steps = probe_shared + warp * probe_floats(a.group, D);
-      float4* terms = reinterpret_cast<float4*>(q_steps + a.group * D);
-      for (int g = 0; g < a.group; ++g) {
-        const int head = h * a.group + g;
-        const T* q_src = static_cast<const T*>(a.query) + i * a.q_row_stride + head * a.q_head_stride;
-        float bias = 0.f, own = 0.f;
-        for (int c = lane; c < D; c += 32) {
-          const float q = to_float(q_src[c]);
-          q_steps[g * D + c] = q * load_half(page + a.k_scale + (h * D + c) * 2);
-          bias += q * load_half(page + a.k_zero + (h * D + c) * 2);
-          own += q * to_float(k_src[c]);
-        }
-        bias = warp_sum(bias), own = warp_sum(own);
-        if (lane == 0)
-          terms[g] = make_float4(bias, 0.f, static_cast<const float*>(a.lse)[i * a.lse_row_stride +
-                                                                                head * a.lse_head_stride], own);
-      }
-      __syncwarp();
+      float4* terms = reinterpret_cast<float4*>(q_steps + a.group * D);  // bias, middle, lse, new token's logit
+      write_probes<D, GROUPS>(q_steps, terms, static_cast<const T*>(a.query) + i * a.q_row_stride, a.q_head_stride,
+                              static_cast<const float*>(a.lse) + i * a.lse_row_stride, a.lse_head_stride, page,
+                              a.k_scale, a.k_zero, k_src, h, a.group, lane);
 #pragma unroll
       for (int j = 0; j < kRowsALane; ++j) {
         if (!((held4 >> j) & 1) || first_seen + place4[j] < seen_from) continue;
@@ -414,17 +385,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_rows_write_kernel(cons
 
 template <typename T, int D>
 cudaError_t launch(const SalientRowsWriteArgs& a) {
-  const int items = a.num_rows * a.num_heads;
-  const size_t probes = size_t(kWarps) * probe_floats(a.group, D) * sizeof(float);
-  static size_t granted = 48 * 1024 - sizeof(Scratch<D>) * kWarps;  // as salient_write_kernel.cu's launch
-  if (probes > granted) {
-    const cudaError_t err = cudaFuncSetAttribute(salient_rows_write_kernel<T, D>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(probes));
-    if (err != cudaSuccess) return err;
-    granted = probes;
-  }
-  return kvc::launch_dependent_shared(salient_rows_write_kernel<T, D>, dim3((items + kWarps - 1) / kWarps),
-                                      dim3(kWarps * 32), probes, static_cast<cudaStream_t>(a.stream), a);
+  return launch_write_warps<salient_rows_write_kernel<T, D>, D, sizeof(Scratch<D>) * kWriteWarps>(a);
 }
 
 using Launcher = cudaError_t (*)(const SalientRowsWriteArgs&);

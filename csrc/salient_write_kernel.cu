@@ -37,13 +37,9 @@ namespace {
 
 using namespace kvc;
 constexpr unsigned kAll = 0xffffffffu;
-constexpr int kWarps = 4;                     // warps a thread block (each on its own row and head)
 constexpr int kMaxBlock = 128;                // tokens a block (4 a lane)
 constexpr int kMaxTokensALane = kMaxBlock / 32;
 constexpr unsigned kNoSlot = KVC_NO_SLOT;     // slot_of of a 2-bit token
-// a warp's probe floats (probe_floats), at most: 48 KB of dynamic shared memory a block (with the
-// warps' scratch, more than a launch takes without asking: see launch)
-constexpr int kMaxProbeFloats = 48 * 1024 / (kWarps * 4);
 
 }  // namespace
 
@@ -84,18 +80,8 @@ struct alignas(16) Scratch {
   uint8_t widened[D / 4];                    // a byte's widened channels, bit k: channel 4 b + k
 };
 
-// Nibble n of x as a float: its bits as the mantissa of 2^23 + nibble, less 2^23 (no conversion unit)
-__device__ __forceinline__ float nibble(uint32_t x, int n) {
-  return __uint_as_float(0x4B000000u | ((x >> (4 * n)) & 15u)) - 8388608.f;
-}
-
 // The 2-bit code of channel k (0..3) of a byte.
 __device__ __forceinline__ unsigned code2(unsigned byte, int k) { return (byte >> (2 * k)) & 3u; }
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kAll, x, o);
-  return x;
-}
 
 __device__ __forceinline__ unsigned warp_or(unsigned x) {
   for (int o = 16; o > 0; o >>= 1) x |= __shfl_xor_sync(kAll, x, o);
@@ -132,24 +118,19 @@ __device__ __forceinline__ float stored_logit(const uint4 (&hv)[D / 64], const u
   return sum;
 }
 
-// Floats a warp's probes take in dynamic shared memory: for each query head of the KV head, the
-// query times K's channel steps [D], then its logit bias, 1.5 steps of the summed scaled query, its
-// log-sum-exp and the new token's logit
-__host__ __device__ constexpr int probe_floats(int group, int head_size) { return group * (head_size + 4); }
-
 template <typename T, int D>
 // 6 blocks a SM, 80 registers (spilling a little on the scoring path): H200, 144 rows of Llama-2-7B's
 // shape, widening / held / slots full 72.8 / 64.4 / 86.0 us; 8 blocks 75.5 / 65.2 / 83.3; 10 blocks 79.8 /
 // 67.3 / 87.9; uncapped (168 registers) 90.6 / 68.5 / 149.0
-__global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const SalientWriteArgs a) {
+__global__ void __launch_bounds__(kWriteWarps * 32, 6) salient_write_kernel(const SalientWriteArgs a) {
   constexpr int U = D / 4;                  // bytes a plane's row
   constexpr int BYTES = (U + 31) / 32;      // a lane's bytes of a row
-  __shared__ Scratch<D> scratch[kWarps];
+  __shared__ Scratch<D> scratch[kWriteWarps];
   extern __shared__ float4 probe_shared_vectors[];  // probe_floats(group, D) floats a warp
   float* probe_shared = reinterpret_cast<float*>(probe_shared_vectors);
   kvc::allow_next_grid();  // the kernel after may set up while this writes
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int item = blockIdx.x * kWarps + warp;
+  const int item = blockIdx.x * kWriteWarps + warp;
   if (item >= a.num_rows * a.num_heads) return;
   Scratch<D>& s = scratch[warp];
   const int i = item / a.num_heads, h = item % a.num_heads, H = a.num_heads, B = a.block_size, R = a.slots;
@@ -199,30 +180,9 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
       // took the kernel past its 80 registers.
       float* q_steps = probe_shared + warp * probe_floats(a.group, D);
       float4* terms = reinterpret_cast<float4*>(q_steps + a.group * D);  // bias, middle, lse, new token's logit
-      for (int g = 0; g < a.group; ++g) {
-        const int head = h * a.group + g;
-        const T* q_src = static_cast<const T*>(a.query) + i * a.q_row_stride + head * a.q_head_stride;
-        float bias = 0.f, own = 0.f, q_sum = 0.f;
-#pragma unroll
-        for (int jb = 0; jb < BYTES; ++jb) {
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int c = 4 * (lane + 32 * jb) + k;
-            if (c >= D) continue;
-            const float q = to_float(q_src[c]);
-            const float qs = q * load_half(page + a.k_scale + (h * D + c) * 2);
-            q_steps[g * D + c] = qs;
-            q_sum += qs;
-            bias += q * load_half(page + a.k_zero + (h * D + c) * 2);
-            own += q * to_float(k_src[c]);
-          }
-        }
-        bias = warp_sum(bias), own = warp_sum(own), q_sum = warp_sum(q_sum);
-        if (lane == 0)
-          terms[g] = make_float4(bias, kSalientMiddle * q_sum,
-                                 static_cast<const float*>(a.lse)[i * a.lse_row_stride + head * a.lse_head_stride], own);
-      }
-      __syncwarp();
+      write_probes<D, BYTES>(q_steps, terms, static_cast<const T*>(a.query) + i * a.q_row_stride, a.q_head_stride,
+                             static_cast<const float*>(a.lse) + i * a.lse_row_stride, a.lse_head_stride, page,
+                             a.k_scale, a.k_zero, k_src, h, a.group, lane);
 #pragma unroll
       for (int j = 0; j < kMaxTokensALane; ++j) {
         if (32 * j > off) continue;  // (not break: the loop unrolls, the arrays stay in registers)
@@ -412,20 +372,7 @@ __global__ void __launch_bounds__(kWarps * 32, 6) salient_write_kernel(const Sal
 
 template <typename T, int D>
 cudaError_t launch(const SalientWriteArgs& a) {
-  const int items = a.num_rows * a.num_heads;
-  const size_t probes = size_t(kWarps) * probe_floats(a.group, D) * sizeof(float);
-  // A block takes 48 KB of shared memory, static and dynamic, without asking for more; the warps'
-  // scratch and the most probes (kMaxProbeFloats) take up to 63 KB, which every GPU the kernels are
-  // built for grants on asking. Asked once a kernel, at its first launch past 48 KB (the warm-up's).
-  static size_t granted = 48 * 1024 - sizeof(Scratch<D>) * kWarps;
-  if (probes > granted) {
-    const cudaError_t err = cudaFuncSetAttribute(salient_write_kernel<T, D>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, int(probes));
-    if (err != cudaSuccess) return err;
-    granted = probes;
-  }
-  return kvc::launch_dependent_shared(salient_write_kernel<T, D>, dim3((items + kWarps - 1) / kWarps),
-                                      dim3(kWarps * 32), probes, static_cast<cudaStream_t>(a.stream), a);
+  return launch_write_warps<salient_write_kernel<T, D>, D, sizeof(Scratch<D>) * kWriteWarps>(a);
 }
 
 using Launcher = cudaError_t (*)(const SalientWriteArgs&);

@@ -1,11 +1,15 @@
 // What ZipCache's two CUDA decode writes share (salient_write_kernel.cu over slot-map pages,
-// salient_rows_write_kernel.cu over split-row pages): a warp's K grids for its new token, and the
-// tables that re-code a widened channel's earlier codes. Lane l holds the channels 4 (l + 32 jb) ..
-// + 3 of its GROUPS groups; arithmetic as the torch reference's (min_max_grid.cuh).
+// salient_rows_write_kernel.cu over split-row pages): one warp per (decode row, KV head), kWriteWarps
+// a thread block; each KV head's query heads' probes in dynamic shared memory; a warp's K grids for
+// its new token, and the tables that re-code a widened channel's earlier codes; their launch. Lane l
+// holds the channels 4 (l + 32 jb) .. + 3 of its GROUPS groups; arithmetic as the torch reference's
+// (min_max_grid.cuh).
 #pragma once
 
+#include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "dependent_launch.cuh"
 #include "min_max_grid.cuh"
 
 #ifndef KVC_SALIENT_MIDDLE
@@ -15,6 +19,59 @@
 namespace kvc {
 
 constexpr float kSalientTop = 15.f;  // the shared grid's highest code (4 bits)
+constexpr int kWriteWarps = 4;       // warps a thread block, each on its own row and head
+// a warp's probe floats (probe_floats), at most: 48 KB of dynamic shared memory a block (with the
+// warps' scratch, more than a launch takes without asking: see launch_write_warps)
+constexpr int kMaxProbeFloats = 48 * 1024 / (kWriteWarps * 4);
+
+// Floats a warp's probes take in dynamic shared memory: for each query head of the KV head, the
+// query times K's channel steps [D], then its logit bias, the middle's steps of the summed scaled
+// query, its log-sum-exp and the new token's logit
+__host__ __device__ constexpr int probe_floats(int group, int head_size) { return group * (head_size + 4); }
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Nibble n of x as a float: its bits as the mantissa of 2^23 + nibble, less 2^23 (no conversion unit)
+__device__ __forceinline__ float nibble(uint32_t x, int n) {
+  return __uint_as_float(0x4B000000u | ((x >> (4 * n)) & 15u)) - 8388608.f;
+}
+
+// Each query head g of KV head h's probe (the decode row's query of head h * group + g): the query
+// times the stored grid's channel steps into q_steps[g * D ..] (where the lanes read the same channels
+// at once as each scores its own tokens), and terms[g] = (sum q zero, middle * sum of the scaled query,
+// the row's log-sum-exp, the new token's logit). A token's logit on the stored grid is then
+// sum_c q_steps_c level_c + bias. Ends with the probes written (__syncwarp).
+template <int D, int GROUPS, typename T>
+__device__ __forceinline__ void write_probes(float* q_steps, float4* terms, const T* query, int64_t q_head_stride,
+                                             const float* lse, int64_t lse_head_stride, const uint8_t* page,
+                                             int k_scale_at, int k_zero_at, const T* k_src, int h, int group,
+                                             int lane) {
+  for (int g = 0; g < group; ++g) {
+    const int head = h * group + g;
+    const T* q_src = query + head * q_head_stride;
+    float bias = 0.f, own = 0.f, q_sum = 0.f;
+#pragma unroll
+    for (int jb = 0; jb < GROUPS; ++jb) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int c = 4 * (lane + 32 * jb) + k;
+        if (c >= D) continue;
+        const float q = to_float(q_src[c]);
+        const float qs = q * load_half(page + k_scale_at + (h * D + c) * 2);
+        q_steps[g * D + c] = qs;
+        q_sum += qs;
+        bias += q * load_half(page + k_zero_at + (h * D + c) * 2);
+        own += q * to_float(k_src[c]);
+      }
+    }
+    bias = warp_sum(bias), own = warp_sum(own), q_sum = warp_sum(q_sum);
+    if (lane == 0) terms[g] = make_float4(bias, KVC_SALIENT_MIDDLE * q_sum, lse[head * lse_head_stride], own);
+  }
+  __syncwarp();
+}
 
 // The new token's K grids per channel of the lane's groups: kept (a value on its stored grid), widened
 // past the stored grid (the 4-bit codec's append rule), or the value's own (a block's first token,
@@ -121,6 +178,25 @@ __device__ __forceinline__ void widened_tables(unsigned regridded, const float (
     }
   }
   __syncwarp();
+}
+
+// Launches a write kernel over the rows' (row, KV head) items, kWriteWarps a thread block, with the
+// probes' dynamic shared memory. A block takes 48 KB of shared memory, static and dynamic, without
+// asking for more; the warps' scratch and the most probes (kMaxProbeFloats) take up to 64 KB, which
+// every GPU the kernels are built for grants on asking. Asked once a kernel, at its first launch past
+// 48 KB (the warm-up's).
+template <auto Kernel, int D, size_t kScratchBytes, typename Args>
+cudaError_t launch_write_warps(const Args& a) {
+  const int items = a.num_rows * a.num_heads;
+  const size_t probes = size_t(kWriteWarps) * probe_floats(a.group, D) * sizeof(float);
+  static size_t granted = 48 * 1024 - kScratchBytes;
+  if (probes > granted) {
+    const cudaError_t err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(probes));
+    if (err != cudaSuccess) return err;
+    granted = probes;
+  }
+  return launch_dependent_shared(Kernel, dim3((items + kWriteWarps - 1) / kWriteWarps), dim3(kWriteWarps * 32),
+                                 probes, static_cast<cudaStream_t>(a.stream), a);
 }
 
 }  // namespace kvc

@@ -14,6 +14,7 @@ from vllm_kvcompress.config import LayerFormat
 from vllm_kvcompress.formats import EPS, KERNEL_CONSTANTS, TOKEN_GROUP, WIDEN_MARGIN, KVPageFormat, page_layout
 from vllm_kvcompress.formats.packing import packed_row_bytes
 from vllm_kvcompress.formats.salient import MIDDLE, NO_SLOT
+from vllm_kvcompress.formats.salient_rows import EMPTY
 
 CSRC = Path(cuda_jit.CSRC)
 
@@ -27,12 +28,12 @@ def test_cuda_sources_take_every_shared_constant_from_the_build_flags():
     for name, text in _sources().items():
         used |= set(re.findall(r"\bKVC_[A-Z_]+\b", text)) - {"KVC_HEADERS"}
         # no constant of the formats stated as a number in a kernel source
-        for constant in ("kTokenGroup", "kEps", "kWidenMargin", "kNoSlot", "kMiddle"):
+        for constant in ("kTokenGroup", "kEps", "kWidenMargin", "kNoSlot", "kMiddle", "kEmpty"):
             for value in re.findall(rf"{constant}\s*=\s*([^;]+);", text):
                 assert value.strip().startswith("KVC_"), f"{name}: {constant} = {value}"
     assert used == set(KERNEL_CONSTANTS)
     assert KERNEL_CONSTANTS == {"KVC_TOKEN_GROUP": TOKEN_GROUP, "KVC_WIDEN_MARGIN": WIDEN_MARGIN, "KVC_EPS": EPS,
-                                "KVC_NO_SLOT": NO_SLOT, "KVC_SALIENT_MIDDLE": MIDDLE}
+                                "KVC_NO_SLOT": NO_SLOT, "KVC_SALIENT_MIDDLE": MIDDLE, "KVC_EMPTY_ROW": EMPTY}
 
 
 def test_build_flags_carry_the_formats_values(monkeypatch):
