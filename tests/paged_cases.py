@@ -34,6 +34,15 @@ def scattered_blocks(seq_lens, block_size, spare_blocks, gen):
     return num_blocks, table
 
 
+def block_fills(table, seq_lens, block_size, num_blocks):
+    """[num_blocks] the tokens each page holds, of requests of ``seq_lens`` tokens behind ``table``."""
+    filled = torch.zeros(num_blocks, dtype=torch.long)
+    for i, L in enumerate(seq_lens):
+        for j in range(-(-L // block_size)):
+            filled[table[i, j].long()] = min(block_size, L - j * block_size)
+    return filled
+
+
 def encoded_pages(fmt, seq_lens, spare_blocks, seed, encode):
     """Each request's blocks encoded at once by ``encode(gen, n, filled)`` (``n`` blocks, ``filled``
     [n] tokens each; ``gen`` draws the values) into scattered pages of a zeroed cache, behind a

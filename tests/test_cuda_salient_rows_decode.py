@@ -9,9 +9,9 @@ import torch
 
 from vllm_kvcompress import cuda_salient_rows_decode
 from vllm_kvcompress.formats.salient_rows import EMPTY, SalientRowsFormat
-from vllm_kvcompress.kernels import registry
 from c_structs import c_struct_fields
-from paged_cases import salient_pages
+from paged_cases import block_fills, salient_pages
+from test_cuda_salient_decode import _want, gpu
 
 
 def test_launch_arguments_mirror_the_kernels_struct():
@@ -19,46 +19,25 @@ def test_launch_arguments_mirror_the_kernels_struct():
                                                                                         "SalientRowsDecodeArgs")
 
 
-gpu = pytest.mark.skipif(registry.why_no_cuda_decode_here() is not None,
-                         reason=f"CUDA kernels: {registry.why_no_cuda_decode_here()}")
-
-
 def rows_pages(fmt: SalientRowsFormat, history: list[int], seed: int, shuffled: bool):
     """Split-row pages of random tokens (half of a block's at 4 bits, drawn at random), a page each
     block of a row's history, behind a scattered block table; ``shuffled``: each half's rows in a
     random order, the empty ones among them (as writes leave a page between re-compressions)."""
-    B, H = fmt.block_size, fmt.slot_map.k.num_heads
+    B, H = fmt.block_size, fmt.k.num_heads
     slot_pages, table = salient_pages(fmt.slot_map, history, 3, seed)
-    filled = torch.zeros(slot_pages.shape[0], dtype=torch.long)
-    for i, L in enumerate(history):
-        for j in range(-(-L // B)):
-            filled[table[i, j].long()] = min(B, L - j * B)
-    pages = fmt.from_slot_map(slot_pages, filled)
+    pages = fmt.from_slot_map(slot_pages, block_fills(table, history, B, len(slot_pages)))
     if shuffled:
         g = torch.Generator().manual_seed(seed + 1)
         order = torch.cat([torch.rand(len(pages), fmt.rows, H, generator=g).argsort(1) + first
                            for first in (0, fmt.rows)], 1)  # [N, B, H]: a row's new place within its half
         codes, stats, place = fmt.row_codes(pages), fmt.row_stats(pages), fmt.place_of(pages)
         moved = lambda x: x.gather(1, order.reshape(*order.shape, *[1] * (x.dim() - 3)).expand_as(x))  # noqa: E731
-        grid = {f"k_{s}": fmt.regions.view(pages, f"k_{s}", torch.float16, (H, fmt.slot_map.k.head_size))
+        grid = {f"k_{s}": fmt.regions.view(pages, f"k_{s}", torch.float16, (H, fmt.k.head_size))
                 for s in ("scale", "zero")}
         pages = fmt.pack_rows({n: moved(c) for n, c in codes.items()}, {n: moved(st) for n, st in stats.items()},
                               moved(place), grid)
     assert (fmt.place_of(pages) == EMPTY).any()  # some half holds fewer rows than it has
     return pages, table
-
-
-def _want(fmt, pages, table, history, q, k_new, v_new, scale):
-    """Each row's attention over its history as the reference reads it and its new token, and the
-    log-sum-exp [H, N]."""
-    outs, lses = [], []
-    for i, L in enumerate(history):
-        k, v = (x.flatten(0, 1)[:L] for x in fmt.decode(pages[table[i, :-(-L // fmt.block_size)].long()]))
-        k, v = torch.cat([k, k_new[i:i + 1]]), torch.cat([v, v_new[i:i + 1]])
-        logits = torch.einsum("hd,khd->hk", q[i], k) * scale
-        outs.append(torch.einsum("hk,khd->hd", logits.softmax(-1), v))
-        lses.append(logits.logsumexp(-1))
-    return torch.stack(outs), torch.stack(lses, 1)
 
 
 @gpu
@@ -97,11 +76,7 @@ def test_the_same_tokens_decode_as_the_slot_map_kernel_decodes_them():
     fmt = SalientRowsFormat.create(torch.bfloat16, B, H, D)
     history = [900, 33, 400, 129, 1, 640]
     slot_pages, table = salient_pages(fmt.slot_map, history, 2, seed=3)
-    filled = torch.zeros(slot_pages.shape[0], dtype=torch.long)
-    for i, L in enumerate(history):
-        for j in range(-(-L // B)):
-            filled[table[i, j].long()] = min(B, L - j * B)
-    pages = fmt.from_slot_map(slot_pages, filled)
+    pages = fmt.from_slot_map(slot_pages, block_fills(table, history, B, len(slot_pages)))
     g = torch.Generator().manual_seed(8)
     q, k_new, v_new = (torch.randn(len(history), H, D, generator=g, dtype=torch.bfloat16).cuda() for _ in range(3))
     lens = torch.tensor(history, dtype=torch.int32, device="cuda")

@@ -60,34 +60,19 @@ def test_decode_steps_write_the_pages_the_torch_path_writes(D, B, dtype, window,
     ``attend_and_write`` one request at a time, with the same log-sum-exps (float32): after each step
     the same 4-bit tokens, and every token reads as the same values. The steps cross a re-compression
     (context 100) and block boundaries; every other step K stays inside its channels' grids (no
-    widening), the others widen (every channel every fourth step); a block's slots fill (the least-scored candidate dropped); with a
-    sliding window of 40, each probe scores the tokens in its window alone."""
+    widening), the others widen (every channel every fourth step); a block's slots fill (the
+    least-scored candidate dropped); with a sliding window of 40, each probe scores the tokens in its
+    window alone."""
     if group == "most":
         group = registry.CUDA_SALIENT_PROBE_FLOATS // (D + 4)
-    H = 2
-    HQ = H * group
-    fmt = SalientTokensFormat.create(0.5, dtype, B, H, D)
-    spec = SalientSpec(ratio=0.5, score=score)
-    scale = D ** -0.5
-    g = torch.Generator().manual_seed(D + B)
-    draw = lambda *shape: torch.randn(*shape, generator=g).to(dtype).float()  # noqa: E731
-    lens = [90, 60, 31]  # prompts; then decodes to 104, 74, 45 tokens
-    table = torch.arange(3 * 4, dtype=torch.int32).view(3, 4)
-    cache = torch.zeros(12, fmt.page_bytes, dtype=torch.uint8)
-    for i, L in enumerate(lens):
-        attend_and_write(draw(L, HQ, D), draw(L, H, D), draw(L, H, D), cache, fmt, spec, [0, L], [L], table[i:i + 1],
-                         scale, window)
+    fmt = SalientTokensFormat.create(0.5, dtype, B, 2, D)
+    spec, scale = SalientSpec(ratio=0.5, score=score), D ** -0.5
+    steps = reference_decode_steps(fmt, spec, group, window)
+    cache, table, _ = next(steps)
     ours = cache.cuda()
     dropped = 0
-    for step in range(14):
-        lens = [L + 1 for L in lens]
-        q, k, v = draw(3, HQ, D), draw(3, H, D), draw(3, H, D)
-        # every other step inside the grids (no widening), every fourth past them all (every channel widens)
-        k = (k * (0.1 if step % 2 else 1.0 if step % 4 else 4.0)).to(dtype).float()
-        lse = _log_sum_exps(fmt, cache, table, lens, q, k, scale, window)
-        before = fmt.salient(cache).sum().item()
-        attend_and_write(q, k, v, cache, fmt, spec, [0, 1, 2, 3], lens, table, scale, window)
-        dropped += before + 3 > fmt.salient(cache).sum().item()
+    for step, (lens, q, k, v, lse, drop) in enumerate(steps):
+        dropped += drop
         seq_lens = torch.tensor(lens, dtype=torch.int32).cuda()
         cuda_salient_write.write_decoded(q.to(dtype).cuda(), k.to(dtype).cuda(), v.to(dtype).cuda(), ours, fmt, spec,
                                          table.cuda(), seq_lens, lse.cuda(), scale, window)
@@ -100,16 +85,57 @@ def test_decode_steps_write_the_pages_the_torch_path_writes(D, B, dtype, window,
     assert dropped > 0  # some step chose which tokens lose their 4 bits
 
 
+def reference_decode_steps(fmt: SalientTokensFormat, spec: SalientSpec, group: int, window: int | None):
+    """The torch path's pages (``attend_and_write``, one request at a time) of three requests'
+    prompts (90, 60, 31 tokens), then of 14 decode steps (to 104, 74, 45 tokens: across a
+    re-compression at context 100 and block boundaries), ``group`` query heads a KV head. Every other
+    step K stays inside its channels' grids (no widening), the others widen (every channel every
+    fourth step), softmax scale D^-0.5. Yields the pages (written in place at each step), the block
+    table and the prompts' lengths; then after each step the lengths, query, new K, V, each row's
+    log-sum-exp over its context before the step's write (float32), and whether some 4-bit token lost
+    its 4 bits."""
+    B, H, D, dtype = fmt.block_size, fmt.k.num_heads, fmt.k.head_size, fmt.dtype
+    HQ = H * group
+    scale = D ** -0.5
+    g = torch.Generator().manual_seed(D + B)
+    draw = lambda *shape: torch.randn(*shape, generator=g).to(dtype).float()  # noqa: E731
+    lens = [90, 60, 31]
+    table = torch.arange(3 * 4, dtype=torch.int32).view(3, 4)
+    cache = torch.zeros(12, fmt.page_bytes, dtype=torch.uint8)
+    for i, L in enumerate(lens):
+        attend_and_write(draw(L, HQ, D), draw(L, H, D), draw(L, H, D), cache, fmt, spec, [0, L], [L], table[i:i + 1],
+                         scale, window)
+    yield cache, table, lens
+    for step in range(14):
+        lens = [L + 1 for L in lens]
+        q, k, v = draw(3, HQ, D), draw(3, H, D), draw(3, H, D)
+        k = (k * (0.1 if step % 2 else 1.0 if step % 4 else 4.0)).to(dtype).float()
+        lse = _log_sum_exps(fmt, cache, table, lens, q, k, scale, window)
+        before = fmt.salient(cache).sum().item()
+        attend_and_write(q, k, v, cache, fmt, spec, [0, 1, 2, 3], lens, table, scale, window)
+        yield lens, q, k, v, lse, before + 3 > fmt.salient(cache).sum().item()
+
+
 @needs_cuda_kernels
-def test_padding_rows_write_nothing():
-    """A full CUDA graph's rows of context 0 write nothing, whatever their block table row holds."""
+@pytest.mark.parametrize("pages", ["slot map", "split rows"])
+def test_padding_rows_write_nothing(pages):
+    """A full CUDA graph's rows of context 0 write nothing, whatever their block table row holds: the
+    slot-map pages' write and the split-row pages' (``cuda_salient_rows_write``)."""
+    from vllm_kvcompress import cuda_salient_rows_write
+    from vllm_kvcompress.formats.salient_rows import SalientRowsFormat
+
     H, D, B = 2, 128, 64
-    fmt = SalientTokensFormat.create(0.6, torch.bfloat16, B, H, D)
+    if pages == "slot map":
+        fmt, spec, write = SalientTokensFormat.create(0.6, torch.bfloat16, B, H, D), SalientSpec(ratio=0.6), \
+            cuda_salient_write.write_decoded
+    else:
+        fmt, spec, write = SalientRowsFormat.create(torch.bfloat16, B, H, D), SalientSpec(ratio=0.5), \
+            cuda_salient_rows_write.write_decoded
     cache = torch.randint(0, 255, (4, fmt.page_bytes), dtype=torch.uint8).cuda()
     before = cache.clone()
     q, k, v = (torch.randn(2, H, D, dtype=torch.bfloat16).cuda() for _ in range(3))
     lse = torch.zeros(2, H).cuda()
     table, lens = torch.zeros(2, 1, dtype=torch.int32).cuda(), torch.zeros(2, dtype=torch.int32).cuda()
-    cuda_salient_write.write_decoded(q, k, v, cache, fmt, SalientSpec(ratio=0.6), table, lens, lse, D ** -0.5)
+    write(q, k, v, cache, fmt, spec, table, lens, lse, D ** -0.5)
     torch.cuda.synchronize()
     assert torch.equal(cache, before)

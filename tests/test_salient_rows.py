@@ -13,7 +13,7 @@ SHAPES = [(128, 2, 128), (64, 2, 64), (32, 3, 64)]  # block, KV heads, head size
 def _slot_map_pages(fmt: SalientRowsFormat, seed: int):
     """Slot-map pages of blocks filled to B, B - 1, just past half, 1 and 7 tokens, half of each
     block's tokens (at most) salient, drawn at random; and the blocks' token counts."""
-    B, H, D = fmt.block_size, fmt.slot_map.k.num_heads, fmt.slot_map.k.head_size
+    B, H, D = fmt.block_size, fmt.k.num_heads, fmt.k.head_size
     g = torch.Generator().manual_seed(seed)
     filled = torch.tensor([B, B - 1, B // 2 + 3, 1, 7])
     k, v = (torch.randn(len(filled), B, H, D, generator=g) for _ in range(2))

@@ -26,15 +26,19 @@ from .launch_plans import LaunchPlans
 _REGIONS = ("k_scale", "k_zero", "v_scale", "v_zero", "k_high", "v_high", "k_low", "v_low", "slot_of")
 
 
+# The fields both ZipCache decodes' argument structs open with (this one's, ``cuda_salient_rows_decode``'s),
+# before the page's regions
+ROW_FIELDS = [(name, ctypes.c_void_p) for name in ("query", "cache", "block_table", "seq_lens", "row_order", "key",
+                                                   "value", "out", "part", "lse")] \
+    + [("q_scale", ctypes.c_float)] \
+    + [(name, ctypes.c_int64) for name in ("q_stride", "k_stride", "v_stride", "out_stride", "bt_stride", "page_bytes",
+                                           "lse_stride")] \
+    + [(name, ctypes.c_int) for name in ("blocks_per_split", "num_splits", "table_blocks", "num_rows", "num_heads")]
+
+
 class _SalientDecodeArgs(ctypes.Structure):
     """``csrc/salient_decode_kernel.cu``'s SalientDecodeArgs, field for field."""
-    _fields_ = [(name, ctypes.c_void_p) for name in ("query", "cache", "block_table", "seq_lens", "row_order", "key",
-                                                     "value", "out", "part", "lse")] \
-        + [("q_scale", ctypes.c_float)] \
-        + [(name, ctypes.c_int64) for name in ("q_stride", "k_stride", "v_stride", "out_stride", "bt_stride",
-                                               "page_bytes", "lse_stride")] \
-        + [(name, ctypes.c_int) for name in ("blocks_per_split", "num_splits", "table_blocks", "num_rows", "num_heads",
-                                             *_REGIONS, "slots", "block_size", "bf16")] \
+    _fields_ = ROW_FIELDS + [(name, ctypes.c_int) for name in (*_REGIONS, "slots", "block_size", "bf16")] \
         + [("stream", ctypes.c_void_p)]
 
 

@@ -18,7 +18,7 @@ from vllm_kvcompress.formats.salient_rows import SalientRowsFormat
 
 from . import cuda_jit
 from .cuda_decode import step_fields
-from .cuda_salient_decode import launch_rows
+from .cuda_salient_decode import ROW_FIELDS, launch_rows
 from .launch_plans import LaunchPlans
 
 _REGIONS = ("k_scale", "k_zero", "k4", "v4", "v4_scale", "v4_zero", "k2", "v2", "v2_scale", "v2_zero", "place_of")
@@ -26,13 +26,7 @@ _REGIONS = ("k_scale", "k_zero", "k4", "v4", "v4_scale", "v4_zero", "k2", "v2", 
 
 class _SalientRowsDecodeArgs(ctypes.Structure):
     """``csrc/decode_kernel.cu``'s SalientRowsDecodeArgs, field for field."""
-    _fields_ = [(name, ctypes.c_void_p) for name in ("query", "cache", "block_table", "seq_lens", "row_order", "key",
-                                                     "value", "out", "part", "lse")] \
-        + [("q_scale", ctypes.c_float)] \
-        + [(name, ctypes.c_int64) for name in ("q_stride", "k_stride", "v_stride", "out_stride", "bt_stride",
-                                               "page_bytes", "lse_stride")] \
-        + [(name, ctypes.c_int) for name in ("blocks_per_split", "num_splits", "table_blocks", "num_rows", "num_heads",
-                                             *_REGIONS, "block_size", "bf16")] \
+    _fields_ = ROW_FIELDS + [(name, ctypes.c_int) for name in (*_REGIONS, "block_size", "bf16")] \
         + [("stream", ctypes.c_void_p)]
 
 

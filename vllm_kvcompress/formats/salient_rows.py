@@ -78,7 +78,7 @@ class SalientRowsFormat(SlottedPage):
 
     @cached_property
     def regions(self) -> Regions:
-        H, D, rows = self.slot_map.k.num_heads, self.slot_map.k.head_size, self.rows
+        H, D, rows = self.k.num_heads, self.k.head_size, self.rows
         regions = [("k_scale", H * D * 2), ("k_zero", H * D * 2)]
         for bits, half in _HALVES:
             codes = H * rows * packed_row_bytes(D, bits)
@@ -86,14 +86,11 @@ class SalientRowsFormat(SlottedPage):
                         (f"v{half}_zero", H * rows * 2)]
         return Regions(regions + [("place_of", H * self.block_size)])
 
-    def dense_page_bytes(self) -> int:
-        return self.slot_map.dense_page_bytes()
-
     # --- torch reference -------------------------------------------------------------------------
 
     def place_of(self, pages: torch.Tensor) -> torch.Tensor:
         """[N, B, H] int64: each row's place in its block (rows 0..B/2-1 the 4-bit half), EMPTY for none."""
-        H, B = self.slot_map.k.num_heads, self.block_size
+        H, B = self.k.num_heads, self.block_size
         return self.regions.view(pages, "place_of", torch.uint8, (H, B)).transpose(1, 2).long()
 
     def to_slot_map(self, pages: torch.Tensor) -> torch.Tensor:
@@ -163,7 +160,7 @@ class SalientRowsFormat(SlottedPage):
 
     def decode(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pages [N, page_bytes] -> k, v float32 [N, B, H, D] by token (tokens no row holds read as 0)."""
-        H, D = self.slot_map.k.num_heads, self.slot_map.k.head_size
+        H, D = self.k.num_heads, self.k.head_size
         place = self.place_of(pages)
         to = torch.where(place != EMPTY, place, self.block_size)
         codes, stats = self.row_codes(pages), self.row_stats(pages)
@@ -178,7 +175,7 @@ class SalientRowsFormat(SlottedPage):
 
     def row_codes(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
         """K's and V's codes [N, B rows, H, D] int64 on the 4-bit grid: a 4-bit row's whole, a 2-bit row's 4 c."""
-        H, D, rows = self.slot_map.k.num_heads, self.slot_map.k.head_size, self.rows
+        H, D, rows = self.k.num_heads, self.k.head_size, self.rows
         out = {}
         for name in ("k", "v"):
             halves = []
@@ -195,7 +192,7 @@ class SalientRowsFormat(SlottedPage):
 
     def row_stats(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
         """V's scale and zero [N, B rows, H] float16, the 4-bit half's rows first."""
-        H, rows = self.slot_map.k.num_heads, self.rows
+        H, rows = self.k.num_heads, self.rows
         return {f"v_{s}": torch.cat([self.regions.view(pages, f"v{half}_{s}", _F16, (H, rows)).transpose(1, 2)
                                      for _, half in _HALVES], 1) for s in ("scale", "zero")}
 
