@@ -43,9 +43,10 @@ for setting in $SETTINGS; do
   runs_of[$name]=$(( ${runs_of[$name]:-0} + 1 ))
   setting_name=$name
   [ "${runs_of[$name]}" = 1 ] || name="$name-run${runs_of[$name]}"
-  prof=()
+  prof=() scopes=()
   if [ -n "${PROFILE:-}" ]; then
     rm -rf "$OUT/trace-$SHAPE-$name"
+    scopes=(VLLM_CUSTOM_SCOPES_FOR_PROFILING=1)  # the steps' forward in the trace (trace_summary.py's steps)
     prof=(--profile --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$OUT/trace-$SHAPE-$name\", \"torch_profiler_with_stack\": false, \"delay_iterations\": ${PROFILE_DELAY:-300}, \"max_iterations\": $PROFILE}")
   fi
   steps=()
@@ -55,7 +56,7 @@ for setting in $SETTINGS; do
   fi
   rm -f "$OUT/$SHAPE-$name.json"  # a failed run leaves none, not an earlier call's
   start=$(date +%s)
-  env "${run_env[@]}" "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
+  env "${run_env[@]}" "${scopes[@]}" "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
     --load-format dummy --dtype bfloat16 --max-model-len "${MAX_MODEL_LEN:-2048}" --kv-cache-memory-bytes "${KV_BYTES:-8589934592}" \
     "${dataset[@]}" --num-prompts "${NUM_PROMPTS:-1000}" --seed 0 \
     "${kv[@]}" "${extra[@]}" "${prof[@]}" --output-json "$OUT/$SHAPE-$name.json" > "$OUT/$SHAPE-$name.log" 2>&1

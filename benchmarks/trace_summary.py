@@ -4,7 +4,11 @@
 
 Reads the Chrome traces vLLM's torch profiler writes (``*.json`` or ``*.json.gz``), sums the
 duration of every GPU kernel by name (kernels replayed from CUDA graphs included) and prints the
-share of each, with the wall span the kernels cover, so idle GPU time shows too.
+share of each, with the wall span the kernels cover, so idle GPU time shows too. Then engine steps
+by kind (decode only, or with prompt tokens: a step that runs vLLM's attention): the host's time in
+the model's forward, the time from one forward to the next, and the GPU time of the kernels the
+forward launched, by group, each a median over the kind's steps; a step whose GPU time falls short
+of its interval waited on the host.
 """
 
 from __future__ import annotations
@@ -38,7 +42,16 @@ def _events(trace: Path) -> list[dict]:
     with opener(trace, "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def _kernels(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("cat") == "kernel"]
+
+
+FORWARD = "gpu_model_runner: forward"  # vLLM's annotation of a step's model forward on the host
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # launches by the runtime (graphs too) and the driver (Triton's)
+PROMPT_GROUP = "attention (vLLM)"  # run only for prompt tokens: decodes go to our kernels
 
 
 def group_of(name: str) -> str:
@@ -63,13 +76,59 @@ def summarize(kernels: list[dict]) -> dict:
     return {"busy_us": busy, "span_us": span, "kernels": by_name, "groups": dict(groups)}
 
 
+def steps(events: list[dict]) -> dict[str, list[dict]]:
+    """Engine steps by kind ("decode", "prompt"): each a dict of the host's ``forward_us``, the
+    ``interval_us`` to the next forward (the last step has none and is left out), the ``gpu_us`` of
+    the kernels its forward launched (matched by the launches' correlation ids, graph replays
+    included) and their ``groups``."""
+    forwards = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"] == FORWARD),
+                      key=lambda e: e["ts"])
+    launches = sorted((e for e in events if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})),
+                      key=lambda e: e["ts"])
+    kernels_of = defaultdict(list)
+    for k in _kernels(events):
+        kernels_of[k.get("args", {}).get("correlation")].append(k)
+    by_kind: dict[str, list[dict]] = defaultdict(list)
+    i = 0
+    for f, after in zip(forwards, forwards[1:]):
+        end = f["ts"] + f["dur"]
+        while i < len(launches) and launches[i]["ts"] < f["ts"]:
+            i += 1
+        groups: dict[str, float] = defaultdict(float)
+        j = i
+        while j < len(launches) and launches[j]["ts"] <= end:
+            for k in kernels_of.get(launches[j]["args"]["correlation"], ()):
+                groups[group_of(k["name"])] += float(k["dur"])
+            j += 1
+        kind = "prompt" if PROMPT_GROUP in groups else "decode"
+        by_kind[kind].append({"forward_us": float(f["dur"]), "interval_us": after["ts"] - f["ts"],
+                              "gpu_us": sum(groups.values()), "groups": dict(groups)})
+    return dict(by_kind)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
+
+
+def print_steps(by_kind: dict[str, list[dict]]) -> None:
+    for kind, rows in sorted(by_kind.items()):
+        med = {key: _median([r[key] for r in rows]) / 1e3 for key in ("forward_us", "interval_us", "gpu_us")}
+        print(f"   {len(rows)} {kind} steps, median ms: host forward {med['forward_us']:.2f}, forward to forward "
+              f"{med['interval_us']:.2f}, GPU {med['gpu_us']:.2f}")
+        names = sorted({g for r in rows for g in r["groups"]}, key=lambda g: -sum(r["groups"].get(g, 0) for r in rows))
+        for g in names:
+            print(f"      {g:50s} {_median([r['groups'].get(g, 0.0) for r in rows]) / 1e3:7.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("path", type=Path)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     for trace in _traces(args.path):
-        kernels = _events(trace)
+        events = _events(trace)
+        kernels = _kernels(events)
         if not kernels:
             continue
         s = summarize(kernels)
@@ -80,6 +139,7 @@ def main() -> None:
         rows = sorted(s["kernels"].items(), key=lambda kv: -kv[1][0])[: args.top]
         for name, (us, n) in rows:
             print(f"   {us / 1e3:9.2f} ms {100 * us / s['busy_us']:5.1f}% {n:6d}x {us / n:8.1f} us  {name[:90]}")
+        print_steps(steps(events))
 
 
 if __name__ == "__main__":

@@ -384,11 +384,40 @@ def test_trace_summary_sums_gpu_kernels_by_name_and_group(tmp_path):
     trace = tmp_path / "rank0.pt.trace.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    (kernels,) = [trace_summary._events(t) for t in trace_summary._traces(tmp_path)]
+    (kernels,) = [trace_summary._kernels(trace_summary._events(t)) for t in trace_summary._traces(tmp_path)]
     s = trace_summary.summarize(kernels)
     assert s["busy_us"] == 80.0 and s["span_us"] == 100.0
     assert s["kernels"]["_write_kernel"] == [25.0, 2]
     assert s["groups"] == {"cache write (ours)": 25.0, "decode attention (ours)": 30.0, "matmul": 25.0}
+
+
+def test_trace_summary_steps_take_the_kernels_each_forward_launched():
+    """Three forwards: a decode step replaying a graph (two kernels of one launch), a step with a
+    prompt (vLLM's attention, a Triton kernel launched by the driver), and a last one with no next
+    forward, left out. Kernels run after their forward ends; a launch outside every forward (the
+    sampler's) counts for none."""
+    from benchmarks import trace_summary
+
+    def forward(ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": trace_summary.FORWARD, "ts": ts, "dur": dur}
+
+    def launch(cat, ts, corr):
+        return {"ph": "X", "cat": cat, "name": "launch", "ts": ts, "dur": 1.0, "args": {"correlation": corr}}
+
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [forward(0, 100), launch("cuda_runtime", 10, 1), kernel("decode_mha", 150, 40, 1),
+              kernel("nvjet_sm90", 190, 60, 1), launch("cuda_runtime", 120, 2), kernel("_write_kernel", 300, 9, 2),
+              forward(500, 200), launch("cuda_runtime", 520, 3), kernel("flash_fwd_kernel", 600, 70, 3),
+              launch("cuda_driver", 600, 4), kernel("_salient_write_kernel", 700, 30, 4),
+              forward(2000, 50), launch("cuda_runtime", 2010, 5), kernel("nvjet_sm90", 2100, 5, 5)]
+    by_kind = trace_summary.steps(events)
+    (decode,), (prompt,) = by_kind["decode"], by_kind["prompt"]
+    assert decode == {"forward_us": 100.0, "interval_us": 500.0, "gpu_us": 100.0,
+                      "groups": {"decode attention (ours)": 40.0, "matmul": 60.0}}
+    assert prompt == {"forward_us": 200.0, "interval_us": 1500.0, "gpu_us": 100.0,
+                      "groups": {"attention (vLLM)": 70.0, "ZipCache write: probe scores, re-compression (ours)": 30.0}}
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
