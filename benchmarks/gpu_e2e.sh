@@ -10,7 +10,8 @@
 # DATA: ShareGPT as valid JSON (python -m benchmarks.sharegpt OUT --sample 2000), or that file
 # xz-packed (benchmarks/pack_e2e_inputs.sh), unpacked to /tmp (gpu_common.sh).
 # PROFILE=N: also record N engine steps after the first PROFILE_DELAY (default 300) with the torch
-# profiler and print where the GPU time went (benchmarks/trace_summary.py); tokens/s then suffer.
+# profiler and print where the GPU time went (benchmarks/trace_summary.py), by kind of step too
+# (PROFILE turns STEPS on: the step log marks the steps in the trace); tokens/s then suffer.
 # Each run also prints its tokens/s as its requests complete (benchmarks/completion.py): the last
 # 1% (the longest outputs, in a small batch) take about as long in every setting.
 # A setting named twice runs twice (its second run's files end in -run2); the call ends with each
@@ -26,6 +27,7 @@
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
+[ -z "${PROFILE:-}" ] || STEPS=1
 [ -z "${RANDOM_LENS:-}" ] || POSITIONS=${MAX_MODEL_LEN:-2048}
 source "$REPO/benchmarks/gpu_common.sh"
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
@@ -43,10 +45,9 @@ for setting in $SETTINGS; do
   runs_of[$name]=$(( ${runs_of[$name]:-0} + 1 ))
   setting_name=$name
   [ "${runs_of[$name]}" = 1 ] || name="$name-run${runs_of[$name]}"
-  prof=() scopes=()
+  prof=()
   if [ -n "${PROFILE:-}" ]; then
     rm -rf "$OUT/trace-$SHAPE-$name"
-    scopes=(VLLM_CUSTOM_SCOPES_FOR_PROFILING=1)  # the steps' forward in the trace (trace_summary.py's steps)
     prof=(--profile --profiler-config "{\"profiler\": \"torch\", \"torch_profiler_dir\": \"$OUT/trace-$SHAPE-$name\", \"torch_profiler_with_stack\": false, \"delay_iterations\": ${PROFILE_DELAY:-300}, \"max_iterations\": $PROFILE}")
   fi
   steps=()
@@ -56,7 +57,7 @@ for setting in $SETTINGS; do
   fi
   rm -f "$OUT/$SHAPE-$name.json"  # a failed run leaves none, not an earlier call's
   start=$(date +%s)
-  env "${run_env[@]}" "${scopes[@]}" "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
+  env "${run_env[@]}" "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
     --load-format dummy --dtype bfloat16 --max-model-len "${MAX_MODEL_LEN:-2048}" --kv-cache-memory-bytes "${KV_BYTES:-8589934592}" \
     "${dataset[@]}" --num-prompts "${NUM_PROMPTS:-1000}" --seed 0 \
     "${kv[@]}" "${extra[@]}" "${prof[@]}" --output-json "$OUT/$SHAPE-$name.json" > "$OUT/$SHAPE-$name.log" 2>&1

@@ -40,11 +40,13 @@ def steps(text: str) -> list[Step]:
     start = next((i for i in range(single, len(rows) - 1)
                   if rows[i][4] >= FIRST_STEP_TOKENS and rows[i + 1][1] > rows[i][1]), 0)
     rows = rows[start:]
-    out = []
-    for (t, requests, decodes, padding, tokens), nxt in zip(rows, rows[1:]):
-        prompt = 0 if requests - padding == decodes else int(tokens - decodes)
-        out.append(Step(nxt[0] - t, int(decodes), prompt))
-    return out
+    return [step(nxt[0] - t, *counts) for (t, *counts), nxt in zip(rows, rows[1:])]
+
+
+def step(seconds: float, requests: float, decodes: float, padding: float, tokens: float) -> Step:
+    """A step from its log line's counts."""
+    prompt = 0 if requests - padding == decodes else int(tokens - decodes)
+    return Step(seconds, int(decodes), prompt)
 
 
 KINDS = (  # name, test
@@ -57,6 +59,10 @@ KINDS = (  # name, test
     ("mixed, batch 513 to 2,048 tokens", lambda s: s.prompt_tokens and 512 < s.tokens <= 2048),
     ("mixed, batch over 2,048 tokens", lambda s: s.prompt_tokens and s.tokens > 2048),
 )
+
+
+def kind_of(s: Step) -> str:
+    return next(name for name, test in KINDS if test(s))
 
 
 def table(run: list[Step]) -> str:

@@ -5,10 +5,10 @@
 Reads the Chrome traces vLLM's torch profiler writes (``*.json`` or ``*.json.gz``), sums the
 duration of every GPU kernel by name (kernels replayed from CUDA graphs included) and prints the
 share of each, with the wall span the kernels cover, so idle GPU time shows too. Then engine steps
-by kind (decode only, or with prompt tokens: a step that runs vLLM's attention): the host's time in
-the model's forward, the time from one forward to the next, and the GPU time of the kernels the
-forward launched, by group, each a median over the kind's steps; a step whose GPU time falls short
-of its interval waited on the host.
+by kind as ``step_times.py`` sorts them, where the run logged its steps (``STEPS=1``, the ranges
+``step_log`` marks): the time from one step's start to the next and the GPU time of the kernels
+the step launched, by group, each a median over the kind's steps; a step whose GPU time falls
+short of its interval waited on the host.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
+
+if __package__:
+    from .step_times import kind_of, step
+else:  # run by its path
+    from step_times import kind_of, step
 
 # names of our kernels and of the parts of a step they belong to, for the summary lines
 GROUPS = {  # first match wins: ZipCache's write before the cache writes' needles
@@ -49,9 +54,8 @@ def _kernels(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("cat") == "kernel"]
 
 
-FORWARD = "gpu_model_runner: forward"  # vLLM's annotation of a step's model forward on the host
+STEP = "kvcompress step: "  # step_log's range at each step's start: requests decodes padding tokens
 LAUNCHES = ("cuda_runtime", "cuda_driver")  # launches by the runtime (graphs too) and the driver (Triton's)
-PROMPT_GROUP = "attention (vLLM)"  # run only for prompt tokens: decodes go to our kernels
 
 
 def group_of(name: str) -> str:
@@ -77,12 +81,12 @@ def summarize(kernels: list[dict]) -> dict:
 
 
 def steps(events: list[dict]) -> dict[str, list[dict]]:
-    """Engine steps by kind ("decode", "prompt"): each a dict of the host's ``forward_us``, the
-    ``interval_us`` to the next forward (the last step has none and is left out), the ``gpu_us`` of
-    the kernels its forward launched (matched by the launches' correlation ids, graph replays
-    included) and their ``groups``."""
-    forwards = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"] == FORWARD),
-                      key=lambda e: e["ts"])
+    """Engine steps by kind (``step_times.kind_of``), each a dict of its ``rows`` (decodes and
+    prompts, padding aside), ``interval_us`` from its start to the next step's (the last step has no next and is left
+    out), the ``gpu_us`` of the kernels launched in between (matched by the launches' correlation ids,
+    graph replays included) and their ``groups``."""
+    starts = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(STEP)),
+                    key=lambda e: e["ts"])
     launches = sorted((e for e in events if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})),
                       key=lambda e: e["ts"])
     kernels_of = defaultdict(list)
@@ -90,19 +94,18 @@ def steps(events: list[dict]) -> dict[str, list[dict]]:
         kernels_of[k.get("args", {}).get("correlation")].append(k)
     by_kind: dict[str, list[dict]] = defaultdict(list)
     i = 0
-    for f, after in zip(forwards, forwards[1:]):
-        end = f["ts"] + f["dur"]
-        while i < len(launches) and launches[i]["ts"] < f["ts"]:
+    for start, after in zip(starts, starts[1:]):
+        requests, decodes, padding, tokens = map(int, start["name"][len(STEP):].split())
+        while i < len(launches) and launches[i]["ts"] < start["ts"]:
             i += 1
         groups: dict[str, float] = defaultdict(float)
-        j = i
-        while j < len(launches) and launches[j]["ts"] <= end:
-            for k in kernels_of.get(launches[j]["args"]["correlation"], ()):
+        while i < len(launches) and launches[i]["ts"] < after["ts"]:
+            for k in kernels_of.get(launches[i]["args"]["correlation"], ()):
                 groups[group_of(k["name"])] += float(k["dur"])
-            j += 1
-        kind = "prompt" if PROMPT_GROUP in groups else "decode"
-        by_kind[kind].append({"forward_us": float(f["dur"]), "interval_us": after["ts"] - f["ts"],
-                              "gpu_us": sum(groups.values()), "groups": dict(groups)})
+            i += 1
+        by_kind[kind_of(step(0.0, requests, decodes, padding, tokens))].append(
+            {"rows": requests - padding, "interval_us": after["ts"] - start["ts"], "gpu_us": sum(groups.values()),
+             "groups": dict(groups)})
     return dict(by_kind)
 
 
@@ -112,10 +115,10 @@ def _median(xs: list[float]) -> float:
 
 
 def print_steps(by_kind: dict[str, list[dict]]) -> None:
-    for kind, rows in sorted(by_kind.items()):
-        med = {key: _median([r[key] for r in rows]) / 1e3 for key in ("forward_us", "interval_us", "gpu_us")}
-        print(f"   {len(rows)} {kind} steps, median ms: host forward {med['forward_us']:.2f}, forward to forward "
-              f"{med['interval_us']:.2f}, GPU {med['gpu_us']:.2f}")
+    for kind, rows in by_kind.items():
+        med = {key: _median([r[key] for r in rows]) for key in ("rows", "interval_us", "gpu_us")}
+        print(f"   {len(rows)} steps {kind}, median {med['rows']:.0f} rows; ms: start to start "
+              f"{med['interval_us'] / 1e3:.2f}, GPU {med['gpu_us'] / 1e3:.2f}")
         names = sorted({g for r in rows for g in r["groups"]}, key=lambda g: -sum(r["groups"].get(g, 0) for r in rows))
         for g in names:
             print(f"      {g:50s} {_median([r['groups'].get(g, 0.0) for r in rows]) / 1e3:7.2f}")

@@ -391,15 +391,15 @@ def test_trace_summary_sums_gpu_kernels_by_name_and_group(tmp_path):
     assert s["groups"] == {"cache write (ours)": 25.0, "decode attention (ours)": 30.0, "matmul": 25.0}
 
 
-def test_trace_summary_steps_take_the_kernels_each_forward_launched():
-    """Three forwards: a decode step replaying a graph (two kernels of one launch), a step with a
-    prompt (vLLM's attention, a Triton kernel launched by the driver), and a last one with no next
-    forward, left out. Kernels run after their forward ends; a launch outside every forward (the
-    sampler's) counts for none."""
+def test_trace_summary_steps_take_the_kernels_launched_until_the_next_step():
+    """Three steps as step_log marks them: a decode step of 144 rows in a graph padded to 160 (two
+    kernels of one replay, a write launched later in the step), a step with a prompt of 700 tokens
+    (vLLM's attention, a Triton kernel launched by the driver), and a last one with no next step,
+    left out. Kernels run after their launch; launches before the first step count for none."""
     from benchmarks import trace_summary
 
-    def forward(ts, dur):
-        return {"ph": "X", "cat": "user_annotation", "name": trace_summary.FORWARD, "ts": ts, "dur": dur}
+    def start(ts, counts):
+        return {"ph": "X", "cat": "user_annotation", "name": trace_summary.STEP + counts, "ts": ts, "dur": 5.0}
 
     def launch(cat, ts, corr):
         return {"ph": "X", "cat": cat, "name": "launch", "ts": ts, "dur": 1.0, "args": {"correlation": corr}}
@@ -407,17 +407,18 @@ def test_trace_summary_steps_take_the_kernels_each_forward_launched():
     def kernel(name, ts, dur, corr):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
 
-    events = [forward(0, 100), launch("cuda_runtime", 10, 1), kernel("decode_mha", 150, 40, 1),
+    events = [launch("cuda_runtime", -5, 9), kernel("nvjet_sm90", 1, 5, 9),
+              start(0, "160 144 16 160"), launch("cuda_runtime", 10, 1), kernel("decode_mha", 150, 40, 1),
               kernel("nvjet_sm90", 190, 60, 1), launch("cuda_runtime", 120, 2), kernel("_write_kernel", 300, 9, 2),
-              forward(500, 200), launch("cuda_runtime", 520, 3), kernel("flash_fwd_kernel", 600, 70, 3),
+              start(500, "5 4 0 704"), launch("cuda_runtime", 520, 3), kernel("flash_fwd_kernel", 600, 70, 3),
               launch("cuda_driver", 600, 4), kernel("_salient_write_kernel", 700, 30, 4),
-              forward(2000, 50), launch("cuda_runtime", 2010, 5), kernel("nvjet_sm90", 2100, 5, 5)]
+              start(2000, "1 1 0 1"), launch("cuda_runtime", 2010, 5), kernel("nvjet_sm90", 2100, 5, 5)]
     by_kind = trace_summary.steps(events)
-    (decode,), (prompt,) = by_kind["decode"], by_kind["prompt"]
-    assert decode == {"forward_us": 100.0, "interval_us": 500.0, "gpu_us": 100.0,
-                      "groups": {"decode attention (ours)": 40.0, "matmul": 60.0}}
-    assert prompt == {"forward_us": 200.0, "interval_us": 1500.0, "gpu_us": 100.0,
-                      "groups": {"attention (vLLM)": 70.0, "ZipCache write: probe scores, re-compression (ours)": 30.0}}
+    assert by_kind == {
+        "decode, 120 rows or more": [{"rows": 144, "interval_us": 500.0, "gpu_us": 109.0, "groups": {
+            "decode attention (ours)": 40.0, "matmul": 60.0, "cache write (ours)": 9.0}}],
+        "mixed, batch 513 to 2,048 tokens": [{"rows": 5, "interval_us": 1500.0, "gpu_us": 100.0, "groups": {
+            "attention (vLLM)": 70.0, "ZipCache write: probe scores, re-compression (ours)": 30.0}}]}
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

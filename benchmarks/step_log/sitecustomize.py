@@ -2,7 +2,9 @@
 metadata builder (ours, or vLLM's FlashAttention for `auto` and `fp8`) appends a line per build, one
 build an engine step: ``host_time requests decodes padding tokens`` to ``PREFIX.PID``.
 ``decodes``: requests with one query token; ``padding``: requests with none (a full CUDA graph's
-batch padded to a captured size); ``tokens``: the step's tokens, padding included.
+batch padded to a captured size); ``tokens``: the step's tokens, padding included. Under the torch
+profiler each build is also a range named ``kvcompress step: requests decodes padding tokens``,
+where ``trace_summary.py`` cuts a trace into steps (vLLM's model runner marks none).
 
 Put this folder on ``PYTHONPATH`` (``gpu_e2e.sh`` does with ``STEPS=1``); it stands in for any
 other ``sitecustomize`` on the path. ``python -m benchmarks.step_times`` reads the files.
@@ -38,7 +40,10 @@ def _logged(builder: type) -> None:
                       f"{int((q_lens == 0).sum())} {cam.num_actual_tokens}\n")
         if len(_lines) >= 64:
             _flush()
-        return build(self, *args, **kwargs)
+        import torch
+
+        with torch.profiler.record_function("kvcompress step: " + _lines[-1].split(" ", 1)[1].strip()):
+            return build(self, *args, **kwargs)
 
     builder.build = logged_build
 
