@@ -475,19 +475,29 @@ def test_completion_reads_the_rate_at_each_fraction_of_requests_done():
 def test_step_log_records_each_metadata_build(tmp_path):
     """``benchmarks/step_log`` on PYTHONPATH wraps our builder once its module is imported: a
     padded decode batch (3 decodes, 2 requests of no tokens) and a mixed one each add a line of
-    requests, decodes, padding and tokens, in a file named by the process id."""
-    script = """
+    requests, decodes, padding and tokens, in a file named by the process id, and 68 more builds
+    (past the lines it holds before writing) as many; under the torch profiler each build is a range
+    named by its counts."""
+    script = f"""
+import torch
 from test_backend_metadata import _build
-_build([1, 1, 1, 0, 0], [5, 9, 7, 0, 0])
-_build([1, 1, 5, 2], [5, 9, 12, 2])
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    _build([1, 1, 1, 0, 0], [5, 9, 7, 0, 0])
+    _build([1, 1, 5, 2], [5, 9, 12, 2])
+    for _ in range(68):
+        _build([1, 1, 5, 2], [5, 9, 12, 2])
+prof.export_chrome_trace({str(tmp_path / "trace.json")!r})
 """
     env = dict(os.environ, KVCOMPRESS_STEP_LOG=str(tmp_path / "steps"),
                PYTHONPATH=os.pathsep.join([str(REPO / "benchmarks" / "step_log"), str(REPO / "tests")]))
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
     (log,) = tmp_path.glob("steps.*")
     lines = [line.split() for line in log.read_text().splitlines()]
-    assert [line[1:] for line in lines] == [["5", "3", "2", "3"], ["4", "2", "0", "9"]]
-    assert float(lines[0][0]) <= float(lines[1][0])
+    assert [line[1:] for line in lines] == [["5", "3", "2", "3"]] + [["4", "2", "0", "9"]] * 69
+    assert all(float(a[0]) <= float(b[0]) for a, b in zip(lines, lines[1:]))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    ranges = [e["name"] for e in events if e.get("cat") == "user_annotation"]
+    assert ranges == ["kvcompress step: 5 3 2 3"] + ["kvcompress step: 4 2 0 9"] * 69
 
 
 def test_step_times_splits_a_run_by_kind_of_step():

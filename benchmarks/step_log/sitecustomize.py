@@ -36,13 +36,13 @@ def _logged(builder: type) -> None:
         cam = kwargs.get("common_attn_metadata") or args[1]
         starts = cam.query_start_loc_cpu[: cam.num_reqs + 1]
         q_lens = starts[1:] - starts[:-1]
-        _lines.append(f"{time.perf_counter():.6f} {cam.num_reqs} {int((q_lens == 1).sum())} "
-                      f"{int((q_lens == 0).sum())} {cam.num_actual_tokens}\n")
+        counts = f"{cam.num_reqs} {int((q_lens == 1).sum())} {int((q_lens == 0).sum())} {cam.num_actual_tokens}"
+        _lines.append(f"{time.perf_counter():.6f} {counts}\n")
         if len(_lines) >= 64:
             _flush()
         import torch
 
-        with torch.profiler.record_function("kvcompress step: " + _lines[-1].split(" ", 1)[1].strip()):
+        with torch.profiler.record_function("kvcompress step: " + counts):
             return build(self, *args, **kwargs)
 
     builder.build = logged_build
