@@ -55,6 +55,7 @@ def _kernels(events: list[dict]) -> list[dict]:
 
 
 STEP = "kvcompress step: "  # step_log's range at each step's start: requests decodes padding tokens
+ATTENTION_OPS = ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update")  # vLLM's, into a backend
 LAUNCHES = ("cuda_runtime", "cuda_driver")  # launches by the runtime (graphs too) and the driver (Triton's)
 
 
@@ -84,16 +85,19 @@ def steps(events: list[dict]) -> dict[str, list[dict]]:
     """Engine steps by kind (``step_times.kind_of``), each a dict of its ``rows`` (decodes and
     prompts, padding aside), ``interval_us`` from its start to the next step's (the last step has no next and is left
     out), the ``gpu_us`` of the kernels launched in between (matched by the launches' correlation ids,
-    graph replays included) and their ``groups``."""
+    graph replays included) and their ``groups``, and ``host_attention_us``, the host's time in vLLM's
+    attention ops (the backend's, where no graph replays them)."""
     starts = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(STEP)),
                     key=lambda e: e["ts"])
     launches = sorted((e for e in events if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})),
                       key=lambda e: e["ts"])
+    attention_ops = sorted((e for e in events if e.get("cat") == "cpu_op" and e["name"] in ATTENTION_OPS),
+                           key=lambda e: e["ts"])
     kernels_of = defaultdict(list)
     for k in _kernels(events):
         kernels_of[k.get("args", {}).get("correlation")].append(k)
     by_kind: dict[str, list[dict]] = defaultdict(list)
-    i = 0
+    i = a = 0
     for start, after in zip(starts, starts[1:]):
         requests, decodes, padding, tokens = map(int, start["name"][len(STEP):].split())
         while i < len(launches) and launches[i]["ts"] < start["ts"]:
@@ -103,9 +107,15 @@ def steps(events: list[dict]) -> dict[str, list[dict]]:
             for k in kernels_of.get(launches[i]["args"]["correlation"], ()):
                 groups[group_of(k["name"])] += float(k["dur"])
             i += 1
+        while a < len(attention_ops) and attention_ops[a]["ts"] < start["ts"]:
+            a += 1
+        host_attention = 0.0
+        while a < len(attention_ops) and attention_ops[a]["ts"] < after["ts"]:
+            host_attention += float(attention_ops[a]["dur"])
+            a += 1
         by_kind[kind_of(step(0.0, requests, decodes, padding, tokens))].append(
             {"rows": requests - padding, "interval_us": after["ts"] - start["ts"], "gpu_us": sum(groups.values()),
-             "groups": dict(groups)})
+             "groups": dict(groups), "host_attention_us": host_attention})
     return dict(by_kind)
 
 
@@ -116,9 +126,10 @@ def _median(xs: list[float]) -> float:
 
 def print_steps(by_kind: dict[str, list[dict]]) -> None:
     for kind, rows in by_kind.items():
-        med = {key: _median([r[key] for r in rows]) for key in ("rows", "interval_us", "gpu_us")}
+        med = {key: _median([r[key] for r in rows]) for key in ("rows", "interval_us", "gpu_us", "host_attention_us")}
         print(f"   {len(rows)} steps {kind}, median {med['rows']:.0f} rows; ms: start to start "
-              f"{med['interval_us'] / 1e3:.2f}, GPU {med['gpu_us'] / 1e3:.2f}")
+              f"{med['interval_us'] / 1e3:.2f}, GPU {med['gpu_us'] / 1e3:.2f}, host in attention ops "
+              f"{med['host_attention_us'] / 1e3:.2f}")
         names = sorted({g for r in rows for g in r["groups"]}, key=lambda g: -sum(r["groups"].get(g, 0) for r in rows))
         for g in names:
             print(f"      {g:50s} {_median([r['groups'].get(g, 0.0) for r in rows]) / 1e3:7.2f}")

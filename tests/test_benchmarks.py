@@ -394,8 +394,9 @@ def test_trace_summary_sums_gpu_kernels_by_name_and_group(tmp_path):
 def test_trace_summary_steps_take_the_kernels_launched_until_the_next_step():
     """Three steps as step_log marks them: a decode step of 144 rows in a graph padded to 160 (two
     kernels of one replay, a write launched later in the step), a step with a prompt of 700 tokens
-    (vLLM's attention, a Triton kernel launched by the driver), and a last one with no next step,
-    left out. Kernels run after their launch; launches before the first step count for none."""
+    (vLLM's attention, a Triton kernel launched by the driver, the host 150 us in attention ops, an
+    aten op aside), and a last one with no next step, left out. Kernels run after their launch;
+    launches before the first step count for none."""
     from benchmarks import trace_summary
 
     def start(ts, counts):
@@ -412,13 +413,17 @@ def test_trace_summary_steps_take_the_kernels_launched_until_the_next_step():
               kernel("nvjet_sm90", 190, 60, 1), launch("cuda_runtime", 120, 2), kernel("_write_kernel", 300, 9, 2),
               start(500, "5 4 0 704"), launch("cuda_runtime", 520, 3), kernel("flash_fwd_kernel", 600, 70, 3),
               launch("cuda_driver", 600, 4), kernel("_salient_write_kernel", 700, 30, 4),
+              {"ph": "X", "cat": "cpu_op", "name": "vllm::unified_attention_with_output", "ts": 510, "dur": 120.0},
+              {"ph": "X", "cat": "cpu_op", "name": "vllm::unified_kv_cache_update", "ts": 640, "dur": 30.0},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 650, "dur": 300.0},
               start(2000, "1 1 0 1"), launch("cuda_runtime", 2010, 5), kernel("nvjet_sm90", 2100, 5, 5)]
     by_kind = trace_summary.steps(events)
     assert by_kind == {
         "decode, 120 rows or more": [{"rows": 144, "interval_us": 500.0, "gpu_us": 109.0, "groups": {
-            "decode attention (ours)": 40.0, "matmul": 60.0, "cache write (ours)": 9.0}}],
+            "decode attention (ours)": 40.0, "matmul": 60.0, "cache write (ours)": 9.0}, "host_attention_us": 0.0}],
         "mixed, batch 513 to 2,048 tokens": [{"rows": 5, "interval_us": 1500.0, "gpu_us": 100.0, "groups": {
-            "attention (vLLM)": 70.0, "ZipCache write: probe scores, re-compression (ours)": 30.0}}]}
+            "attention (vLLM)": 70.0, "ZipCache write: probe scores, re-compression (ours)": 30.0},
+            "host_attention_us": 150.0}]}
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
