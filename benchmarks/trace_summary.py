@@ -6,9 +6,9 @@ Reads the Chrome traces vLLM's torch profiler writes (``*.json`` or ``*.json.gz`
 duration of every GPU kernel by name (kernels replayed from CUDA graphs included) and prints the
 share of each, with the wall span the kernels cover, so idle GPU time shows too. Then engine steps
 by kind as ``step_times.py`` sorts them, where the run logged its steps (``STEPS=1``, the ranges
-``step_log`` marks): the time from one step's start to the next and the GPU time of the kernels
-the step launched, by group, each a median over the kind's steps; a step whose GPU time falls
-short of its interval waited on the host.
+``step_log`` marks): the time from one step's start to the next, the GPU time of the kernels the
+step launched, by group, and the host's time in vLLM's attention ops, each a median over the
+kind's steps; a step whose GPU time falls short of its interval waited on the host.
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ def summarize(kernels: list[dict]) -> dict:
 
 def steps(events: list[dict]) -> dict[str, list[dict]]:
     """Engine steps by kind (``step_times.kind_of``), each a dict of its ``rows`` (decodes and
-    prompts, padding aside), ``interval_us`` from its start to the next step's (the last step has no next and is left
-    out), the ``gpu_us`` of the kernels launched in between (matched by the launches' correlation ids,
-    graph replays included) and their ``groups``, and ``host_attention_us``, the host's time in vLLM's
-    attention ops (the backend's, where no graph replays them)."""
+    prompts, padding aside), ``interval_us`` from its start to the next step's (the last step has no
+    next and is left out), the ``gpu_us`` of the kernels launched in between (matched by the
+    launches' correlation ids, graph replays included) and their ``groups``, and
+    ``host_attention_us``, the host's time in vLLM's attention ops (the backend's, where no graph
+    replays them)."""
     starts = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(STEP)),
                     key=lambda e: e["ts"])
     launches = sorted((e for e in events if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})),
