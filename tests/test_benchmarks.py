@@ -505,6 +505,24 @@ prof.export_chrome_trace({str(tmp_path / "trace.json")!r})
     assert ranges == ["kvcompress step: 5 3 2 3"] + ["kvcompress step: 4 2 0 9"] * 69
 
 
+def test_mixed_step_host_layers_make_views_and_empties_only():
+    """``benchmarks/experiments/mixed_step_host.py``: with the launches mocked, a layer of either
+    setting in a step with prompts runs on the CPU, and its host work on the CUDA route makes views
+    and output buffers only (no copy, no computation on the host's path); the mocks end with the
+    context."""
+    from benchmarks.experiments import mixed_step_host
+    from vllm_kvcompress import cuda_jit
+
+    call = cuda_jit.Kernel.__call__
+    with mixed_step_host.kernels_mocked():
+        runs = mixed_step_host.layers()
+        for name in ("zipcache-r60", "quant-k4v4"):
+            ops, us = mixed_step_host.measure(runs[name], repeats=3)
+            assert ops and set(ops) <= {"aten.slice.Tensor", "aten.empty.memory_format", "aten.t.default"}, name
+            assert us > 0
+    assert cuda_jit.Kernel.__call__ is call
+
+
 def test_step_times_splits_a_run_by_kind_of_step():
     """A step log with the engine's start-up (a dummy batch, CUDA-graph capture, one-request
     warm-up steps) before the run: the run starts at its first big step, each step lasts until the
