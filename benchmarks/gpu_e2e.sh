@@ -18,7 +18,8 @@
 # setting's tokens/s and its ratio to the first setting's (benchmarks/e2e_ratios.py): SETTINGS="A B A"
 # puts B between two runs of A.
 # STEPS=1: also log every engine step (benchmarks/step_log) and print the run's time by kind of
-# step (benchmarks/step_times.py).
+# step (benchmarks/step_times.py); a setting's later runs are set against its first kind by kind,
+# marked where they disagree.
 # EXTRA_ARGS: more vLLM flags for every run, e.g. "--max-cudagraph-capture-size 2048".
 # Long contexts: RANDOM_LENS="IN OUT" asks vLLM's random dataset for prompts of IN tokens and OUT
 # output tokens each instead of ShareGPT, on a model whose positions are widened to MAX_MODEL_LEN
@@ -65,6 +66,10 @@ for setting in $SETTINGS; do
   grep -E "Error|error:" "$OUT/$SHAPE-$name.log" | grep -v -i "warn" | tail -3
   python "$REPO/benchmarks/completion.py" "$OUT/$SHAPE-$name.log"  # tokens/s at 50/90/99/100% of requests done
   [ -z "${STEPS:-}" ] || python "$REPO/benchmarks/step_times.py" "$OUT/steps-$SHAPE-$name".*
+  if [ -n "${STEPS:-}" ] && [ "${runs_of[$setting_name]}" -gt 1 ]; then  # this run against the setting's first
+    first=("$OUT/steps-$SHAPE-$setting_name".*) this=("$OUT/steps-$SHAPE-$name".*)  # a log a process: the first
+    [ -e "${first[0]}" ] && [ -e "${this[0]}" ] && python "$REPO/benchmarks/step_times.py" --compare "${first[0]}" "${this[0]}"
+  fi
   [ -z "${PROFILE:-}" ] || python "$REPO/benchmarks/trace_summary.py" "$OUT/trace-$SHAPE-$name" --top 15
   results+=("$setting_name=$OUT/$SHAPE-$name.json")
 done

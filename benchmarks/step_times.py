@@ -10,6 +10,11 @@ size), captures CUDA graphs (dummy batches of a fixed request count) and warms u
 requests; the benchmark then hands all its prompts over at once.
 
     python -m benchmarks.step_times STEPLOG.PID [...]     # a table per log
+    python -m benchmarks.step_times --compare FIRST.PID SECOND.PID   # two runs of one setting
+
+Two runs of one setting should agree kind by kind; where a kind's median moved by more than
+``MOVED`` the second run is marked, and a ratio taken against it is suspect (such moves have
+hit whole runs' steps with prompts while their decode steps held).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from statistics import median
 
 FIRST_STEP_TOKENS = 1024
+MOVED = 0.15  # a kind's median that moves more between two runs of one setting marks the pair
 
 
 @dataclass(frozen=True)
@@ -80,10 +86,31 @@ def table(run: list[Step]) -> str:
     return "\n".join(lines)
 
 
+def compare(first: list[Step], second: list[Step]) -> list[str]:
+    """Each kind both runs have: its median step in each and the move, marked where past ``MOVED``."""
+    lines = []
+    for name, test in KINDS:
+        a, b = [median(s.seconds for s in run if test(s)) if any(test(s) for s in run) else None
+                for run in (first, second)]
+        if a is None or b is None:
+            continue
+        move = b / a - 1
+        lines.append(f"{name:34s} {a * 1e3:8.2f} -> {b * 1e3:8.2f} ms {move:+7.1%}"
+                     + ("  moved: runs disagree" if abs(move) > MOVED else ""))
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("logs", nargs="+", type=Path)
-    for path in ap.parse_args().logs:
+    ap.add_argument("--compare", action="store_true", help="two logs: runs of one setting, kind by kind")
+    args = ap.parse_args()
+    if args.compare:
+        first, second = args.logs
+        print(f"{first.name} -> {second.name}, median step by kind:")
+        print("\n".join(compare(steps(first.read_text()), steps(second.read_text()))))
+        return
+    for path in args.logs:
         print(f"{path.name}: {table(steps(path.read_text()))}")
 
 

@@ -553,6 +553,20 @@ def test_step_times_splits_a_run_by_kind_of_step():
     assert rows["decode, under 20 rows"][:2] == ["1", "0.01"]
 
 
+def test_step_times_compare_marks_kinds_that_moved_between_runs():
+    """Two runs of one setting: decode steps of 10 ms against 10.5 (+5%, within MOVED), mixed steps
+    of 20 ms against 30 (+50%, marked); a kind only one run has is left out."""
+    from benchmarks import step_times
+
+    first = [step_times.Step(0.010, 130, 0), step_times.Step(0.020, 140, 700), step_times.Step(0.005, 4, 0)]
+    second = [step_times.Step(0.0105, 130, 0), step_times.Step(0.030, 140, 700)]
+    lines = step_times.compare(first, second)
+    assert len(lines) == 2
+    decode, mixed = lines
+    assert decode.startswith("decode, 120 rows or more") and "+5.0%" in decode and "moved" not in decode
+    assert mixed.startswith("mixed, batch 513 to 2,048 tokens") and "+50.0%" in mixed and "moved" in mixed
+
+
 def test_step_times_run_starts_after_graph_capture_of_big_batches():
     """Capture of batches of 1,024 tokens or more after the first single request (dummy batches of
     a fixed request count) is not the run: the run starts where the number of requests climbs."""
