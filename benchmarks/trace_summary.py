@@ -18,6 +18,7 @@ import gzip
 import json
 from collections import defaultdict
 from pathlib import Path
+from statistics import median
 
 if __package__:
     from .step_times import kind_of, step
@@ -120,20 +121,15 @@ def steps(events: list[dict]) -> dict[str, list[dict]]:
     return dict(by_kind)
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else 0.0
-
-
 def print_steps(by_kind: dict[str, list[dict]]) -> None:
     for kind, rows in by_kind.items():
-        med = {key: _median([r[key] for r in rows]) for key in ("rows", "interval_us", "gpu_us", "host_attention_us")}
+        med = {key: median([r[key] for r in rows]) for key in ("rows", "interval_us", "gpu_us", "host_attention_us")}
         print(f"   {len(rows)} steps {kind}, median {med['rows']:.0f} rows; ms: start to start "
               f"{med['interval_us'] / 1e3:.2f}, GPU {med['gpu_us'] / 1e3:.2f}, host in attention ops "
               f"{med['host_attention_us'] / 1e3:.2f}")
         names = sorted({g for r in rows for g in r["groups"]}, key=lambda g: -sum(r["groups"].get(g, 0) for r in rows))
         for g in names:
-            print(f"      {g:50s} {_median([r['groups'].get(g, 0.0) for r in rows]) / 1e3:7.2f}")
+            print(f"      {g:50s} {median([r['groups'].get(g, 0.0) for r in rows]) / 1e3:7.2f}")
 
 
 def main() -> None:
