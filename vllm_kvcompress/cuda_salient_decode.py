@@ -23,7 +23,8 @@ from . import cuda_jit
 from .cuda_decode import set_layer_pointers, step_fields, step_key
 from .launch_plans import LaunchPlans
 
-_REGIONS = ("k_scale", "k_zero", "v_scale", "v_zero", "k_high", "v_high", "k_low", "v_low", "slot_of")
+# the slot-map page's regions, in the order both its CUDA kernels' arguments take them (the write's too)
+REGIONS = ("k_scale", "k_zero", "v_scale", "v_zero", "k_high", "v_high", "k_low", "v_low", "slot_of")
 
 
 # The fields both ZipCache decodes' argument structs open with (this one's, ``cuda_salient_rows_decode``'s),
@@ -38,7 +39,7 @@ ROW_FIELDS = [(name, ctypes.c_void_p) for name in ("query", "cache", "block_tabl
 
 class _SalientDecodeArgs(ctypes.Structure):
     """``csrc/salient_decode_kernel.cu``'s SalientDecodeArgs, field for field."""
-    _fields_ = ROW_FIELDS + [(name, ctypes.c_int) for name in (*_REGIONS, "slots", "block_size", "bf16")] \
+    _fields_ = ROW_FIELDS + [(name, ctypes.c_int) for name in (*REGIONS, "slots", "block_size", "bf16")] \
         + [("stream", ctypes.c_void_p)]
 
 
@@ -50,13 +51,19 @@ build = _kernel.build  # at startup, not in the middle of serving
 _plans = LaunchPlans()  # by step (``cuda_decode.step_key``): the arguments but the tensors each layer has
 
 
-def _plan(fmt: SalientTokensFormat, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
-          seq_lens: torch.Tensor, row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int,
-          num_splits: int | None, stream: int) -> _SalientDecodeArgs:
+def plan_rows(args_type: type[ctypes.Structure], regions: tuple[str, ...], fmt, query: torch.Tensor,
+              out: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, row_order: torch.Tensor | None,
+              sm_scale: float, max_seq_len: int, num_splits: int | None, stream: int, **fields) -> ctypes.Structure:
+    """A ZipCache decode's launch arguments but the tensors each layer has (both pages' kernels): the
+    step's (``cuda_decode.step_fields``), the page's ``regions`` and block size, and ``fields``."""
     at = fmt.regions.start
-    return _SalientDecodeArgs(
+    return args_type(
         **step_fields(fmt, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len, num_splits, stream),
-        **{name: at(name) for name in _REGIONS}, slots=fmt.slots, block_size=fmt.block_size)
+        **{name: at(name) for name in regions}, block_size=fmt.block_size, **fields)
+
+
+def _plan(fmt: SalientTokensFormat, *step) -> _SalientDecodeArgs:
+    return plan_rows(_SalientDecodeArgs, REGIONS, fmt, *step, slots=fmt.slots)
 
 
 def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,

@@ -11,22 +11,23 @@ Not served yet: nothing writes split-row pages in serving (``docs/log/2026-12-01
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from vllm_kvcompress.formats.salient_rows import SalientRowsFormat
 
 from . import cuda_jit
-from .cuda_decode import step_fields
-from .cuda_salient_decode import ROW_FIELDS, launch_rows
+from .cuda_salient_decode import ROW_FIELDS, launch_rows, plan_rows
 from .launch_plans import LaunchPlans
 
-_REGIONS = ("k_scale", "k_zero", "k4", "v4", "v4_scale", "v4_zero", "k2", "v2", "v2_scale", "v2_zero", "place_of")
+# the split-row page's regions, in the order both its CUDA kernels' arguments take them (the write's too)
+REGIONS = ("k_scale", "k_zero", "k4", "v4", "v4_scale", "v4_zero", "k2", "v2", "v2_scale", "v2_zero", "place_of")
 
 
 class _SalientRowsDecodeArgs(ctypes.Structure):
     """``csrc/decode_kernel.cu``'s SalientRowsDecodeArgs, field for field."""
-    _fields_ = ROW_FIELDS + [(name, ctypes.c_int) for name in (*_REGIONS, "block_size", "bf16")] \
+    _fields_ = ROW_FIELDS + [(name, ctypes.c_int) for name in (*REGIONS, "block_size", "bf16")] \
         + [("stream", ctypes.c_void_p)]
 
 
@@ -35,13 +36,7 @@ _kernel = cuda_jit.Kernel("kvcompress_decode", "kvc_salient_rows_decode", _Salie
 _plans = LaunchPlans()  # by step (``cuda_decode.step_key``)
 
 
-def _plan(fmt: SalientRowsFormat, query: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
-          seq_lens: torch.Tensor, row_order: torch.Tensor | None, sm_scale: float, max_seq_len: int,
-          num_splits: int | None, stream: int) -> _SalientRowsDecodeArgs:
-    at = fmt.regions.start
-    return _SalientRowsDecodeArgs(
-        **step_fields(fmt, query, out, block_table, seq_lens, row_order, sm_scale, max_seq_len, num_splits, stream),
-        **{name: at(name) for name in _REGIONS}, block_size=fmt.block_size)
+_plan = functools.partial(plan_rows, _SalientRowsDecodeArgs, REGIONS)
 
 
 def decode_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pages: torch.Tensor,

@@ -19,19 +19,19 @@ from vllm_kvcompress.formats.salient import SalientTokensFormat
 from vllm_kvcompress.salient_torch import NO_WINDOW, last_block_random_scores, quota_table
 
 from . import cuda_jit
+from .cuda_salient_decode import REGIONS
 from .launch_plans import LaunchPlans
 
 _POINTERS = ("query", "key", "value", "lse", "given", "block_table", "seq_lens", "quotas", "cache")
 _STRIDES = ("q_row_stride", "q_head_stride", "k_row_stride", "v_row_stride", "lse_row_stride", "lse_head_stride",
             "table_stride", "page_bytes")
 _SIZES = ("num_rows", "num_heads", "head_size", "block_size", "slots")
-_REGIONS = ("k_scale", "k_zero", "v_scale", "v_zero", "k_high", "v_high", "k_low", "v_low", "slot_of")
 
 
 class _SalientWriteArgs(ctypes.Structure):
     """``csrc/salient_write_kernel.cu``'s SalientWriteArgs, field for field."""
     _fields_ = ([(name, ctypes.c_void_p) for name in _POINTERS] + [(name, ctypes.c_int64) for name in _STRIDES]
-                + [(name, ctypes.c_int) for name in _SIZES + _REGIONS + ("interval", "window")]
+                + [(name, ctypes.c_int) for name in _SIZES + REGIONS + ("interval", "window")]
                 + [("scale", ctypes.c_float), ("dtype", ctypes.c_int), ("stream", ctypes.c_void_p),
                    ("group", ctypes.c_int)])
 
@@ -47,18 +47,22 @@ _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
 _plans = LaunchPlans()  # by step: rows, block table, lengths, format and what else is the same every layer
 
 
-def _plan(fmt: SalientTokensFormat, spec: SalientSpec, query: torch.Tensor, block_table: torch.Tensor,
-          seq_lens: torch.Tensor, scale: float, window: int | None, stream: int) -> _SalientWriteArgs:
-    """The launch's arguments but for the pointers each layer sets (query, key, value, lse, cache)."""
+def plan_write(args_type: type[ctypes.Structure], regions: tuple[str, ...], fmt, spec: SalientSpec,
+               query: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+               window: int | None, stream: int, **fields) -> ctypes.Structure:
+    """A ZipCache decode write's launch arguments but for the pointers each layer sets (query, key,
+    value, lse, cache), both pages' kernels: the page's ``regions`` and ``fields`` with the rest."""
     at = fmt.regions.start
-    return _SalientWriteArgs(
-        block_table=block_table.data_ptr(), seq_lens=seq_lens.data_ptr(),
-        quotas=quota_table(fmt, query.device).data_ptr(),
+    return args_type(
+        block_table=block_table.data_ptr(), seq_lens=seq_lens.data_ptr(), quotas=quota_table(fmt, query.device).data_ptr(),
         table_stride=block_table.stride(0), page_bytes=fmt.page_bytes, num_rows=query.shape[0],
-        num_heads=fmt.k.num_heads, head_size=fmt.k.head_size,
-        block_size=fmt.block_size, slots=fmt.slots, **{name: at(name) for name in _REGIONS},
-        interval=spec.recompress_interval, window=window or NO_WINDOW, scale=scale, dtype=_DTYPES[query.dtype],
-        stream=stream, group=query.shape[1] // fmt.k.num_heads)
+        num_heads=fmt.k.num_heads, head_size=fmt.k.head_size, block_size=fmt.block_size,
+        **{name: at(name) for name in regions}, interval=spec.recompress_interval, window=window or NO_WINDOW,
+        scale=scale, dtype=_DTYPES[query.dtype], stream=stream, group=query.shape[1] // fmt.k.num_heads, **fields)
+
+
+def _plan(fmt: SalientTokensFormat, *step) -> _SalientWriteArgs:
+    return plan_write(_SalientWriteArgs, REGIONS, fmt, *step, slots=fmt.slots)
 
 
 def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,

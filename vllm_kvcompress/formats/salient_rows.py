@@ -66,6 +66,10 @@ class SalientRowsFormat(SlottedPage):
         """K's codec, the grid both halves share: the heads and head size, as other formats give them."""
         return self.slot_map.k
 
+    def quota(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """The slot map's: 4-bit tokens a block of ``num_tokens`` keeps after a re-compression."""
+        return self.slot_map.quota(num_tokens)
+
     @property
     def rows(self) -> int:
         """Rows of each half a block and head: B / 2."""
