@@ -383,17 +383,13 @@ __global__ void __launch_bounds__(kWriteWarps * 32, 6) salient_rows_write_kernel
   }
 }
 
-template <typename T, int D>
-cudaError_t launch(const SalientRowsWriteArgs& a) {
-  return launch_write_warps<salient_rows_write_kernel<T, D>, D, sizeof(Scratch<D>) * kWriteWarps>(a);
-}
-
-using Launcher = cudaError_t (*)(const SalientRowsWriteArgs&);
-
-template <typename T>
-Launcher launcher_of(int head_size) {
-  return head_size == 64 ? launch<T, 64> : head_size == 128 ? launch<T, 128> : head_size == 256 ? launch<T, 256> : nullptr;
-}
+// The kernel's launch for run_write
+struct SplitRowWrite {
+  template <typename T, int D>
+  static cudaError_t launch(const SalientRowsWriteArgs& a) {
+    return launch_write_warps<salient_rows_write_kernel<T, D>, D, sizeof(Scratch<D>) * kWriteWarps>(a);
+  }
+};
 
 }  // namespace
 
@@ -401,12 +397,5 @@ Launcher launcher_of(int head_size) {
 // the kernel does not cover: head sizes but 64, 128 and 256, pages but of 64 and 128 tokens, float32,
 // more query heads a KV head than kMaxProbeFloats holds).
 extern "C" int kvc_salient_rows_write(const SalientRowsWriteArgs* a) {
-  const Launcher f = a->dtype == 1   ? launcher_of<__half>(a->head_size)
-                     : a->dtype == 2 ? launcher_of<__nv_bfloat16>(a->head_size)
-                                     : nullptr;
-  if (f == nullptr || (a->block_size != 64 && a->block_size != 128) || a->group < 1 ||
-      probe_floats(a->group, a->head_size) > kMaxProbeFloats)
-    return static_cast<int>(cudaErrorInvalidValue);
-  if (a->num_rows == 0) return 0;
-  return static_cast<int>(f(*a));
+  return run_write<SplitRowWrite>(*a, a->block_size == 64 || a->block_size == 128);
 }

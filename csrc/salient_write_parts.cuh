@@ -199,4 +199,25 @@ cudaError_t launch_write_warps(const Args& a) {
                                  probes, static_cast<cudaStream_t>(a.stream), a);
 }
 
+// A write's entry point (kvc_salient_write, kvc_salient_rows_write): the launch of Write::launch<T, D>
+// for the arguments' element type (dtype 1 float16, 2 bfloat16) and head size (64, 128, 256), where
+// those, `pages_covered` and the query heads a KV head (their probes within kMaxProbeFloats) are
+// what the kernel covers; else cudaErrorInvalidValue.
+template <typename Write, typename Args>
+int run_write(const Args& a, bool pages_covered) {
+  using Launcher = cudaError_t (*)(const Args&);
+  const auto of_head_size = [&](auto element) -> Launcher {
+    using T = decltype(element);
+    return a.head_size == 64    ? Write::template launch<T, 64>
+           : a.head_size == 128 ? Write::template launch<T, 128>
+           : a.head_size == 256 ? Write::template launch<T, 256>
+                                : nullptr;
+  };
+  const Launcher f = a.dtype == 1 ? of_head_size(__half{}) : a.dtype == 2 ? of_head_size(__nv_bfloat16{}) : nullptr;
+  if (f == nullptr || !pages_covered || a.group < 1 || probe_floats(a.group, a.head_size) > kMaxProbeFloats)
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (a.num_rows == 0) return 0;
+  return static_cast<int>(f(a));
+}
+
 }  // namespace kvc
