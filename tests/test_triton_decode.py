@@ -410,7 +410,7 @@ def test_a_steps_layers_share_one_plan_and_pass_their_own_pointers(monkeypatch):
         launched.append((variant.kernel, tuple(grid) + (1,) * (3 - len(grid)), pointers(args)))
         return Compiled(variant)
 
-    monkeypatch.setattr(decode, "_plannable", lambda device: True)
+    monkeypatch.setattr(decode, "plannable", lambda device: True)
     monkeypatch.setattr(decode, "stream_handle", lambda device: 7)
     monkeypatch.setattr(decode, "launch", launch)
     monkeypatch.setattr(decode, "_plans", LaunchPlans())

@@ -339,8 +339,9 @@ def test_the_write_takes_fresh_blocks_through_its_fresh_variant(monkeypatch):
     from vllm_kvcompress.triton_kernels import salient_write
 
     launches = []
-    monkeypatch.setattr(salient_write, "_launch", lambda programs, *a, kind, first_block, **kw: launches.append(
-        (programs, first_block, kind[3])))
+    first_block = salient_write._RUNTIME.index("first_block")
+    monkeypatch.setattr(salient_write, "launch", lambda variant, grid, args: launches.append(
+        (grid[0], args[first_block], variant.constants["FRESH"])))
     B, H, HQ, D = 32, 2, 4, 64
     fmt = SalientTokensFormat.create(0.5, torch.float32, B, H, D)
     spec = SalientSpec(ratio=0.5)
@@ -351,6 +352,108 @@ def test_the_write_takes_fresh_blocks_through_its_fresh_variant(monkeypatch):
     salient_write.write_chunks(q, kv, kv, torch.zeros(12, fmt.page_bytes, dtype=torch.uint8), fmt, spec, writes,
                                torch.zeros(qsl[-1], HQ), D ** -0.5)
     assert launches == [(5, 0, True), (1, 5, False)]
+
+
+def test_a_steps_later_layers_launch_the_first_layers_chunk_writes_with_their_own_pointers(monkeypatch):
+    """On CUDA, ``write_chunks`` plans the step's launches at its first layer: a later layer launches
+    the same compiled kernels, grids and arguments but for its own query, key, value, log-sum-exp and
+    cache (and the cache wherever a kind reads no pointer), and the scratch scores are the first
+    layer's; pointers of another alignment make a plan of their own."""
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.salient_torch import plan_chunk_writes
+    from vllm_kvcompress.triton_kernels import salient_write
+
+    launched, ran = [], []
+
+    class Compiled:
+        def __init__(self, variant):
+            self.variant = variant
+
+        def run(self, grid, stream, args):
+            ran.append((self.variant, grid, stream, tuple(args)))
+
+    def launch(variant, grid, args):
+        launched.append((variant, tuple(grid) + (1,), args))
+        return Compiled(variant)
+
+    monkeypatch.setattr(salient_write, "plannable", lambda device: True)
+    monkeypatch.setattr(salient_write, "stream_handle", lambda device: 7)
+    monkeypatch.setattr(salient_write, "launch", launch)
+    B, H, HQ, D = 32, 2, 4, 64
+    fmt = SalientTokensFormat.create(0.5, torch.float32, B, H, D)
+    spec = SalientSpec(ratio=0.5)
+    q_lens, lens = [30, 70, 1], [40, 70, 65]
+    qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
+    writes = plan_chunk_writes(fmt, spec, qsl, lens, torch.arange(12, dtype=torch.int32).view(3, 4))
+    t = qsl[-1]
+
+    def layer():  # query, key, value, log-sum-exp ([T, Hq], as salient_prompt gives it) and cache
+        return (torch.randn(t, HQ, D), torch.randn(t, H, D), torch.randn(t, H, D), torch.randn(HQ, t).t(),
+                torch.zeros(12, fmt.page_bytes, dtype=torch.uint8))
+
+    layers = [layer() for _ in range(3)]
+    for q, k, v, lse, cache in layers:
+        salient_write.write_chunks(q, k, v, cache, fmt, spec, writes, lse, D ** -0.5)
+    assert [v.constants["FRESH"] for v, _, _ in launched] == [True, False]
+    assert len(ran) == 4
+    own = {"q_ptr": 0, "k_ptr": 1, "v_ptr": 2, "lse_ptr": 3, "pages_ptr": 4}
+    for i, (q, k, v, lse, cache) in enumerate(layers[1:]):
+        mine = (q, k, v, lse, cache)
+        for (variant, grid, args), run in zip(launched, ran[2 * i:]):
+            first_cache = args[salient_write._RUNTIME.index("pages_ptr")]
+            expected = tuple(mine[own[name]].data_ptr() if name in own
+                             else cache.data_ptr() if arg is first_cache
+                             else arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
+                             for name, arg in zip(salient_write._RUNTIME, args))
+            assert run == (variant, grid, 7, expected)
+    unread = [name for name, arg in zip(salient_write._RUNTIME, launched[0][2])
+              if name not in own and arg is layers[0][4]]
+    assert unread  # the kinds here read no decode table: the cache's pointer goes there
+    q, k, v, lse, cache = layers[0]
+    shifted = torch.empty(t * H * D + 1)[1:].view(t, H, D)
+    salient_write.write_chunks(q, k, shifted, cache, fmt, spec, writes, lse, D ** -0.5)
+    assert len(launched) == 4 and len(ran) == 4
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="launches are planned on CUDA alone")
+def test_a_layer_through_the_steps_plan_writes_as_it_would_alone():
+    """Two steps of prompt chunks (fresh blocks, then both kinds) over two layers, the second layer's
+    writes through the plan its first layer made (``write_chunks``), against the second layer's
+    steps made alone (plans of their own): the same outputs and the same pages, bit for bit."""
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.salient_torch import plan_chunk_writes
+    from vllm_kvcompress.token_rows import token_rows
+    from vllm_kvcompress.triton_kernels import salient_prompt
+
+    H, HQ, D, B = 2, 4, 64, 32
+    fmt = SalientTokensFormat.create(0.5, torch.bfloat16, B, H, D)
+    spec = SalientSpec(ratio=0.5)
+    g = torch.Generator().manual_seed(3)
+    table = torch.arange(3 * 4, dtype=torch.int32, device=DEVICE).view(3, 4)
+    first, second, alone = (torch.zeros(12, fmt.page_bytes, dtype=torch.uint8, device=DEVICE) for _ in range(3))
+    lens = [0, 0, 0]
+    for q_lens in ([40, 3, 17], [30, 64, 1]):
+        lens = [L + m for L, m in zip(lens, q_lens)]
+        qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
+        histories = [L - m for L, m in zip(lens, q_lens)]
+
+        def step(cache, writes, seed):
+            gen = torch.Generator().manual_seed(seed)
+            q = torch.randn(qsl[-1], HQ, D, generator=gen).to(DEVICE, torch.bfloat16)
+            k, v = (torch.randn(qsl[-1], H, D, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+            out = torch.empty_like(q)
+            rows = token_rows(qsl, histories, table, rows_per_group=9)
+            salient_prompt.salient_prompt(q, k, v, cache, fmt, spec, rows, writes, D ** -0.5, out)
+            return out
+
+        writes = plan_chunk_writes(fmt, spec, qsl, lens, table)
+        seed = int(torch.randint(1 << 30, (1,), generator=g))
+        step(first, writes, seed + 1)
+        assert writes.launch_plans  # made at the first layer
+        planned = step(second, writes, seed)
+        own = step(alone, plan_chunk_writes(fmt, spec, qsl, lens, table), seed)
+        assert torch.equal(planned, own) and torch.equal(second, alone), q_lens
+    assert not torch.equal(first, second)
 
 
 def test_warm_up_writes_nothing_and_compiles_what_steps_launch(monkeypatch):

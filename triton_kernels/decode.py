@@ -28,7 +28,7 @@ from vllm_kvcompress.launch_plans import LaunchPlans
 from vllm_kvcompress.token_rows import TokenGroups
 
 from .addressing import code_unit_ptr, unpack_codes
-from .launch import Compiled, Variant, device_index, hooked, launch, stream_handle
+from .launch import Compiled, Variant, device_index, launch, plannable, stream_handle
 
 
 @triton.jit
@@ -989,11 +989,6 @@ class _DecodePlan(NamedTuple):
 _plans = LaunchPlans()  # by step: rows, lengths, format and the pointers' alignments
 
 
-def _plannable(device: torch.device) -> bool:
-    """Launches are planned where they are compiled: on CUDA, with no launch hook (``launch.hooked``)."""
-    return device.type == "cuda" and not hooked()
-
-
 def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | MergedLayer,
                  block_table: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, max_seq_len: int,
                  num_splits: int | None = None, out: torch.Tensor | None = None, tile: int | None = None,
@@ -1032,7 +1027,7 @@ def paged_decode(query: torch.Tensor, cache: torch.Tensor, fmt: KVPageFormat | M
         raise ValueError("window and first_keys: both for a sliding-window layer, or neither")
     first = seq_lens if first_keys is None else first_keys  # likewise without
     key = None
-    if _plannable(query.device):
+    if plannable(query.device):
         pointers = query.data_ptr(), cache.data_ptr(), out.data_ptr(), lse.data_ptr()
         stream = stream_handle(query.device)
         key = (fmt, query.shape, query.dtype, q_stride, out.dtype, out.stride(0), block_table.data_ptr(),

@@ -83,6 +83,12 @@ def launch(variant: Variant, grid: tuple[int, ...], args: tuple) -> Compiled | N
     return hit
 
 
+def plannable(device: torch.device) -> bool:
+    """Whether a step's launches may be planned (``Compiled.run`` kept across its layers): where they
+    are compiled, on CUDA, with no launch hook (``hooked``)."""
+    return device.type == "cuda" and not hooked()
+
+
 def device_index(device: torch.device) -> int:
     """A CUDA device's index, the current device's where ``device`` names none."""
     return torch.cuda.current_device() if device.index is None else device.index

@@ -35,7 +35,7 @@ from vllm_kvcompress.formats.salient import NO_SLOT, SalientTokensFormat
 from vllm_kvcompress.salient_torch import NO_WINDOW, ChunkWrites, last_block_random_scores, quota_table
 
 from .grid import code_on, min_max_stats
-from .launch import Variant, launch
+from .launch import Compiled, Variant, launch, plannable, stream_handle
 from .write import _half, _widened_span, ranked
 
 _TOP = tl.constexpr(15.0)  # highest 4-bit code
@@ -416,12 +416,12 @@ def _variant(fmt: SalientTokensFormat, group: int, tile: int, num_warps: int, de
 _RUNTIME = _salient_write_kernel.arg_names[:_salient_write_kernel.arg_names.index("PAGE")]
 
 
-def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores,
-            kind: tuple[bool, bool, bool, bool], tile: int | None = None, num_warps: int | None = None,
-            probes: int | None = None, **args) -> None:
-    """The write kernel over ``programs`` blocks (or decode rows) and every KV head; ``kind``: its
-    DECODE, GIVEN, NORMALIZED and FRESH; ``tile``, ``num_warps`` and ``probes`` (a product) as
-    tuned unless given. Pointers a kind does not read are given the cache's."""
+def _arguments(programs: int, fmt: SalientTokensFormat, query, key, value, cache, scores,
+               kind: tuple[bool, bool, bool, bool], tile: int | None = None, num_warps: int | None = None,
+               probes: int | None = None, **args) -> tuple[Variant, tuple[int, int], tuple]:
+    """The write kernel's variant, grid (``programs`` blocks or decode rows, every KV head) and runtime
+    arguments; ``kind``: its DECODE, GIVEN, NORMALIZED and FRESH; ``tile``, ``num_warps`` and
+    ``probes`` (a product) as tuned unless given. Pointers a kind does not read are given the cache's."""
     values = dict(q_ptr=query, k_ptr=key, v_ptr=value, scores_ptr=scores, pages_ptr=cache,
                   q_row_stride=query.stride(0), q_head_stride=query.stride(1), k_row_stride=key.stride(0),
                   v_row_stride=value.stride(0), first_block=0, scale=1.0, interval=1, window=NO_WINDOW,
@@ -429,9 +429,44 @@ def _launch(programs: int, fmt: SalientTokensFormat, query, key, value, cache, s
     heads = fmt.k.num_heads
     group = query.shape[1] // heads
     default_tile, default_warps = default_tuning(group, kind[0], kind[3])
-    launch(_variant(fmt, group, tile or default_tile, num_warps or default_warps, *kind, probes or PROBES),
-           (programs, heads),
-           tuple([values.get(name, cache) for name in _RUNTIME]))
+    return (_variant(fmt, group, tile or default_tile, num_warps or default_warps, *kind, probes or PROBES),
+            (programs, heads), tuple([values.get(name, cache) for name in _RUNTIME]))
+
+
+def _launch(*args, **kwargs) -> Compiled | None:
+    """The write kernel launched with ``_arguments``; the compiled kernel, as ``launch`` returns it."""
+    return launch(*_arguments(*args, **kwargs))
+
+
+# A layer's own tensors, in the order a planned chunk write takes their pointers; the kernel's other
+# pointer arguments that a kind does not read are given the cache's.
+_LAYER_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "lse_ptr", "pages_ptr")
+
+
+class _ChunkWritePlan(NamedTuple):
+    """A step's chunk writes (one launch a kind of block), compiled (``launch.Compiled``), with their
+    arguments as plain values but for a layer's own pointers: a step's later layers launch the
+    compiled kernels with their own, without building the arguments again (as ``decode._DecodePlan``)."""
+    launches: tuple[tuple[Compiled, tuple[int, int, int], list, tuple[tuple[int, int], ...]], ...]
+    scores: torch.Tensor  # the launches' scratch scores, shared by the step's layers (one stream: one at a time)
+
+    @staticmethod
+    def of(compiled: Compiled, grid: tuple[int, int], args: tuple) -> tuple:
+        """One launch's part of a plan: its arguments, tensors as pointers, and where each of the
+        layer's own pointers (``_LAYER_POINTERS``; the cache's where a kind reads none) goes."""
+        cache = _LAYER_POINTERS.index("pages_ptr")
+        own = tuple((at, _LAYER_POINTERS.index(name) if name in _LAYER_POINTERS else cache)
+                    for at, (name, arg) in enumerate(zip(_RUNTIME, args))
+                    if name in _LAYER_POINTERS or arg is args[_RUNTIME.index("pages_ptr")])
+        plain = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        return compiled, (*grid, 1), plain, own
+
+    def __call__(self, stream: int, pointers: tuple[int, ...]) -> None:
+        for compiled, grid, plain, own in self.launches:
+            args = plain.copy()
+            for at, which in own:
+                args[at] = pointers[which]
+            compiled.run(grid, stream, args)
 
 
 def write_decoded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
@@ -463,20 +498,38 @@ def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
     attention over its whole context (or its sliding ``window``, which its probe sees alone)."""
     if writes is None:
         return
+    layer = (query, key, value, lse, cache)  # as _LAYER_POINTERS
+    plan_key = None
+    if plannable(cache.device):
+        stream = stream_handle(cache.device)
+        pointers = tuple([x.data_ptr() for x in layer])
+        plan_key = (fmt, spec, query.shape, query.dtype, key.dtype, query.stride(0), query.stride(1), key.stride(0),
+                    value.stride(0), lse.stride(0), lse.stride(1), scale, window, tuple(sorted(tuning.items())), stream,
+                    tuple([p & 15 == 0 for p in pointers]))  # the compiled kernels' specialization
+        plan = writes.launch_plans.get(plan_key)
+        if plan is not None:
+            plan(stream, pointers)
+            return
     n = writes.blocks.shape[0]
     scores = writes.scores
     if scores is None:
         scores = torch.empty(n, fmt.block_size, fmt.k.num_heads, device=cache.device)
     given, normalized = writes.scores is not None, spec.score == "normalized"
+    launches = []
     # the fresh blocks (the plan puts them first) through the kernel without stored tokens, the rest after
     for first, end, fresh in ((0, writes.fresh, True), (writes.fresh, n, False)):
         if end > first:
-            _launch(end - first, fmt, query, key, value, cache, scores, lse_ptr=lse, lse_row_stride=lse.stride(0),
-                    lse_head_stride=lse.stride(1), blocks_ptr=writes.blocks, stored_ptr=writes.num_stored,
-                    filled_ptr=writes.filled, first_ptr=writes.first_row, quota_ptr=writes.quota,
-                    start_ptr=writes.start, probe_first_ptr=writes.probe_first, probe_end_ptr=writes.probe_end,
-                    probe_rows_ptr=writes.probe_rows, probe_pos_ptr=writes.probe_pos, first_block=first, scale=scale,
-                    window=window or NO_WINDOW, kind=(False, given, normalized, fresh), **tuning)
+            variant, grid, args = _arguments(
+                end - first, fmt, query, key, value, cache, scores, lse_ptr=lse, lse_row_stride=lse.stride(0),
+                lse_head_stride=lse.stride(1), blocks_ptr=writes.blocks, stored_ptr=writes.num_stored,
+                filled_ptr=writes.filled, first_ptr=writes.first_row, quota_ptr=writes.quota, start_ptr=writes.start,
+                probe_first_ptr=writes.probe_first, probe_end_ptr=writes.probe_end, probe_rows_ptr=writes.probe_rows,
+                probe_pos_ptr=writes.probe_pos, first_block=first, scale=scale, window=window or NO_WINDOW,
+                kind=(False, given, normalized, fresh), **tuning)
+            launches.append((launch(variant, grid, args), grid, args))
+    if plan_key is not None and all(compiled is not None for compiled, _, _ in launches):
+        writes.launch_plans[plan_key] = _ChunkWritePlan(
+            tuple(_ChunkWritePlan.of(*launched) for launched in launches), scores)
 
 
 def warm_up(cache: torch.Tensor, fmt: SalientTokensFormat, num_query_heads: int, dtype: torch.dtype) -> None:

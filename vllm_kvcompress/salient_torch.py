@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -157,6 +157,7 @@ class ChunkWrites:
     probe_pos: torch.Tensor    # [P] int32: their context positions
     scores: torch.Tensor | None  # [N, B, H] float32 drawn scores (``random``); None: from the probes
     fresh: int                 # the first ``fresh`` blocks held no token before the step, the others some
+    launch_plans: dict = field(default_factory=dict, repr=False)  # the kernels' launches, kept for the step's layers
 
 
 def plan_chunk_writes(fmt: SalientTokensFormat, spec: SalientSpec, query_start_loc: list[int], seq_lens: list[int],

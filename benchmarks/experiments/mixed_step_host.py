@@ -35,11 +35,21 @@ def kernels_mocked():
                    window=None):
         return torch.empty(query.shape[1], query.shape[0])
 
+    class Compiled:  # what launch returns: a kernel a step's later layers run again (their plans)
+        def run(self, grid, stream, args):
+            pass
+
+    def specialized(variant, grid, args):
+        launch._specialization(args)
+        return Compiled()
+
     with mock.patch.object(cuda_jit.Kernel, "__call__", lambda self, args: None), \
             mock.patch.object(launch, "stream_handle", lambda device: 0), \
+            mock.patch.object(salient_write, "stream_handle", lambda device: 0), \
+            mock.patch.object(salient_write, "plannable", lambda device: True), \
             mock.patch.object(cuda_decode, "choose_num_splits", lambda *args: 4), \
             mock.patch.object(prompt, "chunks_attention", own_tokens), \
-            mock.patch.object(salient_write, "launch", lambda variant, grid, args: launch._specialization(args)):
+            mock.patch.object(salient_write, "launch", specialized):
         yield
 
 
