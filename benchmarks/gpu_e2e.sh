@@ -20,6 +20,10 @@
 # STEPS=1: also log every engine step (benchmarks/step_log) and print the run's time by kind of
 # step (benchmarks/step_times.py); a setting's later runs are set against its first kind by kind,
 # marked where they disagree.
+# STACKS=N: also sample the engine process's host stacks for N seconds from its 64th step (py-spy,
+# which must be installed: pip install py-spy) and print where its main thread's time went
+# (benchmarks/host_stacks.py): steps that carry prompts launch every layer's attention from the host.
+# STACKS turns STEPS on (the step log names the engine process).
 # EXTRA_ARGS: more vLLM flags for every run, e.g. "--max-cudagraph-capture-size 2048".
 # Long contexts: RANDOM_LENS="IN OUT" asks vLLM's random dataset for prompts of IN tokens and OUT
 # output tokens each instead of ShareGPT, on a model whose positions are widened to MAX_MODEL_LEN
@@ -29,8 +33,23 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/results}; mkdir -p "$OUT"
 [ -z "${PROFILE:-}" ] || STEPS=1
+if [ -n "${STACKS:-}" ]; then
+  STEPS=1
+  command -v py-spy > /dev/null || { echo "STACKS=$STACKS: py-spy is not installed (pip install py-spy)"; exit 2; }
+fi
 [ -z "${RANDOM_LENS:-}" ] || POSITIONS=${MAX_MODEL_LEN:-2048}
 source "$REPO/benchmarks/gpu_common.sh"
+
+sample_stacks() {  # $1: the run's step-log prefix (its files end in the engine's pid), $2: the samples' file
+  for _ in $(seq 1 1200); do
+    for log in "$1".*; do
+      [ -e "$log" ] || continue
+      py-spy record -p "${log##*.}" -d "$STACKS" -r 250 --nonblocking -f raw -o "$2" > "$2.log" 2>&1
+      return
+    done
+    sleep 0.5
+  done
+}
 cd /tmp   # not the checkout: its triton_kernels/ folder would shadow the upstream package vLLM imports
 read -ra extra <<< "${EXTRA_ARGS:-}"
 dataset=(--dataset-name sharegpt --dataset-path "${DATA:-}")
@@ -57,6 +76,11 @@ for setting in $SETTINGS; do
     steps=(env KVCOMPRESS_STEP_LOG="$OUT/steps-$SHAPE-$name" PYTHONPATH="$REPO/benchmarks/step_log${PYTHONPATH:+:$PYTHONPATH}")
   fi
   rm -f "$OUT/$SHAPE-$name.json"  # a failed run leaves none, not an earlier call's
+  sampler=
+  if [ -n "${STACKS:-}" ]; then
+    rm -f "$OUT/stacks-$SHAPE-$name.txt"
+    sample_stacks "$OUT/steps-$SHAPE-$name" "$OUT/stacks-$SHAPE-$name.txt" & sampler=$!
+  fi
   start=$(date +%s)
   env "${run_env[@]}" "${steps[@]}" timeout "${RUN_TIMEOUT:-240}" python -m vllm.entrypoints.cli.main bench throughput --model "$MODEL" \
     --load-format dummy --dtype bfloat16 --max-model-len "${MAX_MODEL_LEN:-2048}" --kv-cache-memory-bytes "${KV_BYTES:-8589934592}" \
@@ -71,6 +95,15 @@ for setting in $SETTINGS; do
     [ -e "${first[0]}" ] && [ -e "${this[0]}" ] && python "$REPO/benchmarks/step_times.py" --compare "${first[0]}" "${this[0]}"
   fi
   [ -z "${PROFILE:-}" ] || python "$REPO/benchmarks/trace_summary.py" "$OUT/trace-$SHAPE-$name" --top 15
+  if [ -n "$sampler" ]; then
+    kill "$sampler" 2> /dev/null; wait "$sampler" 2> /dev/null
+    if [ -s "$OUT/stacks-$SHAPE-$name.txt" ]; then
+      python "$REPO/benchmarks/host_stacks.py" "$OUT/stacks-$SHAPE-$name.txt" \
+        --under KVCompressImpl.forward --under KVCompressImpl._forward_salient
+    else
+      echo "no host stacks sampled: $(tail -2 "$OUT/stacks-$SHAPE-$name.txt.log" 2> /dev/null)"
+    fi
+  fi
   results+=("$setting_name=$OUT/$SHAPE-$name.json")
 done
 python "$REPO/benchmarks/e2e_ratios.py" "${results[@]}"

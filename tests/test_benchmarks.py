@@ -931,3 +931,73 @@ def test_zipsim_halves_put_each_precision_on_a_grid_of_its_own_tokens():
     # plain 2 bits over 100..130: step 10
     plain = _halves(x, 1, salient, plain=True)[0, :, 0]
     assert plain.tolist() == [0.0, 15.0, 100.0, 130.0, 110.0]
+
+
+def test_host_stacks_count_the_engine_main_threads_samples_by_part_of_a_step():
+    """``benchmarks/host_stacks.py`` over py-spy's raw lines: another thread's samples are left out;
+    a sample counts once in each part its stack passes through (our attention inside the model's
+    forward), and ``under`` splits a function's samples by the frame it called next (itself: self)."""
+    from benchmarks import host_stacks
+
+    step = "_main (spawn.py:1);EngineCoreProc._process_engine_step (vllm/v1/engine/core.py:1606)"
+    forward = f"{step};LlamaModel.forward (llama.py:406);KVCompressImpl.forward (vllm_kvcompress/backend.py:332)"
+    salient = f"{forward};KVCompressImpl._forward_salient (vllm_kvcompress/backend.py:384)"
+    text = "\n".join([
+        f"{salient};decode_rows (vllm_kvcompress/cuda_salient_decode.py:76) 5",
+        f"{salient};decode_rows (vllm_kvcompress/cuda_salient_decode.py:76);Kernel.__call__ (cuda_jit.py:113) 2",
+        f"{salient} 3",
+        f"{step};Scheduler.schedule (vllm/v1/core/sched/scheduler.py:776) 7",
+        "_bootstrap (threading.py:1);process_output_sockets (core.py:1) 11",  # not the engine loop's thread
+        "not a sample line",
+    ])
+    stacks = host_stacks.engine_steps(host_stacks.samples(text))
+    assert sum(n for _, n in stacks) == 17
+    parts = host_stacks.parts(stacks)
+    assert parts == {"model forward (all layers)": 10, "attention (ours)": 10, "scheduler": 7}
+    assert host_stacks.under(stacks, "KVCompressImpl._forward_salient") == {
+        "decode_rows (vllm_kvcompress/cuda_salient_decode.py:76)": 7, "(self)": 3}
+    assert host_stacks.under(stacks, "Scheduler.schedule") == {"(self)": 7}
+
+
+def test_gpu_e2e_stacks_sample_the_engine_named_by_its_step_log(tmp_path):
+    """``gpu_e2e.sh`` with STACKS: py-spy (a stub here) samples the process whose step log appeared
+    (its pid the log's suffix) into the run's stacks file, summarized after the run; without py-spy
+    the call stops at once with a message that says so."""
+    model = tmp_path / "models" / "tiny"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "python"
+    stub.write_text(f"""#!/usr/bin/env bash
+if [ "$1 $2" = "-m vllm.entrypoints.cli.main" ]; then  # the engine: a step log, then the result
+  for i in $(seq 0 9); do echo "$i.0 4 3 0 $((3 + 200 * (i % 2)))" >> "$KVCOMPRESS_STEP_LOG.4242"; done
+  sleep 2
+  while [ $# -gt 0 ]; do [ "$1" = --output-json ] && out=$2; shift; done
+  echo '{{"tokens_per_second": 1000}}' > "$out"
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    stub.chmod(0o755)
+    spy = bin_dir / "py-spy"
+    spy.write_text("""#!/usr/bin/env bash
+echo "$@" > "$(dirname "$0")/py-spy.args"
+while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done
+echo "EngineCoreProc._process_engine_step (core.py:1);Scheduler.schedule (scheduler.py:2) 500" > "$out"
+""")
+    spy.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SHAPE": "tiny", "MODELS_DIR": str(model.parent),
+           "OUT": str(tmp_path / "out"), "SETTINGS": "quant-k4v4", "STACKS": "3"}
+    run = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_e2e.sh")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "-p 4242 -d 3 " in (bin_dir / "py-spy.args").read_text()
+    assert (tmp_path / "out" / "stacks-tiny-quant-k4v4.txt").exists()
+    assert "stacks-tiny-quant-k4v4.txt: engine main thread busy 2.00 s" in run.stdout
+    assert "  scheduler" in run.stdout
+    spy.unlink()
+    env["PATH"] = f"{bin_dir}:/usr/bin:/bin"
+    run = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_e2e.sh")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2 and "STACKS=3: py-spy is not installed" in run.stdout
