@@ -331,23 +331,30 @@ def test_the_plan_puts_fresh_blocks_first_each_with_its_own_draw():
             torch.testing.assert_close(writes.scores[i, :len(want)], want, rtol=0, atol=0)
 
 
+def _three_requests_chunk_writes(H: int, D: int):
+    """A step's chunk writes over 32-token blocks: a chunk after history, a first chunk over three
+    blocks, one token; the format, spec, query start locations and the plan."""
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.salient_torch import plan_chunk_writes
+
+    fmt = SalientTokensFormat.create(0.5, torch.float32, 32, H, D)
+    spec = SalientSpec(ratio=0.5)
+    q_lens, lens = [30, 70, 1], [40, 70, 65]
+    qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
+    return fmt, spec, qsl, plan_chunk_writes(fmt, spec, qsl, lens, torch.arange(12, dtype=torch.int32).view(3, 4))
+
+
 def test_the_write_takes_fresh_blocks_through_its_fresh_variant(monkeypatch):
     """``write_chunks`` launches the plan's first ``fresh`` blocks with FRESH and the others without,
     each launch from its first block on, over every block once."""
-    from vllm_kvcompress.config import SalientSpec
-    from vllm_kvcompress.salient_torch import plan_chunk_writes
     from vllm_kvcompress.triton_kernels import salient_write
 
     launches = []
     first_block = salient_write._RUNTIME.index("first_block")
     monkeypatch.setattr(salient_write, "launch", lambda variant, grid, args: launches.append(
         (grid[0], args[first_block], variant.constants["FRESH"])))
-    B, H, HQ, D = 32, 2, 4, 64
-    fmt = SalientTokensFormat.create(0.5, torch.float32, B, H, D)
-    spec = SalientSpec(ratio=0.5)
-    q_lens, lens = [30, 70, 1], [40, 70, 65]
-    qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
-    writes = plan_chunk_writes(fmt, spec, qsl, lens, torch.arange(12, dtype=torch.int32).view(3, 4))
+    H, HQ, D = 2, 4, 64
+    fmt, spec, qsl, writes = _three_requests_chunk_writes(H, D)
     q, kv = torch.zeros(qsl[-1], HQ, D), torch.zeros(qsl[-1], H, D)
     salient_write.write_chunks(q, kv, kv, torch.zeros(12, fmt.page_bytes, dtype=torch.uint8), fmt, spec, writes,
                                torch.zeros(qsl[-1], HQ), D ** -0.5)
@@ -359,8 +366,6 @@ def test_a_steps_later_layers_launch_the_first_layers_chunk_writes_with_their_ow
     the same compiled kernels, grids and arguments but for its own query, key, value, log-sum-exp and
     cache (and the cache wherever a kind reads no pointer), and the scratch scores are the first
     layer's; pointers of another alignment make a plan of their own."""
-    from vllm_kvcompress.config import SalientSpec
-    from vllm_kvcompress.salient_torch import plan_chunk_writes
     from vllm_kvcompress.triton_kernels import salient_write
 
     launched, ran = [], []
@@ -379,12 +384,8 @@ def test_a_steps_later_layers_launch_the_first_layers_chunk_writes_with_their_ow
     monkeypatch.setattr(salient_write, "plannable", lambda device: True)
     monkeypatch.setattr(salient_write, "stream_handle", lambda device: 7)
     monkeypatch.setattr(salient_write, "launch", launch)
-    B, H, HQ, D = 32, 2, 4, 64
-    fmt = SalientTokensFormat.create(0.5, torch.float32, B, H, D)
-    spec = SalientSpec(ratio=0.5)
-    q_lens, lens = [30, 70, 1], [40, 70, 65]
-    qsl = torch.tensor([0] + q_lens).cumsum(0).tolist()
-    writes = plan_chunk_writes(fmt, spec, qsl, lens, torch.arange(12, dtype=torch.int32).view(3, 4))
+    H, HQ, D = 2, 4, 64
+    fmt, spec, qsl, writes = _three_requests_chunk_writes(H, D)
     t = qsl[-1]
 
     def layer():  # query, key, value, log-sum-exp ([T, Hq], as salient_prompt gives it) and cache
