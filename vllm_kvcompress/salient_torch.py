@@ -35,12 +35,16 @@ def probe_rows(num_rows: int, end: int, spec: SalientSpec) -> torch.Tensor:
     """Which of a step's ``num_rows`` query rows of one request (context positions ``end - num_rows ..
     end - 1``) are probes: the newest ``ceil(probe_recent * n)`` (the newest one at least) and
     ``ceil(probe_random * n)`` of the others at random, drawn with ``spec.seed`` and ``end``."""
+    return torch.tensor(probe_row_list(num_rows, end, spec), dtype=torch.long)
+
+
+def probe_row_list(num_rows: int, end: int, spec: SalientSpec) -> list[int]:
+    """``probe_rows`` as a list, ascending (what a step's plan lists on the host)."""
     recent = max(1, math.ceil(spec.probe_recent * num_rows - 1e-9))
     rest = num_rows - recent
     drawn = min(rest, math.ceil(spec.probe_random * num_rows - 1e-9))
     generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + end)
-    chosen = torch.randperm(rest, generator=generator)[:drawn]
-    return torch.cat([chosen.sort().values, torch.arange(rest, num_rows)])
+    return sorted(torch.randperm(rest, generator=generator)[:drawn].tolist()) + list(range(rest, num_rows))
 
 
 def token_scores(probes: torch.Tensor, probe_pos: torch.Tensor, k: torch.Tensor, first: int, scale: float,
@@ -168,7 +172,8 @@ def plan_chunk_writes(fmt: SalientTokensFormat, spec: SalientSpec, query_start_l
     waiting for the device. None: no request has tokens."""
     B, H = fmt.block_size, fmt.k.num_heads
     dev = block_table.device
-    columns = []  # per touched block: row, block of the request, num_stored, filled, first_row, holding, start, probes
+    quotas = fmt.quotas
+    columns = []  # per touched block: row, block of the request, num_stored, filled, first_row, quota, start, probes
     rows_of_probes, pos_of_probes, drawn = [], [], []
     for i, L in enumerate(seq_lens):
         qs, m = query_start_loc[i], query_start_loc[i + 1] - query_start_loc[i]
@@ -176,29 +181,29 @@ def plan_chunk_writes(fmt: SalientTokensFormat, spec: SalientSpec, query_start_l
             continue
         history = L - m
         a, b = history // B, -(-L // B)
-        holding = int(m == 1 and L % spec.recompress_interval != 0)
+        holding = m == 1 and L % spec.recompress_interval != 0  # a decoded token held: the block keeps its slots
         probes = (len(rows_of_probes), len(rows_of_probes))
         if spec.score == "random":  # the draw attend_and_write makes for the whole context
             drawn.append(F.pad(_random_scores(L, H, spec)[a * B:], (0, 0, 0, (b - a) * B - (L - a * B)),
                                value=float("-inf")))
         else:
-            rows = probe_rows(m, L, spec).tolist()
+            rows = probe_row_list(m, L, spec)
             rows_of_probes += [qs + r for r in rows]
             pos_of_probes += [history + r for r in rows]
             probes = (probes[0], len(rows_of_probes))
         for c in range(a, b):
             start = c * B
-            columns.append((i, c, min(max(history - start, 0), B), min(L - start, B), qs + max(start - history, 0),
-                            holding, start, *probes))
+            filled = min(L - start, B)
+            columns.append((i, c, min(max(history - start, 0), B), filled, qs + max(start - history, 0),
+                            fmt.slots if holding else quotas[filled], start, *probes))
     if not columns:
         return None
     # blocks that held nothing first: the write takes them through a kernel that reads no stored token
     order = sorted(range(len(columns)), key=lambda c: columns[c][2] > 0)
     fresh = sum(column[2] == 0 for column in columns)
-    table = torch.tensor([columns[c] for c in order], dtype=torch.int32).t()
-    table[5] = _block_quota(fmt, table[3], table[5].bool())
+    table = np.array([columns[c] for c in order], dtype=np.int32).T
     row, column, *per_block, probe_rows_dev, probe_pos_dev = aligned_to_device(
-        [*table.numpy(), np.asarray(rows_of_probes, np.int32), np.asarray(pos_of_probes, np.int32)], dev)
+        [*table, np.asarray(rows_of_probes, np.int32), np.asarray(pos_of_probes, np.int32)], dev)
     scores = None if not drawn else torch.cat(drawn).view(len(columns), B, H)[order].to(dev, non_blocking=True)
     return ChunkWrites(block_table[row.long(), column.long()], *per_block, probe_rows_dev, probe_pos_dev, scores,
                        fresh)

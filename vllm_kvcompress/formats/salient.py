@@ -59,6 +59,11 @@ class SalientTokensFormat(SlottedPage):
         return torch.ceil(self.ratio * num_tokens.double() - 1e-9).long().clamp(max=self.slots)
 
     @cached_property
+    def quotas(self) -> tuple[int, ...]:
+        """``quota`` of a block of n tokens, n = 0 .. block_size (what a step's plan looks up on the host)."""
+        return tuple(self.quota(torch.arange(self.block_size + 1)).tolist())
+
+    @cached_property
     def regions(self) -> Regions:
         B, H, D, R = self.block_size, self.k.num_heads, self.k.head_size, self.slots
         row = packed_row_bytes(D, LOW_BITS)
