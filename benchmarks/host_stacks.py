@@ -59,14 +59,14 @@ def parts(stacks: list[tuple[list[str], int]]) -> Counter:
 
 
 def under(stacks: list[tuple[list[str], int]], name: str) -> Counter:
-    """Samples in function ``name`` (its innermost call) by the frame it called next: a line of its
-    own code (``(self)`` where the sample was in that line itself)."""
+    """Samples in function ``name`` (its innermost call) by the frame it called next, or by its own
+    line (``(self) name (file:line)``) where the sample was in that line itself."""
     out = Counter()
     for frames, n in stacks:
         at = [i for i, f in enumerate(frames) if function(f) == name or function(f).endswith("." + name)]
         if at:
             i = at[-1]
-            out[frames[i + 1] if i + 1 < len(frames) else "(self)"] += n
+            out[frames[i + 1] if i + 1 < len(frames) else f"(self) {frames[i]}"] += n
     return out
 
 

@@ -936,7 +936,7 @@ def test_zipsim_halves_put_each_precision_on_a_grid_of_its_own_tokens():
 def test_host_stacks_count_the_engine_main_threads_samples_by_part_of_a_step():
     """``benchmarks/host_stacks.py`` over py-spy's raw lines: another thread's samples are left out;
     a sample counts once in each part its stack passes through (our attention inside the model's
-    forward), and ``under`` splits a function's samples by the frame it called next (itself: self)."""
+    forward), and ``under`` splits a function's samples by the frame it called next or its own line."""
     from benchmarks import host_stacks
 
     step = "_main (spawn.py:1);EngineCoreProc._process_engine_step (vllm/v1/engine/core.py:1606)"
@@ -955,8 +955,10 @@ def test_host_stacks_count_the_engine_main_threads_samples_by_part_of_a_step():
     parts = host_stacks.parts(stacks)
     assert parts == {"model forward (all layers)": 10, "attention (ours)": 10, "scheduler": 7}
     assert host_stacks.under(stacks, "KVCompressImpl._forward_salient") == {
-        "decode_rows (vllm_kvcompress/cuda_salient_decode.py:76)": 7, "(self)": 3}
-    assert host_stacks.under(stacks, "Scheduler.schedule") == {"(self)": 7}
+        "decode_rows (vllm_kvcompress/cuda_salient_decode.py:76)": 7,
+        "(self) KVCompressImpl._forward_salient (vllm_kvcompress/backend.py:384)": 3}
+    assert host_stacks.under(stacks, "Scheduler.schedule") == {
+        "(self) Scheduler.schedule (vllm/v1/core/sched/scheduler.py:776)": 7}
 
 
 def test_gpu_e2e_stacks_sample_the_engine_named_by_its_step_log(tmp_path):
