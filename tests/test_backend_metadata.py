@@ -121,3 +121,69 @@ def test_backend_step_equals_reference(monkeypatch, window):
     output = torch.full((qsl[-1], HQ * D), float("nan"), dtype=dtype, device=device)
     impl.forward(SimpleNamespace(), query.to(device), key.to(device), value.to(device), cache, md, output)
     torch.testing.assert_close(output.view(-1, HQ, D).float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_backend_zipcache_step_on_the_kernels_equals_its_torch_path(monkeypatch):
+    """ZipCache's forward over a step of two decodes, a chunk after its history and a fresh prompt:
+    through the kernels (decode rows, their write, the prompt chunks and their write) against the
+    backend's torch path (every request through ``attend_and_write``): the same outputs and, on the
+    CPU, the same pages after the step (the same 4-bit tokens, the same values read)."""
+    from test_triton_history import torch_chunks_attention
+    from test_triton_prompt import torch_own_chunk_attention
+
+    from vllm_kvcompress.backend import KVCompressImpl
+    from vllm_kvcompress.config import SalientSpec
+    from vllm_kvcompress.formats.salient import SalientTokensFormat
+    from vllm_kvcompress.salient_torch import attend_and_write
+    from vllm_kvcompress.triton_kernels import history, prompt, salient_decode, salient_prompt, salient_write
+    from vllm_kvcompress.triton_kernels.decode import rows_per_program
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build of torch has none
+        monkeypatch.setattr(prompt, "own_chunk_attention", torch_own_chunk_attention)
+        monkeypatch.setattr(history, "chunks_attention", torch_chunks_attention)
+    B, H, HQ, D = 32, 2, 4, 64
+    fmt = SalientTokensFormat.create(0.5, torch.float32, B, H, D)
+    spec = SalientSpec(ratio=0.5)
+    g = torch.Generator().manual_seed(13)
+    table = torch.arange(4 * 4, dtype=torch.int32).view(4, 4)
+    cache = torch.zeros(16, fmt.page_bytes, dtype=torch.uint8)
+    for i, L in enumerate([70, 40, 20]):  # the earlier prompts of the decodes and of the chunk
+        q, k, v = torch.randn(L, HQ, D, generator=g), torch.randn(L, H, D, generator=g), torch.randn(L, H, D, generator=g)
+        attend_and_write(q, k, v, cache, fmt, spec, [0, L], [L], table[i:i + 1], D ** -0.5)
+    seq_lens, q_lens = [71, 41, 45, 37], [1, 1, 25, 37]
+    qsl = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=lens.to(device), num_reqs=4,
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=table.to(device), slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device=device),
+        seq_lens_cpu_upper_bound=lens)
+    builder = SimpleNamespace(device=torch.device("cuda"), _rows_per_group=rows_per_program(HQ // H),
+                              _row_order=torch.zeros(8, dtype=torch.int32, device=device))
+    md = KVCompressMetadataBuilder.build(builder, 0, cam)
+    assert md.num_decodes == 2 and md.token_rows is not None
+    query, key, value = (torch.randn(int(qsl[-1]), n * D, generator=g) for n in (HQ, H, H))
+
+    def forward(pages, **kernels):
+        impl = object.__new__(KVCompressImpl)
+        impl.__dict__.update(num_heads=HQ, head_size=D, num_kv_heads=H, scale=D ** -0.5, sliding_window=None,
+                             _format=fmt, _config=SimpleNamespace(salient=spec), _warm_ups=[], _max_model_len=1024,
+                             _kv_cache=pages, _cache_pages=pages, **kernels)
+        output = torch.full((int(qsl[-1]), HQ * D), float("nan"), device=device)
+        impl.forward(SimpleNamespace(), query.to(device), key.to(device), value.to(device), pages, md, output)
+        return output.view(-1, HQ, D).cpu()
+
+    ours, theirs = cache.clone().to(device), cache.clone().to(device)
+    got = forward(ours, _decode_kernel=salient_decode.decode_rows, _write=salient_write.write_decoded,
+                  _prompt_kernel=salient_prompt.salient_prompt)
+    want = forward(theirs, _decode_kernel=None, _prompt_kernel=None)
+    tol = 2e-2 if device == "cpu" else 3e-2  # the decode kernel's float16 factors
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if device == "cpu":  # on a GPU, TF32 products may flip near-ties of the choice
+        assert torch.equal(fmt.salient(ours), fmt.salient(theirs))
+        for i, L in enumerate(seq_lens):
+            blocks = table[i, :-(-L // B)].long()
+            for a, b in zip(fmt.decode(ours[blocks]), fmt.decode(theirs[blocks])):
+                torch.testing.assert_close(a.flatten(0, 1)[:L], b.flatten(0, 1)[:L], rtol=0, atol=1e-6)

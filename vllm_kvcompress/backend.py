@@ -373,11 +373,12 @@ class KVCompressImpl(AttentionImpl[KVCompressMetadata]):
         self._warm_up(pages, q.dtype)
         nd = md.num_decodes if self._decode_kernel is not None else 0
         if nd:
-            lse = self._decode_kernel(q[:nd], k[:nd], v[:nd], pages, fmt, md.decode_block_table,
-                                      md.decode_history_lens, self.scale, self._longest_decode(md), out[:nd],
-                                      row_order=md.decode_row_order, **self._window_args(md.decode_first_keys))
-            self._write(q[:nd], k[:nd], v[:nd], pages, fmt, spec, md.decode_block_table, md.decode_seq_lens, lse.t(),
-                        self.scale, **self._window_args())
+            decodes = q[:nd], k[:nd], v[:nd]  # views cost the host a microsecond or more each: made once
+            lse = self._decode_kernel(*decodes, pages, fmt, md.decode_block_table, md.decode_history_lens, self.scale,
+                                      self._longest_decode(md), out[:nd], row_order=md.decode_row_order,
+                                      **self._window_args(md.decode_first_keys))
+            self._write(*decodes, pages, fmt, spec, md.decode_block_table, md.decode_seq_lens, lse.t(), self.scale,
+                        **self._window_args())
         start = md.query_start_loc[nd]
         if start < t:
             if self._prompt_kernel is not None and md.token_rows is not None:
