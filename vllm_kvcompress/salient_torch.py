@@ -236,8 +236,8 @@ NO_WINDOW = 1 << 30
 @functools.cache
 def quota_table(fmt: SalientTokensFormat, device: torch.device) -> torch.Tensor:
     """[B + 1] int32 on ``device``: the 4-bit tokens a block of n tokens keeps after a re-compression
-    (what the kernels look up)."""
-    return fmt.quota(torch.arange(fmt.block_size + 1)).to(device, torch.int32)
+    (what the kernels look up): ``fmt.quotas`` on the device."""
+    return torch.tensor(fmt.quotas, dtype=torch.int32, device=device)
 
 
 def last_block_random_scores(seq_lens: torch.Tensor, block_size: int, heads: int, spec: SalientSpec) -> torch.Tensor:

@@ -66,9 +66,10 @@ class SalientRowsFormat(SlottedPage):
         """K's codec, the grid both halves share: the heads and head size, as other formats give them."""
         return self.slot_map.k
 
-    def quota(self, num_tokens: torch.Tensor) -> torch.Tensor:
-        """The slot map's: 4-bit tokens a block of ``num_tokens`` keeps after a re-compression."""
-        return self.slot_map.quota(num_tokens)
+    @property
+    def quotas(self) -> tuple[int, ...]:
+        """The slot map's: 4-bit tokens a block of n tokens keeps after a re-compression, n = 0 .. B."""
+        return self.slot_map.quotas
 
     @property
     def rows(self) -> int:
