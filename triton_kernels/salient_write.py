@@ -503,7 +503,8 @@ def write_chunks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ca
     if plannable(cache.device):
         stream = stream_handle(cache.device)
         pointers = tuple([x.data_ptr() for x in layer])
-        plan_key = (fmt, spec, query.shape, query.dtype, key.dtype, query.stride(0), query.stride(1), key.stride(0),
+        # kept on ``writes``, which is one format's and spec's: the rest of what the launches depend on
+        plan_key = (query.shape, query.dtype, key.dtype, query.stride(0), query.stride(1), key.stride(0),
                     value.stride(0), lse.stride(0), lse.stride(1), scale, window, tuple(sorted(tuning.items())), stream,
                     tuple([p & 15 == 0 for p in pointers]))  # the compiled kernels' specialization
         plan = writes.launch_plans.get(plan_key)
