@@ -6,6 +6,7 @@ import contextlib
 import gc
 import random
 
+import pytest
 import torch
 
 from reference_quant import fake_quant, fake_quant_with_outliers
@@ -23,6 +24,8 @@ def prose(num_words: int, seed: int) -> str:
 def engine(model, kv_compression=None, dtype="float32", kv_bytes=32 << 20, max_model_len=1024, **kwargs):
     from vllm import LLM
 
+    if dtype == "float32" and torch.cuda.is_available():
+        pytest.skip("a float32 engine is vLLM's CPU engine (CUDA serves float16 and bfloat16 with --kv-compression)")
     extra = {"additional_config": {"kv_compression": kv_compression}} if kv_compression is not None else {}
     llm = LLM(str(model), enforce_eager=True, kv_cache_memory_bytes=kv_bytes, dtype=dtype, seed=0,
               max_model_len=max_model_len, **extra, **kwargs)

@@ -143,14 +143,15 @@ def test_backend_zipcache_step_on_the_kernels_equals_its_torch_path(monkeypatch)
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build of torch has none
         monkeypatch.setattr(prompt, "own_chunk_attention", torch_own_chunk_attention)
         monkeypatch.setattr(history, "chunks_attention", torch_chunks_attention)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # FlashAttention takes 16-bit inputs
     B, H, HQ, D = 32, 2, 4, 64
-    fmt = SalientTokensFormat.create(0.5, torch.float32, B, H, D)
+    fmt = SalientTokensFormat.create(0.5, dtype, B, H, D)
     spec = SalientSpec(ratio=0.5)
     g = torch.Generator().manual_seed(13)
     table = torch.arange(4 * 4, dtype=torch.int32).view(4, 4)
     cache = torch.zeros(16, fmt.page_bytes, dtype=torch.uint8)
     for i, L in enumerate([70, 40, 20]):  # the earlier prompts of the decodes and of the chunk
-        q, k, v = torch.randn(L, HQ, D, generator=g), torch.randn(L, H, D, generator=g), torch.randn(L, H, D, generator=g)
+        q, k, v = (torch.randn(L, n, D, generator=g).to(dtype) for n in (HQ, H, H))
         attend_and_write(q, k, v, cache, fmt, spec, [0, L], [L], table[i:i + 1], D ** -0.5)
     seq_lens, q_lens = [71, 41, 45, 37], [1, 1, 25, 37]
     qsl = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -164,16 +165,16 @@ def test_backend_zipcache_step_on_the_kernels_equals_its_torch_path(monkeypatch)
                               _row_order=torch.zeros(8, dtype=torch.int32, device=device))
     md = KVCompressMetadataBuilder.build(builder, 0, cam)
     assert md.num_decodes == 2 and md.token_rows is not None
-    query, key, value = (torch.randn(int(qsl[-1]), n * D, generator=g) for n in (HQ, H, H))
+    query, key, value = (torch.randn(int(qsl[-1]), n * D, generator=g).to(dtype) for n in (HQ, H, H))
 
     def forward(pages, **kernels):
         impl = object.__new__(KVCompressImpl)
         impl.__dict__.update(num_heads=HQ, head_size=D, num_kv_heads=H, scale=D ** -0.5, sliding_window=None,
                              _format=fmt, _config=SimpleNamespace(salient=spec), _warm_ups=[], _max_model_len=1024,
                              _kv_cache=pages, _cache_pages=pages, **kernels)
-        output = torch.full((int(qsl[-1]), HQ * D), float("nan"), device=device)
+        output = torch.full((int(qsl[-1]), HQ * D), float("nan"), dtype=dtype, device=device)
         impl.forward(SimpleNamespace(), query.to(device), key.to(device), value.to(device), pages, md, output)
-        return output.view(-1, HQ, D).cpu()
+        return output.view(-1, HQ, D).float().cpu()
 
     ours, theirs = cache.clone().to(device), cache.clone().to(device)
     got = forward(ours, _decode_kernel=salient_decode.decode_rows, _write=salient_write.write_decoded,
