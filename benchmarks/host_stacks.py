@@ -5,7 +5,8 @@ Steps that carry prompts run the model outside full CUDA graphs: the host launch
 attention, and where it takes longer than the GPU's work the GPU waits. This prints, for the
 engine's main thread (its stacks through ``_process_engine_step``), the seconds spent in each part
 of a step (a frame and all it calls) and, with ``--under``, what a function's time went to, line by
-line of its own code:
+line of its own code. A launch that waits for room in the GPU's queue counts as host time too: where
+the GPU is the bottleneck, launches look slow; read these beside the GPU's busy time (``PROFILE``).
 
     python benchmarks/host_stacks.py stacks-llama2-7b-zipcache-r60.txt --rate 250
     python benchmarks/host_stacks.py stacks.txt --under KVCompressImpl._forward_salient
@@ -43,17 +44,22 @@ def function(frame: str) -> str:
     return frame.split(" (", 1)[0]
 
 
+def is_frame_of(frame: str, name: str) -> bool:
+    """Whether ``frame`` (``Class.method (file:line)``) is function ``name`` (``method``, ``Class.method``)."""
+    found = function(frame)
+    return found == name or found.endswith("." + name)
+
+
 def engine_steps(stacks: list[tuple[list[str], int]]) -> list[tuple[list[str], int]]:
-    return [(frames, n) for frames, n in stacks if any(function(f) == f"EngineCoreProc.{ENGINE_STEP}" for f in frames)]
+    return [(frames, n) for frames, n in stacks if any(is_frame_of(f, f"EngineCoreProc.{ENGINE_STEP}") for f in frames)]
 
 
 def parts(stacks: list[tuple[list[str], int]]) -> Counter:
     """Samples by part of a step (``PARTS``), each counting a sample once."""
     out = Counter()
     for frames, n in stacks:
-        names = {function(f) for f in frames}
         for part, name in PARTS.items():
-            if any(x == name or x.endswith("." + name) for x in names):
+            if any(is_frame_of(f, name) for f in frames):
                 out[part] += n
     return out
 
@@ -63,7 +69,7 @@ def under(stacks: list[tuple[list[str], int]], name: str) -> Counter:
     line (``(self) name (file:line)``) where the sample was in that line itself."""
     out = Counter()
     for frames, n in stacks:
-        at = [i for i, f in enumerate(frames) if function(f) == name or function(f).endswith("." + name)]
+        at = [i for i, f in enumerate(frames) if is_frame_of(f, name)]
         if at:
             i = at[-1]
             out[frames[i + 1] if i + 1 < len(frames) else f"(self) {frames[i]}"] += n
